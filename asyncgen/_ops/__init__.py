@@ -1,0 +1,48 @@
+"""Kernels behind typed launchers, grouped into interchangeable backends.
+
+A backend is an :class:`Ops` bundle with the same five functions, each defined by its
+plain-torch reference in :mod:`asyncgen._ops.reference`:
+
+- ``"torch"``: the references themselves; runs anywhere (the CPU path).
+- ``"triton"``: Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests).
+- ``"cuda"``: the compiled csrc extension for attention and the cache write, Triton for
+  the rest; only where the extension was built.
+
+The model receives one ``Ops`` at construction; nothing here is global state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+__all__ = ["Ops", "get_ops"]
+
+BACKENDS = ("torch", "triton", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable
+    rotary_embedding: Callable
+    silu_and_mul: Callable
+    store_kv_cache: Callable
+    paged_attention: Callable
+
+
+def get_ops(backend: str) -> Ops:
+    """The op bundle of ``backend`` (one of :data:`BACKENDS`); imports it lazily."""
+    if backend == "torch":
+        from . import reference as r
+
+        return Ops("torch", r.rms_norm, r.rotary_embedding, r.silu_and_mul, r.store_kv_cache, r.paged_attention)
+    if backend == "triton":
+        from . import triton_backend
+
+        return triton_backend.ops()
+    if backend == "cuda":
+        from . import cuda_backend
+
+        return cuda_backend.ops()
+    raise ValueError(f"unknown ops backend {backend!r}; expected one of {BACKENDS}")

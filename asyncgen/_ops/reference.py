@@ -1,0 +1,185 @@
+"""Plain-torch reference implementations of every op the model calls.
+
+These are the definitions: each Triton kernel and each csrc kernel is tested against the
+function of the same name here, and the CPU backend runs them directly. They favour
+clarity over speed, except where the CPU engine spends most of its time (attention over
+decode batches is gathered and computed in one batched call).
+
+Shapes, for a step that computes ``T`` tokens of ``B`` sequences::
+
+    q                [T, num_heads, head_dim]
+    key, value       [T, num_kv_heads, head_dim]
+    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables     [B, max_blocks_per_seq]  int32, entries past a sequence's end unused
+    seq_lens         [B]                      int32, tokens in the cache after this step
+    query_start_loc  [B + 1]                  int32, cumsum of query lengths, starts at 0
+    slot_mapping     [T]                      int64, block_id * block_size + offset; -1 = skip
+
+Query token ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and
+attends causally to cache positions ``0 ..= that position`` (and only to the last
+``sliding_window`` of them when a window is set).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv_cache",
+]
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (when given), then RMS-normalise it in fp32.
+
+    Returns ``(normed, residual)`` where ``residual`` is the sum the next layer adds to,
+    or ``x`` itself when no residual was given. Matches HF ``LlamaRMSNorm``: the norm is
+    computed in fp32, cast back to the input dtype, then scaled by ``weight``.
+    """
+    if residual is not None:
+        x = x + residual
+    residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Applies NeoX-style (rotate-half) rotary embedding to ``q`` and ``k`` in place.
+
+    ``q``: [T, num_heads, head_dim], ``k``: [T, num_kv_heads, head_dim],
+    ``positions``: [T] int64, ``cos_sin_cache``: [max_position, head_dim] fp32 holding
+    ``cos`` in its first half and ``sin`` in its second half (one value per rotated pair).
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, head_dim // 2] each
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    for x in (q, k):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x.copy_(rotated.to(x.dtype))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2 * d``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes token ``t``'s key and value to flat slot ``slot_mapping[t]`` of the caches.
+
+    Slots of -1 are skipped (padding tokens of a captured CUDA graph).
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(v_cache.dtype)
+
+
+def _gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence: [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, kvh, d]
+    return blocks.flatten(0, 1)[:length]
+
+
+def _causal_mask(
+    q_positions: torch.Tensor, k_len: int, sliding_window: int | None
+) -> torch.Tensor:
+    """[q_len, k_len] bool, True where attention is allowed."""
+    k_positions = torch.arange(k_len, device=q_positions.device)
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+    return allowed
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its cached keys and values.
+
+    The current step's keys and values must already be in the cache
+    (``store_kv_cache`` first). Computed in fp32; returns ``out`` (allocated when not
+    given) of q's shape and dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    prefill = [i for i, n in enumerate(q_lens) if n > 1]
+
+    if decode:
+        # One batched call: pad every decoding sequence's context to the longest one.
+        max_len = max(lens[i] for i in decode)
+        idx = torch.tensor(decode, device=q.device)
+        keys = torch.zeros(len(decode), max_len, num_kv_heads, head_dim, dtype=torch.float32, device=q.device)
+        values = torch.zeros_like(keys)
+        valid = torch.zeros(len(decode), max_len, dtype=torch.bool, device=q.device)
+        for row, i in enumerate(decode):
+            n = lens[i]
+            keys[row, :n] = _gather_kv(k_cache, block_tables[i], n).float()
+            values[row, :n] = _gather_kv(v_cache, block_tables[i], n).float()
+            pos = torch.arange(n, device=q.device)
+            valid[row, :n] = True if sliding_window is None else pos > n - 1 - sliding_window
+        qd = q[query_start_loc[idx].long()].float()  # [nd, num_heads, head_dim]
+        qd = qd.view(len(decode), num_kv_heads, group, head_dim)
+        scores = torch.einsum("bhgd,bkhd->bhgk", qd, keys) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        res = torch.einsum("bhgk,bkhd->bhgd", probs, values)
+        out[query_start_loc[idx].long()] = res.reshape(len(decode), num_heads, head_dim).to(out.dtype)
+
+    for i in prefill:
+        start, end, n = starts[i], starts[i + 1], lens[i]
+        qs = q[start:end].float().transpose(0, 1)  # [num_heads, q_len, head_dim]
+        keys = _gather_kv(k_cache, block_tables[i], n).float()
+        values = _gather_kv(v_cache, block_tables[i], n).float()
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, n, head_dim]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        q_positions = torch.arange(n - (end - start), n, device=q.device)
+        mask = _causal_mask(q_positions, n, sliding_window)
+        res = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
+        out[start:end] = res.transpose(0, 1).to(out.dtype)
+    return out
