@@ -46,3 +46,12 @@ def get_ops(backend: str) -> Ops:
 
         return cuda_backend.ops()
     raise ValueError(f"unknown ops backend {backend!r}; expected one of {BACKENDS}")
+
+
+def cuda_backend_available() -> bool:
+    """Whether the compiled csrc extension imports and a CUDA device is present."""
+    try:
+        from . import cuda_backend
+    except ImportError:
+        return False
+    return cuda_backend.is_available()

@@ -131,12 +131,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values.
 
     The current step's keys and values must already be in the cache
     (``store_kv_cache`` first). Computed in fp32; returns ``out`` (allocated when not
-    given) of q's shape and dtype.
+    given) of q's shape and dtype. ``max_query_len`` / ``max_seq_len`` are launch hints
+    for the GPU kernels (the maxima over the batch); the reference ignores them.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -151,25 +155,29 @@ def paged_attention(
     prefill = [i for i, n in enumerate(q_lens) if n > 1]
 
     if decode:
-        # One batched call: pad every decoding sequence's context to the longest one.
-        max_len = max(lens[i] for i in decode)
+        # One batched gather and one batched product for all single-token queries.
         idx = torch.tensor(decode, device=q.device)
-        keys = torch.zeros(len(decode), max_len, num_kv_heads, head_dim, dtype=torch.float32, device=q.device)
-        values = torch.zeros_like(keys)
-        valid = torch.zeros(len(decode), max_len, dtype=torch.bool, device=q.device)
-        for row, i in enumerate(decode):
-            n = lens[i]
-            keys[row, :n] = _gather_kv(k_cache, block_tables[i], n).float()
-            values[row, :n] = _gather_kv(v_cache, block_tables[i], n).float()
-            pos = torch.arange(n, device=q.device)
-            valid[row, :n] = True if sliding_window is None else pos > n - 1 - sliding_window
-        qd = q[query_start_loc[idx].long()].float()  # [nd, num_heads, head_dim]
-        qd = qd.view(len(decode), num_kv_heads, group, head_dim)
+        lens_d = seq_lens[idx].long()  # [nd]
+        block_size = k_cache.shape[1]
+        max_len = int(lens_d.max())
+        num_blocks = (max_len + block_size - 1) // block_size
+        tables = block_tables[idx, :num_blocks].long()  # [nd, num_blocks]
+        keys = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [nd, max_len, kvh, d]
+        values = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+        pos = torch.arange(max_len, device=q.device)
+        valid = pos[None, :] < lens_d[:, None]  # [nd, max_len]
+        if sliding_window is not None:
+            valid &= pos[None, :] > lens_d[:, None] - 1 - sliding_window
+        # Slots past a sequence's end may hold anything (even NaN): zero them, then mask.
+        keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
+        values = values.masked_fill(~valid[:, :, None, None], 0.0)
+        rows = query_start_loc[idx].long()
+        qd = q[rows].float().view(len(decode), num_kv_heads, group, head_dim)
         scores = torch.einsum("bhgd,bkhd->bhgk", qd, keys) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         res = torch.einsum("bhgk,bkhd->bhgd", probs, values)
-        out[query_start_loc[idx].long()] = res.reshape(len(decode), num_heads, head_dim).to(out.dtype)
+        out[rows] = res.reshape(len(decode), num_heads, head_dim).to(out.dtype)
 
     for i in prefill:
         start, end, n = starts[i], starts[i + 1], lens[i]

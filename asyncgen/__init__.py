@@ -1,0 +1,51 @@
+"""asyncgen: an embeddable async LLM inference engine.
+
+::
+
+    from asyncgen import AsyncEngine, SamplingParams
+
+    async with AsyncEngine.from_pretrained(path) as engine:
+        async for chunk in engine.stream("Hello", SamplingParams(max_tokens=32)):
+            print(chunk.text, end="")
+"""
+
+from .config import EngineConfig
+from .engine.async_engine import AsyncEngine, RequestStream
+from .errors import (
+    AsyncGenError,
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineStateError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    UnsupportedModelError,
+    WeightsError,
+)
+from .outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
+from .sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncEngine",
+    "AsyncGenError",
+    "CompletionOutput",
+    "DuplicateRequestError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStateError",
+    "EngineStats",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "StreamChunk",
+    "UnsupportedModelError",
+    "Usage",
+    "WeightsError",
+]

@@ -1,0 +1,151 @@
+"""The ``"triton"`` backend: one Triton kernel per op, each behind a typed launcher.
+
+Every launcher has the signature of its reference in :mod:`asyncgen._ops.reference`
+(some add keyword-only options), checks its arguments before launching and raises
+``ValueError`` naming the offending argument. Launchers never synchronise with the device
+(no ``.item()``, no ``.tolist()``): launch configurations depend only on shapes, dtypes
+and optional hints, so a decode step can be captured in a CUDA graph.
+
+Tensors must live on one CUDA device, or on the CPU when ``TRITON_INTERPRET=1`` was set
+before the kernel modules were imported (the Triton interpreter; how the tests run).
+
+This module also holds the argument checks the kernel modules share; the kernel modules
+import it, and :func:`ops` imports them lazily, so there is no import cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import torch
+
+from . import Ops
+
+__all__ = ["ops"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Streaming multiprocessors assumed when the device cannot be asked (the interpreter).
+DEFAULT_NUM_SMS = 132
+
+
+def ops() -> Ops:
+    """The op bundle whose five functions launch Triton kernels."""
+    from .triton_activation import silu_and_mul
+    from .triton_kv_cache import store_kv_cache
+    from .triton_paged_attention import paged_attention
+    from .triton_rms_norm import rms_norm
+    from .triton_rotary import rotary_embedding
+
+    return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, store_kv_cache, paged_attention)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared launcher checks.
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` was defined under ``TRITON_INTERPRET=1`` (runs on CPU tensors)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - every supported triton has it
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    last_dim_contiguous: bool = True,
+) -> torch.Tensor:
+    """Raises ``ValueError`` naming ``name`` unless ``t`` is a tensor of the given rank and
+    dtype whose innermost dimension has stride 1 (the kernels address the others by
+    stride)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in tuple(dtypes):
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_devices(kernel: object, **tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors on one device that ``kernel`` can run on; returns that device."""
+    device = None
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors must share a device")
+    if device is None:
+        raise ValueError("no tensor arguments given")
+    if device.type == "cpu":
+        if not is_interpreted(kernel):
+            raise ValueError(
+                f"{first} is on the CPU; Triton kernels run on CPU tensors only under "
+                "TRITON_INTERPRET=1, set before asyncgen._ops.triton_* modules are imported"
+            )
+    elif device.type != "cuda":
+        raise ValueError(f"{first} is on {device}; the triton backend needs CUDA tensors")
+    return device
+
+
+def check_out(name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """``out`` (when given) must have exactly this shape and dtype, last dim contiguous."""
+    if out is None:
+        return
+    check_tensor(name, out, dtypes=(dtype,))
+    check_shape(name, out, shape)
+
+
+def flatten_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D ``[rows, last]`` view without copying; rows are addressed by stride.
+
+    A 2-D tensor keeps its row stride; a higher-rank one must be viewable (its leading
+    dimensions mergeable), else ``ValueError``.
+    """
+    if t.dim() == 2:
+        return t
+    if t.dim() == 1:
+        return t.unsqueeze(0)
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows "
+            "without a copy; pass a contiguous tensor"
+        ) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached; :data:`DEFAULT_NUM_SMS` on CPU)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,42 @@
+"""Engine settings, validated once at construction (errors name the field)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["EngineConfig"]
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class EngineConfig(BaseModel):
+    """Everything ``AsyncEngine.from_pretrained`` accepts besides the model path.
+
+    ``max_model_len`` defaults to the model's ``max_position_embeddings``. The KV pool is
+    ``num_kv_blocks`` blocks when given; else sized from ``kv_cache_memory`` bytes; else,
+    on the CPU, 1 GiB, and on CUDA the part of ``gpu_memory_utilization`` of the card
+    left after the weights and a profiled forward pass at the largest batch.
+    ``ops_backend`` forces a kernel backend ("torch", "triton" or "cuda"); "auto" picks
+    the fastest available for the device.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: Optional[int] = Field(default=None, ge=2)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=16)
+    block_size: Literal[8, 16, 32] = 16
+    num_kv_blocks: Optional[int] = Field(default=None, ge=1)
+    kv_cache_memory: Optional[int] = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    ops_backend: Literal["auto", "torch", "triton", "cuda"] = "auto"
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+
+    @property
+    def default_cpu_kv_cache_bytes(self) -> int:
+        return _CPU_KV_CACHE_BYTES

@@ -1,0 +1,505 @@
+"""``AsyncEngine``: the public face of the engine, living in the host's event loop.
+
+Lifecycle (one way through, each state says what is allowed)::
+
+    NEW --start()/__aenter__--> STARTING --> RUNNING --aclose()/__aexit__--> CLOSED
+                                   \\                \\-- a step raised --> DEAD --aclose()--> CLOSED
+                                    \\-- loading failed --> CLOSED
+
+The background loop is a task of the host's loop (an asyncio task, or a trio system
+task), started by ``start()``. Each iteration schedules on the loop thread, runs the
+model step on the device thread, and routes the results to the request streams.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import threading
+import uuid
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Sequence, Union
+
+import anyio
+import sniffio
+
+from ..config import EngineConfig
+from ..errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineStateError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from ..outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk
+from ..sampling_params import SamplingParams
+from .core import EngineCore, RequestGroup
+from .device_thread import DeviceThread, threadsafe_caller
+
+__all__ = ["AsyncEngine", "RequestStream"]
+
+log = logging.getLogger("asyncgen")
+
+Prompt = Union[str, Sequence[int]]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    DEAD = "dead"
+    CLOSED = "closed"
+
+
+class AsyncEngine:
+    """Continuous-batching generation inside the caller's event loop (asyncio or trio).
+
+    Create it with :meth:`from_pretrained`, then either ``async with engine:`` or
+    ``await engine.start()`` ... ``await engine.aclose()``.
+    """
+
+    def __init__(self, model: str | Path, config: EngineConfig):
+        self._model = model
+        self.config = config
+        self._state = _State.NEW
+        self._core: Optional[EngineCore] = None
+        self._runner = None
+        self._tokenizer = None
+        self._device: Optional[DeviceThread] = None
+        self._loop_thread: Optional[int] = None
+        self._call_soon = None
+        self._wakeup: Optional[anyio.Event] = None
+        self._stopped: Optional[anyio.Event] = None
+        self._pending_aborts: deque[str] = deque()
+        self._dead_error: Optional[EngineDeadError] = None
+        self._task = None
+        self.model_name = str(model)
+        self.max_model_len = 0
+        self.vocab_size = 0
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: Optional[int] = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        num_kv_blocks: Optional[int] = None,
+        kv_cache_memory: Optional[int] = None,
+        **kwargs: Any,
+    ) -> "AsyncEngine":
+        """An engine for a Hugging Face model directory (or hub id), not yet started.
+
+        Checks the arguments and, for a local directory, its ``config.json`` right away
+        (cheap); the weights are loaded by ``start()`` on the device thread. Other
+        keyword arguments are :class:`~asyncgen.config.EngineConfig` fields
+        (``gpu_memory_utilization``, ``ops_backend``, ``enforce_eager``).
+        """
+        config = EngineConfig(
+            dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, **kwargs,
+        )
+        path = Path(model).expanduser()
+        if path.is_dir():
+            from ..model.config import ModelConfig
+
+            ModelConfig.from_dir(path)  # raises early on a missing or unsupported config
+        elif path.exists():
+            raise ModelNotFoundError(f"{model} is a file; pass the model's directory")
+        elif not _HUB_ID.match(str(model)):
+            raise ModelNotFoundError(f"model directory {model} does not exist")
+        return cls(model, config)
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Loads the model (on the device thread) and starts the background loop."""
+        if self._state is not _State.NEW:
+            raise EngineStateError(f"start() on an engine that is {self._state.value}; an engine starts once")
+        self._state = _State.STARTING
+        self._device = DeviceThread()
+        try:
+            await self._device.run(self._load)
+        except BaseException:
+            self._state = _State.CLOSED
+            self._device.stop()
+            raise
+        self._loop_thread = threading.get_ident()
+        self._call_soon = threadsafe_caller()
+        self._wakeup = anyio.Event()
+        self._stopped = anyio.Event()
+        self._state = _State.RUNNING
+        lib = sniffio.current_async_library()
+        if lib == "asyncio":
+            import asyncio
+
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="asyncgen-engine")
+        else:
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._run, name="asyncgen-engine")
+
+    def _load(self) -> None:
+        """Device thread: resolve the path, tokenizer, model, KV pool."""
+        from ..model.config import ModelConfig
+        from ..worker.model_runner import ModelRunner
+        from .tokenizer import load_tokenizer, resolve_model_path
+
+        path = resolve_model_path(self._model)
+        model_cfg = ModelConfig.from_dir(path)
+        max_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        tokenizer, eos_ids = load_tokenizer(path, self.config.trust_remote_code)
+        linear_method = None
+        if model_cfg.quantization is not None:
+            from ..model.quantization import linear_method_factory
+
+            linear_method = linear_method_factory(model_cfg)
+        runner = ModelRunner(path, model_cfg, self.config, max_len, linear_method)
+        num_blocks = runner.load()
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self.max_model_len = max_len
+        self.vocab_size = model_cfg.vocab_size
+        self.model_name = _display_name(self._model, path)
+        self._core = EngineCore(
+            tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
+            self.config.max_num_batched_tokens, max_len, eos_ids,
+        )
+
+    async def aclose(self) -> None:
+        """Stops the engine: live requests end with finish_reason "abort", the loop
+        exits, the model and KV pool are released. Idempotent."""
+        if self._state in (_State.CLOSED, _State.NEW):
+            self._state = _State.CLOSED
+            return
+        if self._state is _State.STARTING:
+            raise EngineStateError("aclose() while start() is still loading the model")
+        was_running = self._state is _State.RUNNING
+        self._state = _State.CLOSED
+        if self._core is not None:
+            for request_id in list(self._core.groups):
+                self._core.abort(request_id)
+        if was_running:
+            self._wake()
+            with anyio.CancelScope(shield=True):
+                await self._stopped.wait()
+        with anyio.CancelScope(shield=True):
+            await self._device.run(self._runner.shutdown)
+        self._device.stop()
+        self._runner = None
+
+    async def __aenter__(self) -> "AsyncEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", None) in (_State.RUNNING, _State.DEAD):
+            warnings.warn(
+                f"AsyncEngine for {self.model_name} was not closed; use 'async with' or 'await engine.aclose()'",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+    @property
+    def is_running(self) -> bool:
+        return self._state is _State.RUNNING
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    # --- the background loop ----------------------------------------------------------------
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _run(self) -> None:
+        core = self._core
+        try:
+            while self._state is _State.RUNNING:
+                self._drain_pending_aborts()
+                out = core.schedule() if core.scheduler.has_work else None
+                if out is None or out.is_empty:
+                    if not self._wakeup.is_set():
+                        await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                sampled = await self._device.run(self._runner.execute, out)
+                core.process(out, sampled)
+                # Let the streams' consumers take their chunks before the next step.
+                await anyio.lowlevel.checkpoint()
+        except BaseException as e:
+            if isinstance(e, anyio.get_cancelled_exc_class()):
+                self._die(EngineDeadError("the engine's background task was cancelled"), e)
+                raise
+            self._die(EngineDeadError(f"a model step failed: {type(e).__name__}: {e}"), e)
+        finally:
+            self._stopped.set()
+
+    def _die(self, error: EngineDeadError, cause: BaseException) -> None:
+        error.__cause__ = cause
+        self._dead_error = error
+        if self._state is _State.RUNNING:
+            self._state = _State.DEAD
+        log.error("engine stopped: %s", error, exc_info=cause)
+        self._core.fail_all(error)
+
+    def _drain_pending_aborts(self) -> None:
+        while self._pending_aborts:
+            self._core.abort(self._pending_aborts.popleft())
+
+    def _abort_from_any_thread(self, request_id: str) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self.abort(request_id)
+            return
+        self._pending_aborts.append(request_id)
+        try:
+            self._call_soon(self._wake)
+        except RuntimeError:
+            pass  # loop closed: nothing left to free
+
+    # --- requests ---------------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self._state is _State.RUNNING:
+            return
+        if self._state is _State.DEAD:
+            raise EngineDeadError("the engine stopped after a failed step; create a new one") from self._dead_error
+        raise EngineStateError(f"the engine is {self._state.value}; use 'async with engine' or 'await engine.start()' first")
+
+    def stream(
+        self,
+        prompt: Optional[Prompt] = None,
+        params: Optional[SamplingParams] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        request_id: Optional[str] = None,
+    ) -> "RequestStream":
+        """Generates for one prompt, yielding :class:`StreamChunk` as text arrives.
+
+        Exactly one of ``prompt`` (a string or a list of token ids) and ``messages``
+        (chat messages, formatted by the model's chat template) is given. The request
+        is checked here, so bad input raises at the call site; it is submitted when
+        iteration starts. Leaving the loop early, cancelling the consuming task or
+        ``aclose()`` on the stream aborts it and frees its blocks at once.
+        """
+        self._check_running()
+        params = _coerce_params(params)
+        prompt_text, token_ids = self._tokenize(prompt, messages)
+        self._check_fits(token_ids, params)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        elif request_id in self._core.groups:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in use")
+        group = RequestGroup(request_id, prompt_text, token_ids, params)
+        return RequestStream(self, group, self._max_tokens(token_ids, params))
+
+    async def generate(
+        self,
+        prompt: Optional[Prompt] = None,
+        params: Optional[SamplingParams] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        request_id: Optional[str] = None,
+    ) -> RequestOutput:
+        """Generates for one prompt and returns the whole :class:`RequestOutput`."""
+        stream = self.stream(prompt, params, messages=messages, request_id=request_id)
+        n = stream.group.params.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        reasons: list[Any] = [None] * n
+        stops: list[Any] = [None] * n
+        usage = None
+        async with stream:
+            async for chunk in stream:
+                texts[chunk.index].append(chunk.text)
+                ids[chunk.index].extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    reasons[chunk.index] = chunk.finish_reason
+                    stops[chunk.index] = chunk.stop_reason
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        outputs = tuple(
+            CompletionOutput(i, "".join(texts[i]), tuple(ids[i]), reasons[i], stops[i]) for i in range(n)
+        )
+        g = stream.group
+        return RequestOutput(g.request_id, g.prompt, tuple(g.prompt_token_ids), outputs, usage)
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request now (its stream ends with finish_reason "abort"); False if no
+        such live request. Call from the event-loop thread."""
+        if self._core is None:
+            return False
+        return self._core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """Load and usage counters: running/waiting requests, free/total KV blocks, ..."""
+        if self._core is None:
+            raise EngineStateError("stats() before the engine started")
+        return self._core.stats()
+
+    # --- request checks ---------------------------------------------------------------------
+    def _tokenize(self, prompt, messages) -> tuple[Optional[str], list[int]]:
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give exactly one of 'prompt' and 'messages'")
+        tok = self._tokenizer
+        if messages is not None:
+            from .tokenizer import apply_chat_template
+
+            text = apply_chat_template(tok, messages)
+            return text, tok.encode(text, add_special_tokens=False)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            return prompt, tok.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be an empty list of token ids")
+            bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]!r}"
+                )
+            return None, list(prompt)
+        raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        if params.max_tokens is None:
+            return self.max_model_len - len(token_ids)
+        return params.max_tokens
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no room to generate"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt"
+            )
+        bm = self._core.block_manager
+        need = bm.blocks_for(n + self._max_tokens(token_ids, params))
+        if need > bm.num_blocks:
+            raise PromptTooLongError(
+                f"a sequence of {n} prompt + {self._max_tokens(token_ids, params)} new tokens needs {need} KV "
+                f"blocks; the pool has {bm.num_blocks}. Lower max_tokens or give the engine more KV memory"
+            )
+        for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{field} holds token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}")
+
+    def _register(self, stream: "RequestStream") -> None:
+        self._check_running()
+        group = stream.group
+        if group.request_id in self._core.groups:
+            raise DuplicateRequestError(f"request_id {group.request_id!r} is already in use")
+        self._core.add(group, stream.max_tokens)
+        self._wake()
+
+
+class RequestStream(AsyncIterator[StreamChunk]):
+    """The async iterator ``engine.stream()`` returns.
+
+    Cancellation semantics: ``__anext__`` either returns a chunk or raises; if it is
+    cancelled (or the stream is closed, or dropped before it finished), the request is
+    aborted and its blocks are freed before the next step.
+    """
+
+    def __init__(self, engine: AsyncEngine, group: RequestGroup, max_tokens: int):
+        self.engine = engine
+        self.group = group
+        self.max_tokens = max_tokens
+        self._registered = False
+        self._closed = False
+        self._event: Optional[anyio.Event] = None
+        group.notify = self._notify
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+    def _notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._registered:
+            self.engine._register(self)
+            self._registered = True
+        queue = self.group.queue
+        try:
+            while not queue:
+                if self.group.finished:
+                    self._closed = True
+                    raise StopAsyncIteration
+                self._event = anyio.Event()
+                await self._event.wait()
+        except BaseException as e:
+            if not isinstance(e, StopAsyncIteration):
+                self._abort()
+            raise
+        item = queue.popleft()
+        if isinstance(item, BaseException):
+            self._closed = True
+            raise item
+        return item
+
+    def _abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._registered and not self.group.finished:
+                self.engine._abort_from_any_thread(self.group.request_id)
+
+    async def aclose(self) -> None:
+        """Aborts the request if it is still generating."""
+        self._abort()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._abort()
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered", False) and not self._closed and not self.group.finished:
+            try:
+                self.engine._abort_from_any_thread(self.group.request_id)
+            except Exception:
+                pass
+
+
+def _coerce_params(params: Any) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        return SamplingParams(**params)  # raises ValidationError naming the field
+    raise InvalidRequestError(f"params must be a SamplingParams (or a dict of its fields), not {type(params).__name__}")
+
+
+def _display_name(model: Any, path: Path) -> str:
+    """The name a host shows for the model: the hub id, or the directory's name."""
+    return path.name if Path(model).expanduser().is_dir() else str(model)

@@ -1,0 +1,200 @@
+"""The synchronous heart of the engine: requests in, stream chunks out.
+
+``EngineCore`` holds the scheduler, the detokenizers and one :class:`RequestGroup` per
+user request (its ``n`` sequences and its chunk queue). It never awaits and never touches
+the device: the async engine calls ``schedule()``, runs the step on the device thread,
+then ``process()`` with the sampled tokens. Every method runs on the event-loop thread,
+so each is atomic with respect to the tasks that consume streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from ..outputs import EngineStats, StreamChunk, Usage
+from ..sampling_params import SamplingParams
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .request import Request, RequestStatus
+from .scheduler import Scheduler, SchedulerOutput
+
+__all__ = ["EngineCore", "RequestGroup"]
+
+
+class _Seq:
+    __slots__ = ("req", "detok", "pending_ids", "done")
+
+    def __init__(self, req: Request, detok: IncrementalDetokenizer):
+        self.req = req
+        self.detok = detok
+        self.pending_ids: list[int] = []  # generated but not yet sent in a chunk
+        self.done = False
+
+
+class RequestGroup:
+    """A user request: ``n`` sequences sharing a prompt, and the queue its stream reads.
+
+    ``queue`` holds StreamChunks and, when the engine dies, the exception to raise.
+    ``notify`` is called whenever something was queued (the stream's wake-up).
+    """
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs: dict[str, _Seq] = {}
+        self.queue: deque = deque()
+        self.notify: Callable[[], None] = lambda: None
+        self.num_unfinished = params.n
+        self.num_completion_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def seq_ids(self) -> list[str]:
+        return list(self.seqs)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        tokenizer,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ):
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[str, RequestGroup] = {}  # sequence id -> its group
+        self.num_steps = 0
+        self.num_finished = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # --- requests ---------------------------------------------------------------------------
+    def add(self, group: RequestGroup, max_tokens: int) -> None:
+        """Registers every sequence of ``group`` with the scheduler (atomic)."""
+        p = group.params
+        for i in range(p.n):
+            seq_id = group.request_id if p.n == 1 else f"{group.request_id}#{i}"
+            seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
+            req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
+            )
+            group.seqs[seq_id] = _Seq(req, detok)
+            self._group_of[seq_id] = group
+            self.scheduler.add(req, seed)
+        self.groups[group.request_id] = group
+        self.num_prompt_tokens += len(group.prompt_token_ids) * p.n
+
+    def abort(self, request_id: str) -> bool:
+        """Ends every sequence of the request now and frees its blocks; its stream gets a
+        final chunk with finish_reason "abort" (if it is still reading)."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for seq_id, seq in group.seqs.items():
+            if not seq.done:
+                self.scheduler.abort(seq_id)
+                self._emit(group, seq, finished=True)
+        return True
+
+    def fail_all(self, error: BaseException) -> None:
+        """Ends every request with ``error`` (the engine died)."""
+        for group in list(self.groups.values()):
+            group.queue.append(error)
+            for seq_id, seq in group.seqs.items():
+                if not seq.done:
+                    self.scheduler.abort(seq_id)
+                    seq.done = True
+            self._forget(group)
+            group.notify()
+
+    # --- steps ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def process(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Applies a step's sampled tokens: counters, stop checks, text, stream chunks."""
+        self.num_steps += 1
+        touched: list[RequestGroup] = []
+        for req in self.scheduler.update(out, sampled):
+            group = self._group_of[req.request_id]
+            seq = group.seqs[req.request_id]
+            token = req.token_ids[-1]
+            seq.pending_ids.append(token)
+            self.num_generation_tokens += 1
+            group.num_completion_tokens += 1
+            finished = req.status.finished
+            # A token that ended the sequence as a stop token is kept in token_ids, not in text.
+            is_stop_token = finished and req.status is RequestStatus.FINISHED_STOPPED
+            if not is_stop_token:
+                stop = seq.detok.add([token])
+                if stop is not None and not finished:
+                    req.stop_reason = stop
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                    finished = True
+            if finished:
+                seq.detok.flush()
+            self._emit(group, seq, finished, notify=False)
+            touched.append(group)
+        for group in touched:
+            group.notify()
+
+    def _emit(self, group: RequestGroup, seq: _Seq, finished: bool, notify: bool = True) -> None:
+        text = seq.detok.delta(finished)
+        if not text and not finished:
+            return
+        reason = None
+        usage = None
+        if finished:
+            seq.done = True
+            status = seq.req.status
+            reason = status.value if status.finished else "abort"
+            group.num_unfinished -= 1
+            if group.finished:
+                usage = Usage(len(group.prompt_token_ids), group.num_completion_tokens)
+                self._forget(group)
+        chunk = StreamChunk(
+            group.request_id, seq.req.index, text, tuple(seq.pending_ids), reason,
+            seq.req.stop_reason if reason == "stop" else None, usage,
+        )
+        seq.pending_ids = []
+        group.queue.append(chunk)
+        if notify:
+            group.notify()
+
+    def _forget(self, group: RequestGroup) -> None:
+        if self.groups.pop(group.request_id, None) is not None:
+            self.num_finished += 1
+        for seq_id in group.seqs:
+            self._group_of.pop(seq_id, None)
+
+    # --- introspection ----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_finished_requests=self.num_finished,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+        )

@@ -1,0 +1,105 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded over a sliding window of token ids: ``decode(ids[prefix:])`` minus
+``decode(ids[prefix:read])``, where ``ids[prefix:read]`` were already turned into text.
+Decoding a few tokens of context with the new ones keeps tokenizer-specific joins (a
+SentencePiece word-start space, a byte split across tokens) the same as decoding
+everything at once, so the emitted pieces concatenate to ``tokenizer.decode(ids)``::
+
+    ids:      ... | prefix ......... read | new tokens
+                    \\___ already text __/
+    delta = decode(ids[prefix:]) [len(decode(ids[prefix:read])):]
+
+A delta that ends in U+FFFD is held back until the next token completes the character.
+Text that could still be the start of a stop string is also held back, so a stop
+string is never split across two deltas and never emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["IncrementalDetokenizer"]
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or ())
+        self.include_stop = include_stop_str_in_output
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""  # decoded text so far (cut at a stop string once one matched)
+        self._emitted = 0
+        self.stopped_by: Optional[str] = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int], final: bool = False) -> Optional[str]:
+        """Appends tokens; returns the stop string if one now appears in the text.
+
+        With ``final`` the last partial character (if any) is flushed as is, so the
+        text equals a full decode.
+        """
+        if self.stopped_by is not None:
+            return self.stopped_by
+        self.ids.extend(token_ids)
+        before = len(self.text)
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        if final or (len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT)):
+            self.text += new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        if self.stop:
+            return self._find_stop(max(0, before - self._max_stop + 1))
+        return None
+
+    def flush(self) -> None:
+        """Decodes any held-back partial character (at the end of generation)."""
+        if self.stopped_by is None and self._read < len(self.ids):
+            self.add([], final=True)
+
+    def _find_stop(self, search_from: int) -> Optional[str]:
+        best: Optional[tuple[int, str]] = None
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        at, s = best
+        self.text = self.text[: at + len(s) if self.include_stop else at]
+        self.stopped_by = s
+        return s
+
+    def delta(self, finished: bool) -> str:
+        """New text since the last call; unless ``finished``, minus any tail that could
+        still grow into a stop string."""
+        end = len(self.text)
+        if not finished and self.stop and self.stopped_by is None:
+            end -= self._possible_stop_prefix()
+        end = max(end, self._emitted)
+        piece = self.text[self._emitted : end]
+        self._emitted = end
+        return piece
+
+    def _possible_stop_prefix(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self.text
+        for k in range(min(len(text), self._max_stop - 1), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

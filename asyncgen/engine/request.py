@@ -1,0 +1,82 @@
+"""One sequence being generated, as the scheduler sees it: token counters, not phases."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from ..sampling_params import SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    """A single sequence (one of the ``n`` samples of a user request).
+
+    ``token_ids`` is the prompt followed by every generated token. The KV cache holds the
+    first ``num_computed_tokens`` of them; a step computes the next ones and, when it
+    reaches ``num_tokens``, samples one more. Preemption only resets
+    ``num_computed_tokens`` to 0: the tokens stay and are recomputed.
+    """
+
+    __slots__ = (
+        "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+        index: int = 0,
+    ):
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[str | int] = None
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic()
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, prompt={self.num_prompt_tokens})"
+        )

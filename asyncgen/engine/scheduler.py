@@ -1,0 +1,212 @@
+"""Continuous batching: which tokens of which requests the next model step computes.
+
+Plain Python (no torch, no async). :meth:`Scheduler.schedule` returns a
+:class:`SchedulerOutput`, the only thing the model runner sees; :meth:`Scheduler.update`
+takes the sampled tokens back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Iterable, Optional
+
+from ..sampling_params import SamplingParams
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+
+__all__ = ["NewRequestData", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute ``token_ids`` at positions
+    ``start_pos .. start_pos + len(token_ids) - 1``, writing their KV into ``block_ids``."""
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool  # the step reaches the sequence's last known token: sample the next one
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """What the runner keeps about a sequence for its lifetime (sampling state)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: Optional[int]
+    stop_token_ids: frozenset[int]  # masked while fewer than min_tokens were generated
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The contract between scheduler and model runner, one per step.
+
+    ``seqs`` are in batch order; ``new_requests`` are seen by the runner for the first
+    time this step; ``finished_req_ids`` ended since the last step (the runner drops
+    their state).
+    """
+
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequestData]
+    finished_req_ids: list[str]
+    num_batched_tokens: int
+    preempted_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._unseen: list[NewRequestData] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # --- admission and removal --------------------------------------------------------------
+    def add(self, req: Request, seed: Optional[int] = None) -> None:
+        if req.request_id in self.requests:
+            raise KeyError(f"duplicate sequence id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        stop_ids = frozenset(req.params.stop_token_ids or ()) | (frozenset() if req.params.ignore_eos else req.eos_token_ids)
+        self._unseen.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids))
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Ends ``req`` now: it leaves the queues and its blocks return to the pool."""
+        if req.status.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.block_manager.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def abort(self, req_id: str) -> bool:
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Picks the next step's tokens.
+
+        Invariant: every request has ``num_computed_tokens <= num_tokens``; a request is
+        given the next ``num_tokens - num_computed_tokens`` tokens (a decode is the case
+        where that is 1), cut to the token budget, which is how long prompts are chunked.
+        Running requests go first, in admission order; when the pool cannot hold a
+        running request's next tokens, the most recently admitted running request is
+        preempted (blocks freed, recomputed later) until it can. Waiting requests are
+        admitted in arrival order while the budget, ``max_num_seqs`` and the pool allow,
+        and not at all in a step that had to preempt.
+        """
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            end = req.num_computed_tokens + n
+            while not bm.can_allocate(req.request_id, end):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            seqs.append(self._take(req, n))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                seqs.append(self._take(req, n))
+                budget -= n
+
+        new_requests, self._unseen = self._unseen, []
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(seqs, new_requests, finished, self.max_num_batched_tokens - budget, preempted)
+
+    def _take(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        table = self.block_manager.allocate(req.request_id, start + n)
+        return ScheduledSeq(
+            req.request_id, req.token_ids[start : start + n], start, list(table), start + n == req.num_tokens
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances the counters of every sequence the step computed and appends the
+        sampled tokens. Returns the requests that received a token (finished ones
+        included, with their status set). Sequences finished or preempted while the step
+        ran are skipped: their blocks and state are already gone or reset."""
+        got: list[Request] = []
+        for seq in out.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start_pos:
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            token = sampled.get(seq.req_id) if seq.sample else None
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            got.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish(req, status)
+        return got
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        p = req.params
+        # The sampler masks stop tokens until min_tokens were generated.
+        if req.num_output_tokens > p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_token_ids and token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def iter_requests(self) -> Iterable[Request]:
+        return self.requests.values()

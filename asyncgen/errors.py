@@ -1,0 +1,76 @@
+"""Every exception asyncgen raises on purpose.
+
+::
+
+    AsyncGenError
+    ├── ModelLoadError                 the model directory cannot be served
+    │   ├── ModelNotFoundError         no such directory, no config.json, hub unreachable
+    │   ├── UnsupportedModelError      architecture or option asyncgen does not implement
+    │   └── WeightsError               missing, mis-shaped or unreadable tensors
+    ├── InvalidRequestError            a request the engine refuses (also a ValueError)
+    │   ├── PromptTooLongError         prompt (+ max_tokens) over max_model_len or the pool
+    │   └── DuplicateRequestError      a request_id already in use
+    ├── EngineStateError               used before start(), after aclose(), entered twice
+    └── EngineDeadError                a model step failed; every live stream gets this
+
+Invalid ``SamplingParams`` raise pydantic's ``ValidationError`` (itself a ValueError),
+which names the field.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncGenError",
+    "DuplicateRequestError",
+    "EngineDeadError",
+    "EngineStateError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "UnsupportedModelError",
+    "WeightsError",
+]
+
+
+class AsyncGenError(Exception):
+    """Base class of asyncgen's own errors."""
+
+
+class ModelLoadError(AsyncGenError):
+    """The model directory cannot be loaded."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """No model at the given path (or the hub id could not be resolved)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint asks for an architecture or option that asyncgen does not implement."""
+
+
+class WeightsError(ModelLoadError):
+    """A weight tensor is missing, has the wrong shape, or its file is unreadable."""
+
+
+class InvalidRequestError(AsyncGenError, ValueError):
+    """A request the engine refuses; the engine keeps serving the others."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus the tokens asked for) does not fit ``max_model_len`` or the KV pool."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A live request already uses this ``request_id``."""
+
+
+class EngineStateError(AsyncGenError, RuntimeError):
+    """The engine is not in a state that allows this call (not started, closed, entered twice)."""
+
+
+class EngineDeadError(AsyncGenError, RuntimeError):
+    """A model step failed. The engine stopped and every live request ended with this error.
+
+    ``__cause__`` holds the original exception.
+    """

@@ -1,0 +1,143 @@
+"""The model's shape, read once from a Hugging Face ``config.json`` and checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ModelNotFoundError, UnsupportedModelError
+
+__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    sliding_window: Optional[int]
+    torch_dtype: Optional[str]
+    quantization: Optional[dict[str, Any]]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; is it a Hugging Face model directory?")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(f"{cfg_path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+            head_dim = int(raw.get("head_dim") or hidden // num_heads)
+            vocab_size = int(raw["vocab_size"])
+            intermediate = int(raw["intermediate_size"])
+            num_layers = int(raw["num_hidden_layers"])
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks the required field {e.args[0]!r}") from e
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        rope_theta, rope_scaling = _rope_settings(raw)
+        sliding_window = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            sliding_window = None
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
+        quant = raw.get("quantization_config")
+        return cls(
+            architecture=arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=quant,
+        )
+
+    def inv_freq(self):
+        """RoPE inverse frequencies [head_dim // 2], fp32, with the config's scaling applied."""
+        import torch
+
+        base = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", "default")
+        if kind == "linear":
+            return base / float(scaling["factor"])
+        if kind == "llama3":
+            factor = float(scaling["factor"])
+            low = float(scaling.get("low_freq_factor", 1.0))
+            high = float(scaling.get("high_freq_factor", 4.0))
+            old_len = float(scaling.get("original_max_position_embeddings", 8192))
+            wavelen = 2 * math.pi / base
+            scaled = torch.where(wavelen > old_len / low, base / factor, base)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+            return torch.where(medium, smoothed, scaled)
+        return base
+
+
+def _rope_settings(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, scaling) from either the older ``rope_theta``/``rope_scaling`` fields or
+    the newer ``rope_parameters`` dict."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or None
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    if scaling is not None:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling["rope_type"] = kind
+        if kind not in _ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_scaling type {kind!r} is not supported; supported: {', '.join(_ROPE_TYPES)}"
+            )
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling

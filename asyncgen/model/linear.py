@@ -1,0 +1,179 @@
+"""Linear layers that know how to load their slice of a checkpoint.
+
+Each layer is written for tensor parallelism (``tp_size`` > 1 splits the output dim of
+column-parallel layers and the input dim of row-parallel ones) though the engine runs one
+shard today. How a layer stores and applies its weight is a :class:`LinearMethod`, so a
+quantized checkpoint swaps the method, not the model::
+
+    QKVLinear          q_proj | k_proj | v_proj  -> one [q + 2 * kv, hidden] weight
+    MergedLinear       gate_proj | up_proj       -> one [2 * intermediate, hidden] weight
+    RowLinear          o_proj, down_proj         (input dim split across shards)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import WeightsError
+
+__all__ = ["LinearBase", "LinearMethod", "MergedLinear", "QKVLinear", "RowLinear", "UnquantizedLinearMethod"]
+
+
+class LinearMethod:
+    """How a linear layer holds its weight and multiplies by it.
+
+    ``create_weights`` registers parameters on the layer (their checkpoint names, e.g.
+    ``weight`` or ``qweight``/``scales``/``qzeros``); ``load`` copies one checkpoint
+    tensor (or one shard of a fused layer) into them; ``apply`` computes ``x @ W.T + b``;
+    ``finalize`` runs once after every tensor is loaded (repacking, reordering).
+    """
+
+    def create_weights(self, layer: "LinearBase", dtype: torch.dtype, device) -> None:
+        raise NotImplementedError
+
+    def load(self, layer: "LinearBase", name: str, tensor: torch.Tensor, shard: int | str | None) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finalize(self, layer: "LinearBase") -> None:
+        pass
+
+
+def check_shape(full_name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
+    if tuple(expected) != tuple(got):
+        raise WeightsError(f"tensor {full_name!r} has shape {tuple(got)}, expected {tuple(expected)}")
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def create_weights(self, layer, dtype, device):
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=dtype, device=device), requires_grad=False
+        )  # [out, in]
+
+    def load(self, layer, name, tensor, shard):
+        if name != "weight":
+            raise WeightsError(f"unexpected tensor {layer.prefix}.{name} for an unquantized linear layer")
+        out_start, out_size = layer.shard_rows(shard)
+        in_start, in_size = layer.shard_cols()
+        expected = (layer.checkpoint_rows(shard), layer.checkpoint_cols())
+        check_shape(f"{layer.checkpoint_name(shard)}.weight", expected, tensor.shape)
+        piece = layer.take_shard(tensor, shard)
+        layer.weight.data[out_start : out_start + out_size].copy_(piece[:, in_start : in_start + in_size])
+
+    def apply(self, layer, x):
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+class LinearBase(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` of shape [out_features, in_features] on this shard.
+
+    ``shards`` maps a shard id to (start row, rows) of the fused output for fused
+    layers; a plain layer has the single shard ``None``.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        in_features: int,
+        shard_sizes: dict,
+        bias: bool,
+        dtype: torch.dtype,
+        device,
+        method: LinearMethod | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_input: bool = False,
+    ):
+        super().__init__()
+        self.prefix = prefix
+        self.tp_rank, self.tp_size, self.split_input = tp_rank, tp_size, split_input
+        self.full_in_features = in_features
+        self.in_features = in_features // tp_size if split_input else in_features
+        # Per shard: rows in the checkpoint and rows on this rank (split when column-parallel).
+        self.full_rows = dict(shard_sizes)
+        self.local_rows = {k: (v if split_input else v // tp_size) for k, v in shard_sizes.items()}
+        self.offsets, off = {}, 0
+        for k, v in self.local_rows.items():
+            self.offsets[k] = off
+            off += v
+        self.out_features = off
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, dtype, device)
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.loaded: set = set()
+
+    # --- index helpers shared by the linear methods -------------------------------------
+    def shard_rows(self, shard) -> tuple[int, int]:
+        """(start, size) of ``shard``'s rows in this rank's fused output."""
+        return self.offsets[shard], self.local_rows[shard]
+
+    def shard_cols(self) -> tuple[int, int]:
+        """(start, size) of this rank's slice of the checkpoint's input dim."""
+        if self.split_input:
+            return self.tp_rank * self.in_features, self.in_features
+        return 0, self.in_features
+
+    def checkpoint_rows(self, shard) -> int:
+        return self.full_rows[shard]
+
+    def checkpoint_cols(self) -> int:
+        return self.full_in_features
+
+    def checkpoint_name(self, shard) -> str:
+        return self.prefix if shard is None else self.shard_names[shard]
+
+    def take_shard(self, tensor: torch.Tensor, shard, dim: int = 0) -> torch.Tensor:
+        """This rank's slice along the output dim ``dim`` (all of it when not column-split)."""
+        if self.split_input or self.tp_size == 1:
+            return tensor
+        size = self.local_rows[shard]
+        return tensor.narrow(dim, self.tp_rank * size, size)
+
+    # --- loading and forward ----------------------------------------------------------
+    def load(self, name: str, tensor: torch.Tensor, shard=None) -> None:
+        if name == "bias":
+            if self.bias is None:
+                raise WeightsError(f"unexpected tensor {self.checkpoint_name(shard)}.bias (the config has no bias)")
+            check_shape(f"{self.checkpoint_name(shard)}.bias", (self.checkpoint_rows(shard),), tensor.shape)
+            start, size = self.shard_rows(shard)
+            self.bias.data[start : start + size].copy_(self.take_shard(tensor, shard))
+        else:
+            self.method.load(self, name, tensor, shard)
+        self.loaded.add((name, shard))
+
+    def expected_tensors(self) -> list[tuple[str, object]]:
+        names = self.method.tensor_names() if hasattr(self.method, "tensor_names") else ["weight"]
+        if self.bias is not None:
+            names = [*names, "bias"]
+        return [(n, s) for s in self.full_rows for n in names]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
+class QKVLinear(LinearBase):
+    def __init__(self, prefix, hidden, num_heads, num_kv_heads, head_dim, bias, dtype, device, method=None, **tp):
+        self.shard_names = {s: f"{prefix}.{s}_proj" for s in "qkv"}
+        sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        super().__init__(prefix, hidden, sizes, bias, dtype, device, method, **tp)
+
+
+class MergedLinear(LinearBase):
+    def __init__(self, prefix, hidden, names_sizes: dict[str, int], bias, dtype, device, method=None, **tp):
+        self.shard_names = {n: f"{prefix}.{n}" for n in names_sizes}
+        super().__init__(prefix, hidden, names_sizes, bias, dtype, device, method, **tp)
+
+
+class RowLinear(LinearBase):
+    """Input dim split across shards (o_proj, down_proj); output is a partial sum per rank."""
+
+    def __init__(self, prefix, in_features, out_features, bias, dtype, device, method=None, **tp):
+        self.shard_names = {None: prefix}
+        super().__init__(prefix, in_features, {None: out_features}, bias, dtype, device, method, split_input=True, **tp)

@@ -1,0 +1,107 @@
+"""What the engine hands back: stream chunks, whole results, usage and engine statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+__all__ = ["CompletionOutput", "EngineStats", "RequestOutput", "StreamChunk", "Usage"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts with OpenAI's field names."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One piece of a streamed completion.
+
+    ``text`` is the new text since the previous chunk of the same ``index`` (it may be
+    empty while a multi-byte character or a possible stop string is still incomplete);
+    ``token_ids`` the tokens generated since then. The last chunk of a completion has
+    ``finish_reason`` set ("stop", "length" or "abort"); for a "stop" ended by a stop
+    string or stop token, ``stop_reason`` holds it. ``str(chunk)`` is ``chunk.text``.
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[str | int] = None
+    usage: Optional[Usage] = None
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One finished completion of a request (there are ``n`` of them)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: Optional[FinishReason]
+    stop_reason: Optional[str | int] = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """The whole result of ``engine.generate()``.
+
+    ``text``, ``token_ids`` and ``finish_reason`` are those of the first completion, for
+    the common ``n == 1`` case; ``outputs`` holds all ``n``, ordered by index.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[FinishReason]:
+        return self.outputs[0].finish_reason
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, for dashboards and load balancers."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_preemptions: int
+    num_steps: int
+    num_finished_requests: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    kv_cache_usage: float

@@ -1,0 +1,80 @@
+"""How to sample one request: :class:`SamplingParams` (vLLM's field names and defaults)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["SamplingParams"]
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings of one request, validated once at construction.
+
+    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p=1`` disable those
+    filters. Penalties follow their usual definitions: ``repetition_penalty`` divides
+    positive (multiplies negative) logits of every token seen in the prompt or output;
+    ``presence_penalty`` and ``frequency_penalty`` subtract from logits of tokens in the
+    output (OpenAI's definitions). ``max_tokens=None`` means "up to ``max_model_len``".
+    Invalid values raise pydantic's ``ValidationError`` naming the field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    n: Annotated[int, Field(ge=1, le=256)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: Optional[dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    logprobs: Optional[Annotated[int, Field(ge=0, le=_MAX_LOGPROBS)]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, v):
+        if v is None:
+            return v
+        strings = [v] if isinstance(v, str) else v
+        if any(s == "" for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, v):
+        if v is not None and any(k < 0 for k in v):
+            raise ValueError("logit_bias keys must be token ids >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (empty when unset)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

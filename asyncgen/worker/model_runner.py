@@ -1,0 +1,272 @@
+"""Executes a :class:`SchedulerOutput`: tensors in, one forward pass, sampled tokens out.
+
+Runs only on the device thread. It keeps no scheduling state, just each live sequence's
+sampling state (parameters, seeded generator, tokens for penalties), created when the
+sequence first appears in ``new_requests`` and dropped when it is listed as finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .._ops import get_ops
+from ..config import EngineConfig
+from ..engine.scheduler import SchedulerOutput
+from ..model.config import ModelConfig
+from ..model.llama import AttentionMetadata, LlamaForCausalLM
+from ..model.loader import load_weights
+from .sampler import SamplingRow, sample
+
+__all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from ..errors import EngineStateError
+
+        raise EngineStateError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and lossy
+    declared = _DTYPES.get(str(model_cfg.torch_dtype).replace("torch.", ""), torch.float16)
+    return torch.float16 if declared == torch.float32 else declared
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elt = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elt
+
+
+@dataclasses.dataclass
+class _SeqState:
+    params: object
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: frozenset[int]
+    generator: Optional[torch.Generator]
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the per-sequence sampling state on one device."""
+
+    def __init__(self, path: Path, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int, linear_method=None):
+        self.path, self.model_cfg, self.cfg = path, model_cfg, cfg
+        self.max_model_len = max_model_len
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
+        self.block_size = cfg.block_size
+        self.linear_method = linear_method
+        self.states: dict[str, _SeqState] = {}
+        self.model: Optional[LlamaForCausalLM] = None
+        self.num_blocks = 0
+        self.ops_backend = self._pick_backend()
+
+    def _pick_backend(self) -> str:
+        wanted = self.cfg.ops_backend
+        if wanted != "auto":
+            return wanted
+        if self.device.type != "cuda":
+            return "torch"
+        from .._ops import cuda_backend_available
+
+        return "cuda" if cuda_backend_available() else "triton"
+
+    # --- start-up (device thread) ---------------------------------------------------------
+    def load(self) -> int:
+        """Builds the model, loads weights, sizes and allocates the KV pool.
+
+        Returns the number of KV blocks.
+        """
+        t0 = time.perf_counter()
+        ops = get_ops(self.ops_backend)
+        factory = self.linear_method or (lambda prefix: None)
+        self.model = LlamaForCausalLM(
+            self.model_cfg, ops, self.dtype, self.device, factory, max_position=self.max_model_len
+        )
+        load_weights(self.model, self.path)
+        self.model.eval()
+        log.info(
+            "loaded %s (%s, %s, ops=%s) in %.1f s",
+            self.path, self.dtype, self.device, self.ops_backend, time.perf_counter() - t0,
+        )
+        self.num_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache(self.num_blocks)
+        per_seq = -(-self.max_model_len // self.block_size)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB); %.1f sequences of max_model_len=%d fit at once",
+            self.num_blocks, self.block_size,
+            self.num_blocks * kv_block_bytes(self.model_cfg, self.block_size, self.dtype) / 2**20,
+            self.num_blocks / per_seq, self.max_model_len,
+        )
+        return self.num_blocks
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.cfg
+        per_block = kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = cfg.default_cpu_kv_cache_bytes
+        num = budget // per_block
+        if num < 1:
+            from ..errors import EngineStateError
+
+            raise EngineStateError(
+                f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes; "
+                "raise kv_cache_memory / gpu_memory_utilization or lower block_size"
+            )
+        return int(num)
+
+    def _profile_cuda_budget(self) -> int:
+        """Bytes left for KV blocks: ``gpu_memory_utilization`` of the card minus what the
+        weights and one forward pass at ``max_num_batched_tokens`` tokens took at peak."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        self._allocate_kv_cache(blocks)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            max_query_len=n,
+            max_seq_len=n,
+        )
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+            logits = self.model.compute_logits(hidden[-min(n, self.cfg.max_num_seqs):])
+            del hidden, logits
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self._free_kv_cache()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free, _ = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.cfg.gpu_memory_utilization) - peak - max(used_elsewhere, 0)
+        log.info(
+            "memory profile: total %.1f GiB, weights+activations peak %.2f GiB, other processes %.2f GiB, "
+            "KV budget %.2f GiB",
+            total / 2**30, peak / 2**30, max(used_elsewhere, 0) / 2**30, budget / 2**30,
+        )
+        return max(budget, 0)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.model_cfg
+        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _free_kv_cache(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+
+    def shutdown(self) -> None:
+        """Drops the model and the pool so their device memory can be reused."""
+        if self.model is not None:
+            self._free_kv_cache()
+        self.model = None
+        self.states.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    # --- one step (device thread) ------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Runs one step; returns ``{req_id: sampled token}`` for every sequence that samples."""
+        for req_id in out.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in out.new_requests:
+            gen = None
+            if new.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(new.seed)
+            self.states[new.req_id] = _SeqState(new.params, new.prompt_token_ids, [], new.stop_token_ids, gen)
+        if not out.seqs:
+            return {}
+
+        input_ids, positions, meta, logits_idx, sampling_ids = self._prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        rows = []
+        for req_id in sampling_ids:
+            st = self.states[req_id]
+            rows.append(SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator))
+        tokens = sample(logits, rows)
+        result = {}
+        for req_id, tok in zip(sampling_ids, tokens):
+            self.states[req_id].output_token_ids.append(tok)
+            result[req_id] = tok
+        return result
+
+    def _prepare(self, out: SchedulerOutput):
+        seqs = out.seqs
+        bs = self.block_size
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+        seq_lens = starts + q_lens
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=total)
+        # Position of every token: its sequence's start plus its offset within the chunk.
+        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = starts[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_rows = [i for i, s in enumerate(seqs) if s.sample]
+        logits_idx = qsl[1:][sample_rows] - 1
+        dev = self.device
+
+        def put(a, dtype):
+            t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+            if dev.type == "cuda":
+                return t.pin_memory().to(dev, non_blocking=True)
+            return t
+
+        meta = AttentionMetadata(
+            slot_mapping=put(slot_mapping, torch.int64),
+            block_tables=put(tables, torch.int32),
+            seq_lens=put(seq_lens, torch.int32),
+            query_start_loc=put(qsl, torch.int32),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return (
+            put(input_ids, torch.int64),
+            put(positions, torch.int64),
+            meta,
+            put(logits_idx, torch.int64),
+            [seqs[i].req_id for i in sample_rows],
+        )
+
