@@ -23,7 +23,7 @@ from .errors import (
     UnsupportedModelError,
     WeightsError,
 )
-from .outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, Usage
+from .outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, TokenLogprob, Usage
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "StreamChunk",
+    "TokenLogprob",
     "UnsupportedModelError",
     "Usage",
     "WeightsError",

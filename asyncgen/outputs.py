@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-__all__ = ["CompletionOutput", "EngineStats", "RequestOutput", "StreamChunk", "Usage"]
+__all__ = ["CompletionOutput", "EngineStats", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -20,6 +20,17 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one generated token and, when asked for, of the ``k`` most
+    likely tokens at its position (most likely first). Computed from the logits the
+    sampler used after logit_bias and penalties, before temperature and top-k/p/min-p."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +51,7 @@ class StreamChunk:
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[str | int] = None
     usage: Optional[Usage] = None
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None  # one per token id, when asked for
 
     def __str__(self) -> str:
         return self.text
@@ -58,6 +70,7 @@ class CompletionOutput:
     token_ids: tuple[int, ...]
     finish_reason: Optional[FinishReason]
     stop_reason: Optional[str | int] = None
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

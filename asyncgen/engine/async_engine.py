@@ -346,6 +346,13 @@ class AsyncEngine:
             return False
         return self._core.abort(request_id)
 
+    def openai_client(self):
+        """An in-process client with the surface of ``openai.AsyncOpenAI`` (chat
+        completions, completions, models) that calls this engine directly."""
+        from ..openai.client import InProcessOpenAI
+
+        return InProcessOpenAI(self)
+
     def stats(self) -> EngineStats:
         """Load and usage counters: running/waiting requests, free/total KV blocks, ..."""
         if self._core is None:
