@@ -162,6 +162,10 @@ def paged_attention(
         max_len = int(lens_d.max())
         num_blocks = (max_len + block_size - 1) // block_size
         tables = block_tables[idx, :num_blocks].long()  # [nd, num_blocks]
+        # Entries past a sequence's last block are unused and may hold anything: point
+        # them at block 0 (its slots are masked below).
+        used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < lens_d[:, None]
+        tables = tables.masked_fill(~used, 0)
         keys = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [nd, max_len, kvh, d]
         values = v_cache[tables].flatten(1, 2)[:, :max_len].float()
         pos = torch.arange(max_len, device=q.device)
