@@ -16,7 +16,6 @@ import it, and :func:`ops` imports them lazily, so there is no import cycle.
 from __future__ import annotations
 
 import functools
-from typing import Iterable
 
 import torch
 
@@ -31,8 +30,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 DEFAULT_NUM_SMS = 132
 
 
+@functools.lru_cache(maxsize=None)
 def ops() -> Ops:
-    """The op bundle whose five functions launch Triton kernels."""
+    """The op bundle whose five functions launch Triton kernels (one shared instance)."""
     from .triton_activation import silu_and_mul
     from .triton_kv_cache import store_kv_cache
     from .triton_paged_attention import paged_attention
@@ -46,13 +46,15 @@ def ops() -> Ops:
 # Shared launcher checks.
 
 
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
+except ImportError:  # pragma: no cover - every supported triton has it
+    _InterpretedFunction = None
+
+
 def is_interpreted(kernel: object) -> bool:
     """Whether ``kernel`` was defined under ``TRITON_INTERPRET=1`` (runs on CPU tensors)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - every supported triton has it
-        return False
-    return isinstance(kernel, InterpretedFunction)
+    return _InterpretedFunction is not None and isinstance(kernel, _InterpretedFunction)
 
 
 def check_tensor(
@@ -60,8 +62,7 @@ def check_tensor(
     t: object,
     *,
     ndim: int | None = None,
-    dtypes: Iterable[torch.dtype] | None = None,
-    last_dim_contiguous: bool = True,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> torch.Tensor:
     """Raises ``ValueError`` naming ``name`` unless ``t`` is a tensor of the given rank and
     dtype whose innermost dimension has stride 1 (the kernels address the others by
@@ -70,10 +71,10 @@ def check_tensor(
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in tuple(dtypes):
+    if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
-    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     return t
 
@@ -104,6 +105,12 @@ def check_devices(kernel: object, **tensors: torch.Tensor | None) -> torch.devic
             )
     elif device.type != "cuda":
         raise ValueError(f"{first} is on {device}; the triton backend needs CUDA tensors")
+    elif device.index != torch.cuda.current_device():
+        # Triton launches on the current device, whatever the tensors' device.
+        raise ValueError(
+            f"{first} is on {device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
+            "call torch.cuda.set_device first"
+        )
     return device
 
 

@@ -56,8 +56,6 @@ Napkin math, 7B (32 heads, head_dim 128, bf16):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -68,7 +66,6 @@ from .triton_backend import (
     check_devices,
     check_out,
     check_tensor,
-    is_interpreted,
     next_power_of_2,
     num_sms,
 )
@@ -79,7 +76,7 @@ _LOG2E = 1.4426950408889634
 
 # Split-K (flash-decoding) policy: split while fewer than _SPLIT_TARGET_WAVES programs per
 # SM would run, keep at least _MIN_TILES_PER_SPLIT key tiles per split, at most
-# _MAX_SPLITS splits.
+# _MAX_SPLITS splits (see _num_splits).
 _SPLIT_TARGET_WAVES = 2
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
@@ -407,37 +404,49 @@ def _reduce_splits_kernel(
 # Launch configuration: a function of shapes and hints only (never of tensor values).
 
 
-def _decode_block_n(head_dim: int) -> int:
-    # ~8K elements per K (and V) tile: 16 KiB in 16-bit dtypes.
-    return max(16, min(128, 8192 // head_dim))
+def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel: key tiles of ~8K elements
+    (16 KiB of K and 16 KiB of V in 16-bit dtypes), three tiles in flight per program."""
+    block_n = max(16, min(128, 8192 // head_dim))
+    if dtype == torch.float32:
+        block_n = max(16, block_n // 2)
+    return block_n, 4, 3
 
 
-def _general_config(head_dim: int, group_pad: int, max_query_len: int | None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the general kernel."""
-    if head_dim <= 64:
-        block_n = 64
-    elif head_dim <= 128:
-        block_n = 64
-    else:
-        block_n = 32
+def _general_config(
+    head_dim: int, group_pad: int, max_query_len: int | None, dtype: torch.dtype
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the general kernel. Query tiles of 128
+    rows when queries may be long, 64 for batches of short chunks (less padding per
+    sequence); smaller tiles for head_dim 256 and fp32 to stay within registers and
+    shared memory."""
     long_queries = max_query_len is None or max_query_len >= 128
-    block_m = 128 if long_queries and head_dim <= 128 else 64
+    if dtype == torch.float32:
+        block_m, block_n = 64, 32
+    elif head_dim > 128:
+        block_m, block_n = 64, 32
+    else:
+        block_m, block_n = (128 if long_queries else 64), 64
     block_m = max(block_m, group_pad)
-    num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    return block_m, block_n, num_warps
+    num_warps = 8 if block_m >= 128 or head_dim > 128 else 4
+    return block_m, block_n, num_warps, 2
 
 
 def _num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
-    """Splits of the decode context so that about _SPLIT_TARGET_WAVES programs run per SM;
-    1 when the batch already fills the device or the context is short. A power of two."""
+    """Decode context splits: enough for about ``_SPLIT_TARGET_WAVES`` programs per SM (a
+    decode program keeps ~2 K/V tiles in flight; two per SM cover HBM latency), with at
+    least ``_MIN_TILES_PER_SPLIT`` key tiles each. A power of two (few compiled variants);
+    1 when the batch alone is enough or the context is short."""
     programs = num_seqs * num_kv_heads
-    if programs == 0 or programs >= sms:
+    target = _SPLIT_TARGET_WAVES * sms
+    if programs == 0 or programs >= target:
         return 1
     max_by_length = triton.cdiv(max_context, block_n) // _MIN_TILES_PER_SPLIT
-    wanted = min(triton.cdiv(_SPLIT_TARGET_WAVES * sms, programs), max_by_length, _MAX_SPLITS)
-    if wanted < 2:
+    if max_by_length < 2:
         return 1
-    return 1 << (wanted.bit_length() - 1)
+    wanted = next_power_of_2(triton.cdiv(target, programs))
+    by_length = 1 << (max_by_length.bit_length() - 1)
+    return min(wanted, by_length, _MAX_SPLITS)
 
 
 def _check_hint(name: str, value: int | None, minimum: int) -> None:
@@ -529,11 +538,11 @@ def paged_attention(
     dot_precision = "ieee" if upcast else "tf32"
     qk_scale = float(scale) * _LOG2E
     window = sliding_window if sliding_window is not None else 0
-    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    stride_q, stride_out = q.stride(), out.stride()
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
 
     if max_query_len == 1:
-        block_n = _decode_block_n(head_dim)
+        block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
         if num_splits is None:
             max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
             if sliding_window is not None:
@@ -549,7 +558,7 @@ def paged_attention(
             q, k_cache, v_cache, out, part_max, part_sum, part_acc,
             block_tables, seq_lens, query_start_loc,
             num_heads, qk_scale, window,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            stride_q[0], stride_q[1], stride_out[0], stride_out[1],
             *cache_strides, block_tables.stride(0),
             GROUP=group,
             BLOCK_H=max(16, next_power_of_2(group)),
@@ -560,13 +569,13 @@ def paged_attention(
             HAS_WINDOW=sliding_window is not None,
             UPCAST=upcast,
             DOT_PRECISION=dot_precision,
-            num_warps=4,
-            num_stages=3,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         if num_splits > 1:
             _reduce_splits_kernel[(num_seqs, num_heads)](
                 out, part_max, part_sum, part_acc, query_start_loc,
-                num_heads, out.stride(0), out.stride(1),
+                num_heads, stride_out[0], stride_out[1],
                 HEAD_DIM=head_dim,
                 NUM_SPLITS=num_splits,
                 BLOCK_S=next_power_of_2(num_splits),
@@ -575,13 +584,13 @@ def paged_attention(
         return out
 
     group_pad = next_power_of_2(group)
-    block_m, block_n, num_warps = _general_config(head_dim, group_pad, max_query_len)
+    block_m, block_n, num_warps, num_stages = _general_config(head_dim, group_pad, max_query_len, q.dtype)
     block_q = block_m // group_pad
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         num_seqs, qk_scale, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        stride_q[0], stride_q[1], stride_out[0], stride_out[1],
         *cache_strides, block_tables.stride(0),
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -595,6 +604,6 @@ def paged_attention(
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     return out

@@ -237,8 +237,8 @@ class AsyncEngine:
                         await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
-                sampled = await self._device.run(self._runner.execute, out)
-                core.process(out, sampled)
+                result = await self._device.run(self._runner.execute, out)
+                core.process(out, result.sampled, result.logprobs)
                 # Let the streams' consumers take their chunks before the next step.
                 await anyio.lowlevel.checkpoint()
         except BaseException as e:
@@ -323,18 +323,25 @@ class AsyncEngine:
         ids: list[list[int]] = [[] for _ in range(n)]
         reasons: list[Any] = [None] * n
         stops: list[Any] = [None] * n
+        lps: list[list] = [[] for _ in range(n)]
         usage = None
         async with stream:
             async for chunk in stream:
                 texts[chunk.index].append(chunk.text)
                 ids[chunk.index].extend(chunk.token_ids)
+                if chunk.logprobs:
+                    lps[chunk.index].extend(chunk.logprobs)
                 if chunk.finish_reason is not None:
                     reasons[chunk.index] = chunk.finish_reason
                     stops[chunk.index] = chunk.stop_reason
                 if chunk.usage is not None:
                     usage = chunk.usage
         outputs = tuple(
-            CompletionOutput(i, "".join(texts[i]), tuple(ids[i]), reasons[i], stops[i]) for i in range(n)
+            CompletionOutput(
+                i, "".join(texts[i]), tuple(ids[i]), reasons[i], stops[i],
+                tuple(lps[i]) if stream.group.params.logprobs is not None else None,
+            )
+            for i in range(n)
         )
         g = stream.group
         return RequestOutput(g.request_id, g.prompt, tuple(g.prompt_token_ids), outputs, usage)

@@ -9,7 +9,6 @@ so each is atomic with respect to the tasks that consume streams.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Callable, Optional
 
@@ -24,12 +23,13 @@ __all__ = ["EngineCore", "RequestGroup"]
 
 
 class _Seq:
-    __slots__ = ("req", "detok", "pending_ids", "done")
+    __slots__ = ("req", "detok", "pending_ids", "pending_logprobs", "done")
 
     def __init__(self, req: Request, detok: IncrementalDetokenizer):
         self.req = req
         self.detok = detok
         self.pending_ids: list[int] = []  # generated but not yet sent in a chunk
+        self.pending_logprobs: list = []
         self.done = False
 
 
@@ -126,7 +126,7 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def process(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def process(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None) -> None:
         """Applies a step's sampled tokens: counters, stop checks, text, stream chunks."""
         self.num_steps += 1
         touched: list[RequestGroup] = []
@@ -135,6 +135,8 @@ class EngineCore:
             seq = group.seqs[req.request_id]
             token = req.token_ids[-1]
             seq.pending_ids.append(token)
+            if logprobs and req.request_id in logprobs:
+                seq.pending_logprobs.append(logprobs[req.request_id])
             self.num_generation_tokens += 1
             group.num_completion_tokens += 1
             finished = req.status.finished
@@ -170,8 +172,10 @@ class EngineCore:
         chunk = StreamChunk(
             group.request_id, seq.req.index, text, tuple(seq.pending_ids), reason,
             seq.req.stop_reason if reason == "stop" else None, usage,
+            tuple(seq.pending_logprobs) if seq.req.params.logprobs is not None else None,
         )
         seq.pending_ids = []
+        seq.pending_logprobs = []
         group.queue.append(chunk)
         if notify:
             group.notify()

@@ -22,9 +22,10 @@ from ..engine.scheduler import SchedulerOutput
 from ..model.config import ModelConfig
 from ..model.llama import AttentionMetadata, LlamaForCausalLM
 from ..model.loader import load_weights
+from ..outputs import TokenLogprob
 from .sampler import SamplingRow, sample
 
-__all__ = ["ModelRunner", "resolve_device", "resolve_dtype"]
+__all__ = ["ModelOutput", "ModelRunner", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,14 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elt = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elt
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    """What a step returns to the engine: sampled tokens and, where asked, logprobs."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprob]
 
 
 @dataclasses.dataclass
@@ -199,8 +208,9 @@ class ModelRunner:
 
     # --- one step (device thread) ------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Runs one step; returns ``{req_id: sampled token}`` for every sequence that samples."""
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """Runs one step: the sampled token of every sequence that samples (and its
+        logprobs where asked for)."""
         for req_id in out.finished_req_ids:
             self.states.pop(req_id, None)
         for new in out.new_requests:
@@ -210,7 +220,7 @@ class ModelRunner:
                 gen.manual_seed(new.seed)
             self.states[new.req_id] = _SeqState(new.params, new.prompt_token_ids, [], new.stop_token_ids, gen)
         if not out.seqs:
-            return {}
+            return ModelOutput({}, {})
 
         input_ids, positions, meta, logits_idx, sampling_ids = self._prepare(out)
         hidden = self.model(input_ids, positions, meta)
@@ -219,11 +229,13 @@ class ModelRunner:
         for req_id in sampling_ids:
             st = self.states[req_id]
             rows.append(SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator))
-        tokens = sample(logits, rows)
-        result = {}
-        for req_id, tok in zip(sampling_ids, tokens):
+        tokens, logprobs = sample(logits, rows)
+        result = ModelOutput({}, {})
+        for req_id, tok, lp in zip(sampling_ids, tokens, logprobs):
             self.states[req_id].output_token_ids.append(tok)
-            result[req_id] = tok
+            result.sampled[req_id] = tok
+            if lp is not None:
+                result.logprobs[req_id] = lp
         return result
 
     def _prepare(self, out: SchedulerOutput):

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..outputs import TokenLogprob
 from ..sampling_params import SamplingParams
 
 __all__ = ["SamplingRow", "sample"]
@@ -62,9 +63,31 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _logprobs(processed: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list[Optional[TokenLogprob]]:
+    """Log-probabilities of the sampled tokens (and top-k) for the rows that asked."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[Optional[TokenLogprob]] = [None] * len(rows)
+    if not wanted:
+        return result
+    idx = torch.tensor(wanted, device=processed.device)
+    lp = processed[idx].log_softmax(dim=-1)  # [W, vocab]
+    chosen = torch.tensor([tokens[i] for i in wanted], device=processed.device)
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    k = max(rows[i].params.logprobs for i in wanted)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
+    top_lp = top_lp.tolist() if k > 0 else None
+    top_ids = top_ids.tolist() if k > 0 else None
+    for j, i in enumerate(wanted):
+        kk = rows[i].params.logprobs
+        top = tuple(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else ()
+        result[i] = TokenLogprob(tokens[i], chosen_lp[j], top)
+    return result
+
+
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """One token per row of ``logits`` [N, vocab] (fp32; modified in place)."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+    """One token per row of ``logits`` [N, vocab] (fp32; modified in place), and each
+    row's :class:`TokenLogprob` where its params ask for logprobs (else None)."""
     n, vocab = logits.shape
     device = logits.device
 
@@ -94,9 +117,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         logits -= torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1) * out_counts
         logits -= torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1) * (out_counts > 0)
 
+    processed = logits  # what logprobs are computed from; later steps make new tensors
     greedy = [r.params.temperature == 0.0 for r in rows]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1).tolist()
+        return tokens, _logprobs(processed, tokens, rows)
     greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
 
     temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=logits.dtype, device=device)
@@ -126,4 +151,5 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     tokens = (probs / race).argmax(dim=-1)
     if greedy_tokens is not None:
         tokens = torch.where(torch.tensor(greedy, device=device), greedy_tokens, tokens)
-    return tokens.tolist()
+    tokens = tokens.tolist()
+    return tokens, _logprobs(processed, tokens, rows)

@@ -1,0 +1,285 @@
+"""The ``"cuda"`` backend: the compiled csrc extension (``asyncgen._C``) for the KV-cache
+write and decode attention, Triton for the rest.
+
+The extension is built in place by ``python3 setup.py build_ext --inplace`` (or
+``pip install -e . --no-build-isolation``) on a machine with the CUDA toolkit and a CUDA
+build of torch; its ops live under ``torch.ops.asyncgen_C``. This module imports without
+it: :func:`is_available` says whether it loaded, :func:`ops` raises ``RuntimeError``
+saying how to build it.
+
+Routing (the launchers keep the reference signatures and raise ``ValueError`` naming
+the argument on bad input):
+
+- ``store_kv_cache``: csrc when key and cache share a 2- or 4-byte dtype and each cache
+  block is contiguous; Triton otherwise.
+- ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
+  bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
+  lengths; Triton for everything else (prefill chunks, mixed batches, other shapes).
+  ``max_query_len`` / ``max_seq_len`` hints avoid a host sync; without them they are
+  computed from the device tensors (a sync), so pass them on the hot path and under
+  CUDA graphs. ``max_seq_len`` must bound ``seq_lens`` from above: it sizes the split-K
+  partitions, and the launch configuration depends only on it and the shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from . import Ops
+
+__all__ = ["is_available", "ops"]
+
+BUILD_HINT = (
+    "the csrc extension asyncgen._C is not built; on a machine with the CUDA toolkit (nvcc) "
+    "and a CUDA build of torch run `python3 setup.py build_ext --inplace` in the repository "
+    "root (or `pip install -e . --no-build-isolation`)"
+)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_DECODE_DTYPES = (torch.float16, torch.bfloat16)
+_DECODE_HEAD_DIMS = (64, 128, 256)
+_TILE = 16  # the decode kernel's token tile; block_size must be a multiple
+_MAX_DECODE_SEQS = 65535
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[ModuleType | None, str]:
+    """(the extension module or None, why it is missing); tried once."""
+    try:
+        from .. import _C
+    except (ImportError, OSError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    _register_fakes()
+    return _C, ""
+
+
+def _extension() -> ModuleType | None:
+    return _load()[0]
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations, so torch.compile can trace through the ops."""
+    register = getattr(torch.library, "register_fake", None)
+    if register is None:  # torch < 2.4
+        return
+    for name in ("store_kv_cache", "paged_attention_decode"):
+        try:
+            register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
+        except RuntimeError:  # already registered
+            pass
+
+
+def is_available() -> bool:
+    """Whether the extension imports and a CUDA device is present. Never raises."""
+    try:
+        return _extension() is not None and torch.cuda.is_available()
+    except Exception:  # a broken CUDA setup counts as unavailable
+        return False
+
+
+def ops() -> Ops:
+    """The op bundle: csrc attention and cache write, Triton norm/rotary/activation."""
+    if _extension() is None:
+        raise RuntimeError(f"{BUILD_HINT} ({_load()[1]})")
+    if not torch.cuda.is_available():
+        raise RuntimeError("the cuda ops backend needs a CUDA device, and torch sees none")
+    from . import triton_backend
+
+    t = triton_backend.ops()
+    return Ops("cuda", t.rms_norm, t.rotary_embedding, t.silu_and_mul, store_kv_cache, paged_attention)
+
+
+# ----------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    return t
+
+
+def _check_same_cuda_device(**tensors: torch.Tensor) -> None:
+    first, device = None, None
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} is on {t.device}; the cuda backend needs CUDA tensors")
+        if device is None:
+            first, device = name, t.device
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {device}; all tensors must share a device")
+
+
+def _check_hint(name: str, value: object, minimum: int) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be None or an int >= {minimum}, got {value!r}")
+
+
+def _block_contiguous(cache: torch.Tensor) -> bool:
+    """[num_blocks, block_size, num_kv_heads, head_dim] with each block contiguous."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    return cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(1) == num_kv_heads * head_dim
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes ``key[t]`` / ``value[t]`` to flat slot ``slot_mapping[t]`` of the caches,
+    skipping slots of -1; see the reference. Slots must be below
+    ``num_blocks * block_size`` (not checked on the device)."""
+    _check_tensor("key", key, 3, _FLOAT_DTYPES)
+    _check_tensor("value", value, 3, (key.dtype,))
+    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,))
+    _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if tuple(value.shape) != tuple(key.shape):
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache must have shape [num_blocks, block_size, {num_kv_heads}, {head_dim}] to match key, "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}")
+    _check_same_cuda_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    if (
+        key.dtype == k_cache.dtype
+        and _block_contiguous(k_cache)
+        and _block_contiguous(v_cache)
+        and slot_mapping.is_contiguous()
+        and _extension() is not None
+    ):
+        torch.ops.asyncgen_C.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    from . import triton_backend
+
+    triton_backend.ops().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its cached keys and values; see
+    the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
+
+    ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
+    ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
+    configuration without reading the device; either one left out is computed with a
+    host sync.
+    """
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_tensor("k_cache", k_cache, 4, (q.dtype,))
+    _check_tensor("v_cache", v_cache, 4, (q.dtype,))
+    _check_tensor("block_tables", block_tables, 2, _INDEX_DTYPES)
+    _check_tensor("seq_lens", seq_lens, 1, _INDEX_DTYPES)
+    _check_tensor("query_start_loc", query_start_loc, 1, _INDEX_DTYPES)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"k_cache has head_dim {cache_head_dim} but q has {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({num_kv_heads})")
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must have {num_seqs} rows (one per sequence), got {tuple(block_tables.shape)}")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc must have shape ({num_seqs + 1},), got {tuple(query_start_loc.shape)}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise ValueError(f"scale must be a float, got {scale!r}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    _check_hint("max_query_len", max_query_len, 0)
+    _check_hint("max_seq_len", max_seq_len, 0)
+    if out is not None:
+        _check_tensor("out", out, 3, (q.dtype,))
+        if tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                   query_start_loc=query_start_loc)
+    _check_same_cuda_device(**tensors, **({"out": out} if out is not None else {}))
+
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    # One query per sequence exactly when there are as many tokens as sequences and none
+    # has more than one (query lengths are >= 0 and sum to num_tokens).
+    if max_query_len is None and num_tokens == num_seqs:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # host sync
+    if max_query_len == 1 and num_tokens == num_seqs and _decode_supported(q, k_cache, v_cache, block_tables,
+                                                                           seq_lens, out):
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())  # host sync
+        torch.ops.asyncgen_C.paged_attention_decode(
+            out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), max_seq_len, sliding_window or 0
+        )
+        return out
+
+    from . import triton_backend
+
+    return triton_backend.ops().paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out,
+        max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )
+
+
+def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
+    """Whether the csrc decode kernel takes these (else Triton does)."""
+    head_dim = q.shape[2]
+    return (
+        _extension() is not None
+        and q.dtype in _DECODE_DTYPES
+        and head_dim in _DECODE_HEAD_DIMS
+        and k_cache.shape[1] % _TILE == 0
+        and q.shape[0] <= _MAX_DECODE_SEQS
+        and block_tables.dtype == torch.int32
+        and block_tables.stride(1) == 1
+        and seq_lens.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and all(
+            _block_contiguous(c) and c.stride(0) % 8 == 0 and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)
+        )
+        and out.stride(2) == 1
+    )

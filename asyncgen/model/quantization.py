@@ -1,0 +1,423 @@
+"""AWQ and GPTQ checkpoints: their config, their tensors, and the linear method that runs them.
+
+A checkpoint whose ``config.json`` has a ``quantization_config`` (or whose directory has
+a ``quantize_config.json``) gets :func:`linear_method_factory`; every decoder linear layer
+then loads its packed tensors through :class:`QuantLinearMethod`. Embeddings, norms and
+the LM head are never quantized by these tools and load as usual.
+
+The two formats, per checkpoint module with ``K`` input and ``N`` output features::
+
+    AWQ (GEMM)  qweight [K, N // 8] int32   packed along N; within a word, field p holds
+                                            column 8j + ORDER[p], ORDER = [0,2,4,6,1,3,5,7]
+                qzeros  [G, N // 8] int32   same packing, zero points as stored
+                scales  [G, N]      fp16    G = K / group_size
+    GPTQ        qweight [K*bits/32, N] int32  packed along K, field i of word j = row j*pack + i
+                qzeros  [G, ceil(N*bits/32)] int32  packed along N; checkpoint format v1
+                                            ("gptq") stores zero - 1, v2 ("gptq_v2") the zero
+                scales  [G, N]      fp16    G = ceil(K / group_size), 1 when group_size = -1
+                g_idx   [K]         int32   group of each input row (act-order when desc_act)
+
+    weight[n, k] = (code[k, n] - zero[g(k), n]) * scale[g(k), n]
+
+Loading converts both into one layout (see :mod:`asyncgen._ops.quant_reference`):
+codes packed along K, unpacked zero points, and for act-order checkpoints the input rows
+sorted by group. How each layer then computes:
+
+- ``"dense"`` (the CPU default): the weight is dequantized once, at load, into an
+  ordinary ``[N, K]`` weight of the compute dtype; ``apply`` is ``F.linear``.
+- ``"triton"`` (the CUDA default): the weight stays packed (4 or 8 bits a weight) and
+  the Triton kernels dequantize tiles in registers: a GEMV for a few rows (decode), a
+  GEMM for prompt chunks and large batches.
+- ``"reference"``: packed, multiplied by the torch reference (tests).
+
+Act-order (``desc_act``) checkpoints: the rows of each module's weight are permuted once
+at load so that ``g_idx`` becomes sorted; when every group then spans ``group_size``
+consecutive rows (always the case for tool-made checkpoints) the kernels read one scale
+row per tile, and they gather the activation columns through the same permutation
+(``x[:, perm]``, fused into the load of the activation tile). A ``g_idx`` that does not
+sort into equal groups still works: the sorted per-row group indices go to the kernel.
+Fused layers (q|k|v, gate|up) whose parts carry different ``g_idx`` are multiplied part
+by part, each into its columns of one output.
+
+GPTQ v1 zero points are converted by adding ``0x11111111`` (4-bit; ``0x01010101``
+8-bit) to each packed 32-bit word, carries included: the exact inverse of how GPTQModel
+writes v1 (subtracting the same constant from its v2 words), and identical to adding one
+to every field wherever no field holds 0xF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .._ops import quant_reference as qref
+from ..errors import UnsupportedModelError, WeightsError
+from .linear import LinearBase, LinearMethod, check_shape
+
+__all__ = ["QuantConfig", "QuantLinearMethod", "QuantScheme", "linear_method_factory"]
+
+METHODS = ("awq", "gptq")
+KERNELS = ("auto", "dense", "reference", "triton")
+# At most this many rows go to the GEMV kernel; more go to the GEMM.
+GEMV_MAX_ROWS = 4
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field p of an AWQ word holds column ORDER[p]
+_GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> offset added to stored zeros
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+# --- config ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """How one module's weight was quantized."""
+
+    method: str  # "awq" or "gptq"
+    bits: int
+    group_size: int  # rows per group; -1: one group over all input rows
+    desc_act: bool  # GPTQ act-order: g_idx is required and may be any permutation of groups
+    zero_offset: int  # added to every stored zero-point field (1 for GPTQ v1 checkpoints)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's ``quantization_config``, validated once.
+
+    ``skip``: module-name substrings left unquantized (AWQ's ``modules_to_not_convert``).
+    ``dynamic``: GPTQModel's per-module rules, in order: (regex, None) leaves a matching
+    module unquantized, (regex, scheme) quantizes it with ``scheme``; the first match wins.
+    """
+
+    scheme: QuantScheme
+    skip: tuple[str, ...] = ()
+    dynamic: tuple[tuple[re.Pattern, Optional[QuantScheme]], ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "QuantConfig":
+        if not isinstance(raw, dict):
+            raise UnsupportedModelError(f"quantization_config must be a JSON object, got {type(raw).__name__}")
+        method = str(raw.get("quant_method") or raw.get("method") or _guess_method(raw)).lower()
+        if method not in METHODS:
+            raise UnsupportedModelError(
+                f"quantization method {method!r} is not supported; supported: {', '.join(METHODS)}"
+            )
+        if raw.get("lm_head"):
+            raise UnsupportedModelError("a quantized lm_head (quantization_config.lm_head = true) is not supported")
+        pack_dtype = str(raw.get("pack_dtype", "int32")).replace("torch.", "")
+        if pack_dtype != "int32":
+            raise UnsupportedModelError(f"{method} pack_dtype {pack_dtype!r} is not supported; only 'int32'")
+        scheme = _scheme(method, raw, raw)
+        skip = tuple(raw.get("modules_to_not_convert") or ())
+        dynamic = []
+        for pattern, overrides in (raw.get("dynamic") or {}).items():
+            negative = pattern.startswith("-:")
+            regex = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
+            try:
+                compiled = re.compile(regex)
+            except re.error as e:
+                raise UnsupportedModelError(f"quantization_config.dynamic pattern {pattern!r} is invalid: {e}") from e
+            dynamic.append((compiled, None if negative else _scheme(method, {**raw, **(overrides or {})}, raw)))
+        return cls(scheme, skip, tuple(dynamic))
+
+    def scheme_for(self, module: str) -> Optional[QuantScheme]:
+        """The scheme of checkpoint module ``module`` (e.g. ``model.layers.0.mlp.up_proj``),
+        or None when the checkpoint keeps it unquantized."""
+        if any(s in module for s in self.skip):
+            return None
+        for regex, scheme in self.dynamic:
+            if regex.match(module):
+                return scheme
+        return self.scheme
+
+
+def _guess_method(raw: dict[str, Any]) -> str:
+    """AutoAWQ's and AutoGPTQ's own config files may lack ``quant_method``."""
+    if "w_bit" in raw or "q_group_size" in raw:
+        return "awq"
+    if "bits" in raw:
+        return "gptq"
+    raise UnsupportedModelError("quantization_config has no quant_method")
+
+
+def _scheme(method: str, raw: dict[str, Any], base: dict[str, Any]) -> QuantScheme:
+    try:
+        bits = int(raw.get("bits", raw.get("w_bit", 4)))
+        group_size = int(raw.get("group_size", raw.get("q_group_size", 128)))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedModelError(f"{method} quantization_config has a non-integer bits or group_size: {e}") from e
+    if group_size == 0 or group_size < -1:
+        raise UnsupportedModelError(f"{method} group_size {group_size} is not supported; use a positive size or -1")
+    if method == "awq":
+        if bits != 4:
+            raise UnsupportedModelError(f"AWQ with {bits} bits is not supported; only 4-bit")
+        version = str(raw.get("version") or raw.get("format") or "gemm").lower()
+        if version != "gemm":
+            raise UnsupportedModelError(f"AWQ version/format {version!r} is not supported; only 'gemm'")
+        if not raw.get("zero_point", True):
+            raise UnsupportedModelError("AWQ without zero points (zero_point = false) is not supported")
+        if group_size == -1:
+            raise UnsupportedModelError("AWQ with group_size -1 is not supported")
+        return QuantScheme("awq", 4, group_size, False, 0)
+    if bits not in (4, 8):
+        raise UnsupportedModelError(f"GPTQ with {bits} bits is not supported; supported: 4, 8")
+    fmt = str(base.get("checkpoint_format") or base.get("format") or "gptq").lower()
+    if fmt not in _GPTQ_FORMATS:
+        raise UnsupportedModelError(
+            f"GPTQ checkpoint_format {fmt!r} is not supported; supported: {', '.join(_GPTQ_FORMATS)}"
+        )
+    return QuantScheme("gptq", bits, group_size, bool(raw.get("desc_act", False)), _GPTQ_FORMATS[fmt])
+
+
+def linear_method_factory(model_cfg, kernel: str = "auto") -> Callable[[str], Optional[LinearMethod]]:
+    """``prefix -> LinearMethod | None`` for the model's quantization config.
+
+    ``kernel``: one of :data:`KERNELS`; "auto" is "triton" on CUDA and "dense" elsewhere.
+    Raises :class:`UnsupportedModelError` naming what the config asks for that is not
+    implemented.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    cfg = QuantConfig.from_dict(model_cfg.quantization)
+
+    def factory(prefix: str) -> Optional[LinearMethod]:
+        head, _, last = prefix.rpartition(".")
+        modules = [f"{head}.{p}" for p in _FUSED_PARTS[last]] if last in _FUSED_PARTS else [prefix]
+        schemes = {m: cfg.scheme_for(m) for m in modules}
+        if len(set(schemes.values())) > 1:
+            detail = ", ".join(f"{m}: {s}" for m, s in schemes.items())
+            raise UnsupportedModelError(f"the parts of fused layer {prefix} are quantized differently ({detail})")
+        scheme = schemes[modules[0]]
+        return None if scheme is None else QuantLinearMethod(scheme, kernel)
+
+    return factory
+
+
+# --- the linear method ------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Segment:
+    """Output columns [start, end) of a layer that share one input permutation."""
+
+    start: int
+    end: int
+    perm: Optional[torch.Tensor]  # [K] int64: weight row k multiplies input column perm[k]
+    g_idx: Optional[torch.Tensor]  # [K] int32 group of each (permuted) row; None: k // group_size
+
+
+@dataclasses.dataclass
+class _Part:
+    """One checkpoint module's tensors, converted as they arrive (this rank's slice)."""
+
+    codes: Optional[torch.Tensor] = None  # [K, n] uint8, checkpoint row order
+    zeros: Optional[torch.Tensor] = None  # [G, n] int16, the true zero points
+    scales: Optional[torch.Tensor] = None  # [G, n]
+    g_idx: Optional[torch.Tensor] = None  # [K] int64
+
+
+class QuantLinearMethod(LinearMethod):
+    """Loads one (possibly fused) layer's AWQ or GPTQ tensors and multiplies by them.
+
+    Tensors are checked and converted as they arrive; once every part of the layer has
+    its tensors, the layer is assembled (dense weight, or packed buffers ``qweight``
+    [K/pack, N] int32, ``scales`` and ``zeros`` [G, N]) and the converted parts dropped.
+    """
+
+    def __init__(self, scheme: QuantScheme, kernel: str = "auto"):
+        self.scheme = scheme
+        self.kernel = kernel
+        self.pack = 32 // scheme.bits
+
+    def tensor_names(self) -> list[str]:
+        names = ["qweight", "qzeros", "scales"]
+        return [*names, "g_idx"] if self.scheme.desc_act else names
+
+    # --- loading -----------------------------------------------------------------------------
+    def create_weights(self, layer: LinearBase, dtype, device) -> None:
+        device = torch.device(device)
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = "triton" if device.type == "cuda" else "dense"
+        layer.quant_kernel = kernel
+        layer.quant_dtype = dtype
+        layer.quant_device = device
+        layer.quant_parts = {shard: _Part() for shard in layer.full_rows}
+        layer.quant_segments = []
+        k = layer.checkpoint_cols()
+        size = self.scheme.group_size if self.scheme.group_size > 0 else k
+        layer.quant_group_size = size
+        layer.quant_num_groups = -(-k // size)
+
+    def load(self, layer: LinearBase, name: str, tensor: torch.Tensor, shard) -> None:
+        part = layer.quant_parts.get(shard) if hasattr(layer, "quant_parts") else None
+        full = f"{layer.checkpoint_name(shard)}.{name}"
+        if part is None:
+            raise WeightsError(f"tensor {full!r} arrived after its layer was assembled")
+        s = self.scheme
+        k, n, groups = layer.checkpoint_cols(), layer.checkpoint_rows(shard), layer.quant_num_groups
+        in_start, in_size = layer.shard_cols()
+        t = tensor.to(layer.quant_device)
+        if name == "qweight":
+            _check_dtype(full, t, (torch.int32,))
+            if s.method == "awq":
+                _check_divisible(full, "output features", n, 8)
+                check_shape(full, (k, n // 8), t.shape)
+                codes = _unpack_awq(t)
+            else:
+                _check_divisible(full, "input features", k, self.pack)
+                check_shape(full, (k // self.pack, n), t.shape)
+                codes = qref.unpack_rows(t, s.bits)
+            codes = layer.take_shard(codes[in_start : in_start + in_size], shard, dim=1)
+            part.codes = codes.to(torch.uint8)
+        elif name == "qzeros":
+            _check_dtype(full, t, (torch.int32,))
+            if s.method == "awq":
+                _check_divisible(full, "output features", n, 8)
+                check_shape(full, (groups, n // 8), t.shape)
+                zeros = _unpack_awq(t)
+            else:
+                check_shape(full, (groups, -(-n // self.pack)), t.shape)
+                if s.zero_offset:
+                    t = _add_to_fields(t, s.zero_offset, s.bits)
+                zeros = qref.unpack_cols(t, s.bits)[:, :n]
+            part.zeros = layer.take_shard(zeros, shard, dim=1).to(torch.int16)
+        elif name == "scales":
+            _check_dtype(full, t, (torch.float16, torch.bfloat16, torch.float32))
+            check_shape(full, (groups, n), t.shape)
+            part.scales = layer.take_shard(t, shard, dim=1)
+        elif name == "g_idx" and s.method == "gptq":
+            _check_dtype(full, t, (torch.int32, torch.int64))
+            check_shape(full, (k,), t.shape)
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= groups):
+                raise WeightsError(
+                    f"tensor {full!r} has group indices in [{int(t.min())}, {int(t.max())}], "
+                    f"but group_size {s.group_size} gives {groups} groups for {k} input features"
+                )
+            part.g_idx = t[in_start : in_start + in_size].long()
+        else:
+            raise WeightsError(f"unexpected tensor {full!r} for a {s.method.upper()} linear layer")
+        if self._complete(layer, need_g_idx=s.method == "gptq"):
+            self._assemble(layer)
+
+    def finalize(self, layer: LinearBase) -> None:
+        if layer.quant_parts is not None and self._complete(layer, need_g_idx=False):
+            self._assemble(layer)
+
+    def _complete(self, layer, need_g_idx: bool) -> bool:
+        return all(
+            p.codes is not None and p.zeros is not None and p.scales is not None and (p.g_idx is not None or not need_g_idx)
+            for p in layer.quant_parts.values()
+        )
+
+    def _assemble(self, layer: LinearBase) -> None:
+        """Builds the layer's weight from its converted parts (see the class docstring)."""
+        parts = list(layer.quant_parts.values())
+        layer.quant_parts = None
+        size, bits = layer.quant_group_size, self.scheme.bits
+        k = parts[0].codes.shape[0]
+        device = parts[0].codes.device
+        in_start = layer.shard_cols()[0]
+        plain = (in_start + torch.arange(k, device=device)) // size  # groups when there is no g_idx
+        groups = [p.g_idx if p.g_idx is not None else plain for p in parts]
+        if layer.quant_kernel == "dense":
+            # [N, K]: each part dequantized with its own groups, rows in checkpoint order.
+            pieces = []
+            for p, g in zip(parts, groups):
+                w = (p.codes.float() - p.zeros.float()[g]) * p.scales.float()[g]
+                pieces.append(w.to(p.scales.dtype).to(layer.quant_dtype).t())
+            layer.weight = nn.Parameter(torch.cat(pieces).contiguous(), requires_grad=False)
+            return
+        scales_dtype = parts[0].scales.dtype
+        if any(p.scales.dtype != scales_dtype for p in parts):
+            raise WeightsError(f"the parts of {layer.prefix} have scales of different dtypes")
+        codes = torch.cat([p.codes for p in parts], dim=1)  # [K, N]
+        # Consecutive parts with equal groups share a segment (one kernel launch).
+        segments, start = [], 0
+        for p, g in zip(parts, groups):
+            end = start + p.codes.shape[1]
+            if segments and torch.equal(segments[-1][2], g):
+                segments[-1][1] = end
+            else:
+                segments.append([start, end, g])
+            start = end
+        trivial = torch.arange(k, device=device) // size
+        layer.quant_segments = []
+        for start, end, g in segments:
+            perm = g_idx = None
+            if not torch.equal(g, trivial):
+                # Sort the rows by group; the kernel reads x[:, perm] against them.
+                perm = torch.argsort(g, stable=True)
+                codes[:, start:end] = codes[perm, start:end]
+                g_sorted = g[perm]
+                if not torch.equal(g_sorted, trivial):
+                    g_idx = g_sorted.to(torch.int32)  # unequal groups: per-row indices
+            layer.quant_segments.append(_Segment(start, end, perm, g_idx))
+        layer.register_buffer("qweight", qref.pack_rows(codes, bits), persistent=False)  # [K/pack, N]
+        layer.register_buffer("scales", torch.cat([p.scales for p in parts], dim=1).contiguous(), persistent=False)
+        zeros = torch.cat([p.zeros for p in parts], dim=1).to(scales_dtype).contiguous()
+        layer.register_buffer("zeros", zeros, persistent=False)  # [G, N]
+
+    # --- forward -------------------------------------------------------------------------------
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if layer.quant_kernel == "dense":
+            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        m, n = x2.shape[0], layer.out_features
+        if len(layer.quant_segments) == 1:
+            seg = layer.quant_segments[0]
+            out = self._matmul(layer, x2, layer.qweight, layer.scales, layer.zeros, seg, layer.bias, None)
+            return out.view(*lead, n)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        for seg in layer.quant_segments:
+            cols = slice(seg.start, seg.end)
+            bias = layer.bias[cols] if layer.bias is not None else None
+            self._matmul(
+                layer, x2, layer.qweight[:, cols], layer.scales[:, cols], layer.zeros[:, cols], seg, bias, out[:, cols]
+            )
+        return out.view(*lead, n)
+
+    def _matmul(self, layer, x, qweight, scales, zeros, seg: _Segment, bias, out):
+        bits, size = self.scheme.bits, layer.quant_group_size
+        if layer.quant_kernel == "reference":
+            y = qref.quant_matmul(x, qweight, scales, zeros, bits, size, seg.g_idx, seg.perm, bias)
+            if out is None:
+                return y
+            out.copy_(y)
+            return out
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            from .._ops.triton_quant_gemv import quant_gemv as kernel
+        else:
+            from .._ops.triton_quant_gemm import quant_gemm as kernel
+        return kernel(x, qweight, scales, zeros, bits, size, seg.g_idx, seg.perm, bias, out=out)
+
+
+# --- format helpers ------------------------------------------------------------------------------
+def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """[R, N // 8] AWQ words -> [R, N] codes in column order."""
+    fields = qref.unpack_cols(packed, 4)  # [R, N], field p of word j at column 8j + p
+    rows, n = fields.shape
+    codes = torch.empty_like(fields)
+    order = torch.tensor(_AWQ_ORDER, device=packed.device)
+    codes.view(rows, n // 8, 8)[:, :, order] = fields.view(rows, n // 8, 8)
+    return codes
+
+
+def _add_to_fields(words: torch.Tensor, offset: int, bits: int) -> torch.Tensor:
+    """Adds ``offset`` to every field of each int32 word as one 32-bit addition (carries
+    propagate to the next field; the top field wraps)."""
+    step = sum(offset << (bits * i) for i in range(32 // bits))
+    wide = (words.to(torch.int64) + step) & 0xFFFFFFFF
+    return torch.where(wide >= 2**31, wide - 2**32, wide).to(torch.int32)
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtypes: tuple) -> None:
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise WeightsError(f"tensor {name!r} has dtype {str(t.dtype).removeprefix('torch.')}, expected {allowed}")
+
+
+def _check_divisible(name: str, what: str, value: int, by: int) -> None:
+    if value % by:
+        raise WeightsError(f"tensor {name!r}: the layer's {what} ({value}) are not a multiple of {by}")

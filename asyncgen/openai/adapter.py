@@ -1,0 +1,509 @@
+"""From OpenAI requests to engine calls, and from engine chunks to OpenAI responses.
+
+:class:`OpenAIAdapter` is everything a host needs to serve ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models`` with one engine: it validates a request (errors are
+:class:`~asyncgen.openai.errors.APIStatusError` with OpenAI's error object), submits it,
+and returns either the whole response or an :class:`AsyncStream` of chunks.
+:func:`sse_stream` turns such a stream into server-sent events.
+
+Everything that can be wrong with a request is raised by ``create_*`` itself, before the
+first chunk, so an HTTP host can still answer 400 instead of a 200 event stream.
+Closing an :class:`AsyncStream` (or leaving ``async with``, or cancelling the task
+iterating it) aborts the engine request and frees its KV blocks.
+
+Mapping notes:
+
+* ``max_completion_tokens`` (or the older ``max_tokens``) becomes ``SamplingParams.max_tokens``;
+  absent in a chat request means "until end of turn or ``max_model_len``". The legacy
+  completions endpoint keeps OpenAI's default of 16.
+* ``top_p=0`` (allowed by OpenAI, not by SamplingParams) is greedy decoding.
+* ``logit_bias`` keys are token ids written as strings, as in OpenAI's JSON.
+* Chat ``logprobs=true`` + ``top_logprobs=k``, or completions ``logprobs=k``, ask the
+  engine for ``k`` alternatives per token. A token that ended generation (end of turn,
+  a stop token id) is not in the text and so not in the logprobs either.
+* ``developer`` messages are rendered as ``system`` messages; text content parts of one
+  message are joined with newlines.
+* ``finish_reason`` "abort" (the engine ended the request early) is passed through, as
+  vLLM's OpenAI server does.
+* Several prompts in one completions request run concurrently; when streamed, their
+  chunks are taken from each prompt in turn.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Generic, Mapping, Optional, TypeVar, Union
+
+import anyio
+from pydantic import ValidationError
+
+from ..errors import AsyncGenError
+from ..outputs import StreamChunk, TokenLogprob, Usage
+from ..sampling_params import SamplingParams
+from .errors import APIStatusError, BadRequestError, NotFoundError, from_exception, from_validation_error
+from .protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionTokenLogprob,
+    ChoiceDelta,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionUsage,
+    DeveloperMessage,
+    Model,
+    ModelList,
+    TopLogprob,
+)
+
+__all__ = ["AsyncStream", "OpenAIAdapter", "sse_stream", "to_sampling_params"]
+
+T = TypeVar("T")
+
+_EXTENSION_FIELDS = (
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "skip_special_tokens", "include_stop_str_in_output",
+)
+
+
+# --- requests ---------------------------------------------------------------------------------
+def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest]) -> SamplingParams:
+    """The engine's SamplingParams for a validated request (BadRequestError naming the
+    request's field if the combination is invalid)."""
+    chat = isinstance(request, ChatCompletionRequest)
+    if chat:
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        logprobs_field = "top_logprobs"
+    else:
+        max_tokens, max_tokens_field = request.max_tokens, "max_tokens"
+        logprobs, logprobs_field = request.logprobs, "logprobs"
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if top_p == 0.0:
+        temperature, top_p = 0.0, 1.0
+    kwargs: dict[str, Any] = dict(
+        n=request.n or 1,
+        temperature=temperature,
+        top_p=top_p,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(request.logit_bias),
+        seed=request.seed,
+        stop=request.stop or None,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+    )
+    for name in _EXTENSION_FIELDS:
+        value = getattr(request, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValidationError as e:
+        raise from_validation_error(e, {"max_tokens": max_tokens_field, "logprobs": logprobs_field}) from e
+
+
+def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequestError(
+                f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias", code="invalid_value"
+            ) from None
+        out[token_id] = value
+    return out
+
+
+def _template_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: a role and a string."""
+    out = []
+    for m in request.messages:
+        role = "system" if isinstance(m, DeveloperMessage) else m.role
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(p.text if p.type == "text" else p.refusal for p in content)
+        if content is None and isinstance(m, AssistantMessage):
+            content = m.refusal or ""
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _parse(model_cls, request: Any):
+    if isinstance(request, model_cls):
+        parsed = request
+    elif isinstance(request, Mapping):
+        try:
+            parsed = model_cls.model_validate(dict(request))
+        except ValidationError as e:
+            raise from_validation_error(e) from e
+    else:
+        raise BadRequestError("The request body must be a JSON object.", code="invalid_type")
+    parsed.check_supported()
+    return parsed
+
+
+# --- token text for logprobs ----------------------------------------------------------------------
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes
+    stand for themselves, the other 68 are moved to code points 256 and up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+class _TokenText:
+    """The exact bytes of a token, and its text as OpenAI's logprobs show it."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = _byte_decoder() if "ByteLevel" in repr(decoder) else None
+        self._added = set(getattr(tokenizer, "all_special_ids", ()))
+        try:
+            self._added.update(tokenizer.get_added_vocab().values())
+        except Exception:
+            pass
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            raw = self._bytes(token_id)
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return hit
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode()
+        return self._tok.decode([token_id]).encode()
+
+
+def _visible_logprobs(chunk: StreamChunk) -> Optional[tuple[TokenLogprob, ...]]:
+    """The chunk's logprobs without a final stop token (which is not part of the text)."""
+    lps = chunk.logprobs
+    if lps is None:
+        return None
+    if lps and chunk.finish_reason == "stop" and not isinstance(chunk.stop_reason, str):
+        lps = lps[:-1]
+    return lps
+
+
+# --- streams ----------------------------------------------------------------------------------
+class AsyncStream(Generic[T], AsyncIterator[T]):
+    """The chunks of a streamed response, like the official SDK's ``AsyncStream``.
+
+    Iterate with ``async for``; ``await stream.close()`` (or ``async with stream``) stops
+    early and aborts the generation, freeing its KV blocks at once.
+    """
+
+    def __init__(self, chunks: AsyncIterator[T]):
+        self._chunks = chunks
+
+    def __aiter__(self) -> "AsyncStream[T]":
+        return self
+
+    async def __anext__(self) -> T:
+        return await self._chunks.__anext__()
+
+    async def close(self) -> None:
+        await self._chunks.aclose()
+
+    aclose = close
+
+    async def __aenter__(self) -> "AsyncStream[T]":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+async def sse_stream(stream: AsyncStream) -> AsyncIterator[str]:
+    """Server-sent events for a streamed response: ``data: {json}\\n\\n`` per chunk, then
+    ``data: [DONE]\\n\\n``. An error after the first chunk (the engine died) is sent as
+    ``data: {"error": ...}``, which the official client raises as an APIError. Closing
+    this iterator closes ``stream`` and aborts the request."""
+    try:
+        async for chunk in stream:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except APIStatusError as e:
+        yield f"data: {e.to_response().model_dump_json()}\n\n"
+    finally:
+        await stream.close()
+    yield "data: [DONE]\n\n"
+
+
+# --- the adapter ------------------------------------------------------------------------------
+class OpenAIAdapter:
+    """Serves OpenAI chat completions, completions and models with one running engine.
+
+    ``model_names`` are the names clients may put in ``model`` (default: the engine's
+    ``model_name``, the model directory's name); any other name is a 404, as in OpenAI's
+    API. The first is the name reported in responses and ``/v1/models``.
+    """
+
+    def __init__(self, engine, *, model_names: Optional[list[str]] = None, owned_by: str = "asyncgen"):
+        self.engine = engine
+        self._model_names = list(model_names) if model_names else None
+        self.owned_by = owned_by
+        self.created = int(time.time())
+        self._token_text: Optional[_TokenText] = None
+
+    @property
+    def model_names(self) -> list[str]:
+        return self._model_names or [self.engine.model_name]
+
+    # --- models -------------------------------------------------------------------------------
+    def list_models(self) -> ModelList:
+        return ModelList(data=[Model(id=n, created=self.created, owned_by=self.owned_by) for n in self.model_names])
+
+    def retrieve_model(self, model: str) -> Model:
+        self._check_model(model)
+        return Model(id=model, created=self.created, owned_by=self.owned_by)
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise NotFoundError(
+                f"The model `{model}` does not exist. This server serves: {', '.join(self.model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    # --- chat ---------------------------------------------------------------------------------
+    async def create_chat_completion(
+        self, request: Union[ChatCompletionRequest, Mapping[str, Any]]
+    ) -> Union[ChatCompletion, AsyncStream[ChatCompletionChunk]]:
+        """A ``ChatCompletion``, or an :class:`AsyncStream` of ``ChatCompletionChunk`` when
+        ``request.stream``. Raises APIStatusError (BadRequestError, NotFoundError, ...)."""
+        req = _parse(ChatCompletionRequest, request)
+        self._check_model(req.model)
+        params = to_sampling_params(req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self._open(None, _template_messages(req), params, rid, "messages")
+        created = int(time.time())
+        if req.stream:
+            return AsyncStream(self._chat_chunks(stream, req, rid, created))
+        outs, usage = await self._collect([stream], params.n, "messages")
+        choices = []
+        for i, out in enumerate(outs):
+            logprobs = ChoiceLogprobs(content=self._chat_logprobs(out.logprobs)) if req.logprobs else None
+            message = ChatCompletionMessage(content="".join(out.texts))
+            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=out.finish_reason))
+        return ChatCompletion(id=rid, created=created, model=self.model_names[0], choices=choices, usage=usage)
+
+    async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int):
+        model = self.model_names[0]
+
+        def chunk(choices, usage=None):
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+        usage = None
+        try:
+            for i in range(req.n or 1):
+                yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+            async for c in stream:
+                lps = _visible_logprobs(c)
+                if c.text or lps:
+                    logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps or ())) if req.logprobs else None
+                    yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(content=c.text), logprobs=logprobs)])
+                if c.finish_reason is not None:
+                    yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(), finish_reason=c.finish_reason)])
+                if c.usage is not None:
+                    usage = c.usage
+        except AsyncGenError as e:
+            raise from_exception(e, prompt_param="messages") from e
+        finally:
+            await stream.aclose()
+        if req.include_usage and usage is not None:
+            yield chunk([], _usage([usage]))
+
+    def _chat_logprobs(self, lps) -> list[ChatCompletionTokenLogprob]:
+        text = self._text_of()
+        out = []
+        for lp in lps:
+            token, raw = text(lp.token_id)
+            top = [TopLogprob(token=text(t)[0], logprob=v, bytes=text(t)[1]) for t, v in lp.top]
+            out.append(ChatCompletionTokenLogprob(token=token, logprob=lp.logprob, bytes=raw, top_logprobs=top))
+        return out
+
+    # --- completions --------------------------------------------------------------------------
+    async def create_completion(
+        self, request: Union[CompletionRequest, Mapping[str, Any]]
+    ) -> Union[Completion, AsyncStream[Completion]]:
+        """A ``Completion``, or an :class:`AsyncStream` of ``Completion`` chunks when
+        ``request.stream``. A list of prompts gives ``n`` choices per prompt, numbered
+        prompt by prompt."""
+        req = _parse(CompletionRequest, request)
+        self._check_model(req.model)
+        params = to_sampling_params(req)
+        prompts = req.prompts
+        if not prompts:
+            raise BadRequestError("'prompt' must not be empty.", param="prompt", code="invalid_value")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = []
+        try:
+            for k, prompt in enumerate(prompts):
+                streams.append(self._open(prompt, None, params, rid if len(prompts) == 1 else f"{rid}-{k}", "prompt"))
+        except APIStatusError:
+            for s in streams:
+                await s.aclose()
+            raise
+        echoes = [self._echo(p) if req.echo else "" for p in prompts]
+        created = int(time.time())
+        if req.stream:
+            return AsyncStream(self._completion_chunks(streams, req, params.n, echoes, rid, created))
+        outs, usage = await self._collect(streams, params.n, "prompt")
+        choices = []
+        for index, out in enumerate(outs):
+            echo = echoes[index // params.n]
+            logprobs = self._completion_logprobs(out.logprobs, len(echo)) if req.logprobs is not None else None
+            text = echo + "".join(out.texts)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
+        return Completion(id=rid, created=created, model=self.model_names[0], choices=choices, usage=usage)
+
+    async def _completion_chunks(self, streams, req: CompletionRequest, n: int, echoes, rid: str, created: int):
+        model = self.model_names[0]
+        offsets = [len(echoes[k // n]) for k in range(n * len(streams))]
+
+        def chunk(choices, usage=None):
+            return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+        usages: list[Usage] = []
+        try:
+            if req.echo:
+                for index in range(n * len(streams)):
+                    yield chunk([CompletionChoice(index=index, text=echoes[index // n])])
+            # Chunks of several prompts are read from each in turn. The engine runs all of
+            # them concurrently whoever is reading; this only orders the reading.
+            active = list(enumerate(streams))
+            while active:
+                k, stream = active.pop(0)
+                try:
+                    c = await stream.__anext__()
+                except StopAsyncIteration:
+                    continue
+                active.append((k, stream))
+                index = k * n + c.index
+                lps = _visible_logprobs(c)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(lps or (), offsets[index])
+                offsets[index] += len(c.text)
+                if c.text or lps or c.finish_reason is not None:
+                    yield chunk([CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)])
+                if c.usage is not None:
+                    usages.append(c.usage)
+        except AsyncGenError as e:
+            raise from_exception(e, prompt_param="prompt") from e
+        finally:
+            for s in streams:
+                await s.aclose()
+        if req.include_usage and usages:
+            yield chunk([], _usage(usages))
+
+    def _completion_logprobs(self, lps, offset: int) -> CompletionLogprobs:
+        text = self._text_of()
+        out = CompletionLogprobs()
+        for lp in lps:
+            token = text(lp.token_id)[0]
+            top: dict[str, float] = {}
+            for t, v in lp.top:
+                s = text(t)[0]
+                top[s] = max(v, top.get(s, v))
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _echo(self, prompt) -> str:
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+
+    # --- shared -------------------------------------------------------------------------------
+    def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str):
+        try:
+            return self.engine.stream(prompt, params, messages=messages, request_id=request_id)
+        except (AsyncGenError, ValidationError) as e:
+            raise from_exception(e, prompt_param=prompt_param) from e
+
+    async def _collect(self, streams, n: int, prompt_param: str) -> tuple[list["_Output"], CompletionUsage]:
+        """Runs every stream to the end; their outputs, ``n`` per stream, and the total usage."""
+        outs = [_Output() for _ in range(n * len(streams))]
+        usages: list[Usage] = []
+
+        errors: list[AsyncGenError] = []
+
+        async def drain(k: int, stream) -> None:
+            try:
+                async for c in stream:
+                    out = outs[k * n + c.index]
+                    out.texts.append(c.text)
+                    lps = _visible_logprobs(c)
+                    if lps:
+                        out.logprobs.extend(lps)
+                    if c.finish_reason is not None:
+                        out.finish_reason = c.finish_reason
+                    if c.usage is not None:
+                        usages.append(c.usage)
+            except AsyncGenError as e:
+                errors.append(e)
+                tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for k, stream in enumerate(streams):
+                    tg.start_soon(drain, k, stream)
+        finally:
+            for stream in streams:
+                await stream.aclose()
+        if errors:
+            raise from_exception(errors[0], prompt_param=prompt_param) from errors[0]
+        return outs, _usage(usages)
+
+    def _text_of(self) -> _TokenText:
+        if self._token_text is None:
+            self._token_text = _TokenText(self.engine.tokenizer)
+        return self._token_text
+
+
+class _Output:
+    __slots__ = ("texts", "logprobs", "finish_reason")
+
+    def __init__(self):
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: Optional[str] = None
+
+
+def _usage(usages: list[Usage]) -> CompletionUsage:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

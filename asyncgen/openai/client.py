@@ -1,0 +1,137 @@
+"""``InProcessOpenAI``: the surface of ``openai.AsyncOpenAI`` over an engine, with no HTTP.
+
+::
+
+    client = engine.openai_client()
+    resp = await client.chat.completions.create(model=client.model, messages=[...])
+    print(resp.choices[0].message.content)
+
+    stream = await client.chat.completions.create(model=..., messages=[...], stream=True)
+    async for chunk in stream:
+        print(chunk.choices[0].delta.content or "", end="")
+
+Arguments are the SDK's: request fields as keywords, plus ``extra_body`` (merged into
+the request, e.g. ``{"top_k": 20}``), ``extra_headers``, ``extra_query`` and ``timeout``
+(accepted and ignored: there is no HTTP). The SDK's ``NOT_GIVEN`` / ``omit`` sentinels
+count as absent. Errors are :mod:`asyncgen.openai.errors` classes with the SDK's names
+and attributes (``BadRequestError.status_code``, ``.param``, ``.body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from .adapter import AsyncStream, OpenAIAdapter
+from .protocol import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
+
+__all__ = ["InProcessOpenAI"]
+
+_SENTINELS = ("NotGiven", "Omit")
+
+
+def _request(params: dict[str, Any], extra_body: Optional[dict[str, Any]]) -> dict[str, Any]:
+    body = {k: v for k, v in params.items() if type(v).__name__ not in _SENTINELS}
+    if extra_body:
+        body.update(extra_body)
+    return body
+
+
+class _ChatCompletions:
+    def __init__(self, adapter: OpenAIAdapter):
+        self._adapter = adapter
+
+    async def create(
+        self,
+        *,
+        extra_headers: Any = None,
+        extra_query: Any = None,
+        extra_body: Optional[dict[str, Any]] = None,
+        timeout: Any = None,
+        **params: Any,
+    ) -> Union[ChatCompletion, AsyncStream[ChatCompletionChunk]]:
+        """A ChatCompletion, or an AsyncStream of ChatCompletionChunk with ``stream=True``."""
+        return await self._adapter.create_chat_completion(_request(params, extra_body))
+
+
+class _Chat:
+    def __init__(self, adapter: OpenAIAdapter):
+        self.completions = _ChatCompletions(adapter)
+
+
+class _Completions:
+    def __init__(self, adapter: OpenAIAdapter):
+        self._adapter = adapter
+
+    async def create(
+        self,
+        *,
+        extra_headers: Any = None,
+        extra_query: Any = None,
+        extra_body: Optional[dict[str, Any]] = None,
+        timeout: Any = None,
+        **params: Any,
+    ) -> Union[Completion, AsyncStream[Completion]]:
+        """A Completion, or an AsyncStream of Completion chunks with ``stream=True``."""
+        return await self._adapter.create_completion(_request(params, extra_body))
+
+
+class _ModelPage:
+    """What ``models.list()`` returns: await it for the ModelList (``.data``), or iterate
+    it with ``async for`` for the models, as with the SDK's paginator."""
+
+    def __init__(self, page: ModelList):
+        self._page = page
+
+    def __await__(self):
+        async def page() -> ModelList:
+            return self._page
+
+        return page().__await__()
+
+    async def __aiter__(self):
+        for model in self._page.data:
+            yield model
+
+
+class _Models:
+    def __init__(self, adapter: OpenAIAdapter):
+        self._adapter = adapter
+
+    def list(self, **_: Any) -> _ModelPage:
+        return _ModelPage(self._adapter.list_models())
+
+    async def retrieve(self, model: str, **_: Any) -> Model:
+        return self._adapter.retrieve_model(model)
+
+
+class InProcessOpenAI:
+    """``openai.AsyncOpenAI``'s ``chat.completions``, ``completions`` and ``models``,
+    answered by ``engine`` in the caller's event loop.
+
+    The client does not own the engine: closing the client leaves the engine running.
+    ``model_names`` are the names accepted in ``model`` (default: the engine's
+    ``model_name``); ``client.model`` is the first, handy for ``model=client.model``.
+    """
+
+    def __init__(self, engine, *, model_names: Optional[list[str]] = None):
+        self.adapter = OpenAIAdapter(engine, model_names=model_names)
+        self.chat = _Chat(self.adapter)
+        self.completions = _Completions(self.adapter)
+        self.models = _Models(self.adapter)
+
+    @property
+    def model(self) -> str:
+        return self.adapter.model_names[0]
+
+    def with_options(self, **_: Any) -> "InProcessOpenAI":
+        """The SDK's per-call options (timeouts, retries) mean nothing in-process."""
+        return self
+
+    async def close(self) -> None:
+        """Nothing to release; the engine stays up (the caller owns it)."""
+
+    async def __aenter__(self) -> "InProcessOpenAI":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,480 @@
+"""OpenAI's wire format for chat completions, (legacy) completions and models, as pydantic
+models with OpenAI's field names and defaults.
+
+Requests (``ChatCompletionRequest``, ``CompletionRequest``) are what a client sends;
+they reject unknown fields the way OpenAI does ("Unrecognized request argument
+supplied"). Fields OpenAI documents but this engine cannot honour (tools, audio,
+structured outputs, ...) are accepted when absent, null or at their neutral value and
+refused otherwise by :meth:`ChatCompletionRequest.check_supported`, with ``param``
+naming the field. Fields that only label or route a request (``user``, ``metadata``,
+``store``, ``service_tier``, ``prompt_cache_key``, ...) are accepted and ignored.
+
+A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``), are accepted as extensions;
+the official client sends them through ``extra_body``.
+
+Responses (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``ModelList``,
+``ErrorResponse``) serialise to the JSON OpenAI sends. ``finish_reason`` is "stop" or
+"length", or "abort" for a request the engine ended early (the client went away or the
+engine shut down); like vLLM's OpenAI server, asyncgen passes "abort" through rather than
+disguise it as a normal stop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from .errors import BadRequestError
+
+__all__ = [
+    "AssistantMessage",
+    "ChatCompletion",
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionChunkChoice",
+    "ChatCompletionMessage",
+    "ChatCompletionRequest",
+    "ChatCompletionTokenLogprob",
+    "ChatMessage",
+    "ChoiceDelta",
+    "ChoiceLogprobs",
+    "Completion",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionUsage",
+    "DeveloperMessage",
+    "ErrorObject",
+    "ErrorResponse",
+    "FinishReason",
+    "FunctionMessage",
+    "Model",
+    "ModelList",
+    "StreamOptions",
+    "SystemMessage",
+    "ToolMessage",
+    "TopLogprob",
+    "UserMessage",
+]
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call", "abort"]
+
+_MAX_STOP_SEQUENCES = 4  # OpenAI's documented limit
+_MAX_N = 128
+
+
+# --- requests ---------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalContentPart(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImageContentPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudioContentPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class FileContentPart(_Strict):
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+UserContentPart = Annotated[
+    Union[TextContentPart, ImageContentPart, InputAudioContentPart, FileContentPart],
+    Field(discriminator="type"),
+]
+AssistantContentPart = Annotated[Union[TextContentPart, RefusalContentPart], Field(discriminator="type")]
+
+
+class SystemMessage(_Strict):
+    role: Literal["system"]
+    content: Union[str, list[TextContentPart]]
+    name: Optional[str] = None
+
+
+class DeveloperMessage(_Strict):
+    """OpenAI's newer name for system instructions; rendered as a system message."""
+
+    role: Literal["developer"]
+    content: Union[str, list[TextContentPart]]
+    name: Optional[str] = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Union[str, list[UserContentPart]]
+    name: Optional[str] = None
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Optional[Union[str, list[AssistantContentPart]]] = None
+    name: Optional[str] = None
+    refusal: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[dict[str, Any]] = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Union[str, list[TextContentPart]]
+    tool_call_id: str
+
+
+class FunctionMessage(_Strict):
+    role: Literal["function"]
+    content: Optional[str] = None
+    name: str
+
+
+ChatMessage = Annotated[
+    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage, FunctionMessage],
+    Field(discriminator="role"),
+]
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None  # accepted; nothing to obfuscate in-process
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]
+Stop = Union[str, Annotated[list[str], Field(max_length=_MAX_STOP_SEQUENCES)]]
+LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]
+
+
+class _SamplingExtensions(_Strict):
+    """Sampling fields beyond OpenAI's, with vLLM's names (``extra_body`` in the SDK)."""
+
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+
+
+class ChatCompletionRequest(_SamplingExtensions):
+    """The body of ``POST /v1/chat/completions``. Null means "the default" for every
+    optional field, as in OpenAI's API."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    model: str
+    audio: Optional[dict[str, Any]] = None
+    frequency_penalty: Optional[Penalty] = 0.0
+    function_call: Optional[Union[str, dict[str, Any]]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    logit_bias: Optional[LogitBias] = None
+    logprobs: Optional[bool] = False
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    metadata: Optional[dict[str, str]] = None
+    modalities: Optional[list[Literal["text", "audio"]]] = None
+    moderation: Optional[Any] = None
+    n: Optional[Annotated[int, Field(ge=1, le=_MAX_N)]] = 1
+    parallel_tool_calls: Optional[bool] = None
+    prediction: Optional[dict[str, Any]] = None
+    presence_penalty: Optional[Penalty] = 0.0
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[Any] = None
+    prompt_cache_retention: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    safety_identifier: Optional[str] = None
+    seed: Optional[int] = None
+    service_tier: Optional[str] = None
+    stop: Optional[Stop] = None
+    store: Optional[bool] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[Temperature] = 1.0
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    top_p: Optional[TopP] = 1.0
+    user: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        _check_stream_options(self.stream, self.stream_options)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequestError(
+                "Invalid value for 'top_logprobs': 'logprobs' must be set to true to use 'top_logprobs'.",
+                param="top_logprobs",
+            )
+        return self
+
+    def check_supported(self) -> None:
+        """Refuses (BadRequestError naming the field) what this engine does not implement."""
+        if self.tools or self.functions:
+            _unsupported("tools" if self.tools else "functions", "tool and function calling")
+        if self.tool_choice not in (None, "none", "auto"):
+            _unsupported("tool_choice", "tool and function calling")
+        if self.function_call not in (None, "none", "auto"):
+            _unsupported("function_call", "tool and function calling")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            _unsupported("response_format", f"response_format of type {fmt!r} (structured outputs)")
+        if self.audio is not None or (self.modalities and "audio" in self.modalities):
+            _unsupported("audio" if self.audio is not None else "modalities", "audio output")
+        if self.prediction is not None:
+            _unsupported("prediction", "predicted outputs")
+        if self.web_search_options is not None:
+            _unsupported("web_search_options", "web search")
+        if self.reasoning_effort is not None:
+            _unsupported("reasoning_effort", "reasoning_effort on a model that does not reason")
+        for i, m in enumerate(self.messages):
+            if isinstance(m, (ToolMessage, FunctionMessage)):
+                _unsupported(f"messages[{i}].role", f"messages with role {m.role!r} (tool calling)")
+            if isinstance(m, AssistantMessage) and (m.tool_calls or m.function_call or m.audio):
+                _unsupported(f"messages[{i}]", "assistant tool calls and audio in the history")
+            if isinstance(m, UserMessage) and isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if not isinstance(part, TextContentPart):
+                        _unsupported(f"messages[{i}].content[{j}].type", f"content parts of type {part.type!r}")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingExtensions):
+    """The body of ``POST /v1/completions`` (OpenAI's legacy endpoint)."""
+
+    model: str
+    prompt: PromptType
+    best_of: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    echo: Optional[bool] = False
+    frequency_penalty: Optional[Penalty] = 0.0
+    logit_bias: Optional[LogitBias] = None
+    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    n: Optional[Annotated[int, Field(ge=1, le=_MAX_N)]] = 1
+    presence_penalty: Optional[Penalty] = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Stop] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    suffix: Optional[str] = None
+    temperature: Optional[Temperature] = 1.0
+    top_p: Optional[TopP] = 1.0
+    user: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CompletionRequest":
+        _check_stream_options(self.stream, self.stream_options)
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            raise BadRequestError(f"Invalid value for 'best_of': it must be >= n ({n}).", param="best_of")
+        return self
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            _unsupported("suffix", "suffix (fill-in-the-middle)")
+        if self.best_of is not None and self.best_of > (self.n or 1):
+            _unsupported("best_of", "best_of greater than n")
+        if self.echo and self.logprobs is not None:
+            _unsupported("echo", "echo together with logprobs (prompt log-probabilities)")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """``prompt`` as a list of prompts (a string or a list of token ids each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+def _check_stream_options(stream: Optional[bool], options: Optional[StreamOptions]) -> None:
+    if options is not None and not stream:
+        raise BadRequestError(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
+
+
+def _unsupported(param: str, what: str) -> None:
+    raise BadRequestError(f"{what} is not supported by this server.", param=param, code="unsupported_parameter")
+
+
+# --- responses --------------------------------------------------------------------------------
+class OpenAIObject(BaseModel):
+    """Base of the response objects: pydantic models with the SDK's helpers."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready dict OpenAI's API would send."""
+        return self.model_dump(mode="json")
+
+    def to_json(self, *, indent: Optional[int] = 2) -> str:
+        return self.model_dump_json(indent=indent)
+
+
+class CompletionUsage(OpenAIObject):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(OpenAIObject):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionTokenLogprob(OpenAIObject):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(OpenAIObject):
+    content: Optional[list[ChatCompletionTokenLogprob]] = None
+    refusal: Optional[list[ChatCompletionTokenLogprob]] = None
+
+
+class ChatCompletionMessage(OpenAIObject):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+
+
+class ChatCompletionChoice(OpenAIObject):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class ChatCompletion(OpenAIObject):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Optional[CompletionUsage] = None
+    system_fingerprint: Optional[str] = None
+    service_tier: Optional[str] = None
+
+
+class ChoiceDelta(OpenAIObject):
+    """The new part of a message; fields that did not change are left out of the JSON."""
+
+    role: Optional[Literal["system", "developer", "user", "assistant", "tool"]] = None
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionChunkChoice(OpenAIObject):
+    index: int
+    delta: ChoiceDelta
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class ChatCompletionChunk(OpenAIObject):
+    """One server-sent event of a streamed chat completion. With
+    ``stream_options.include_usage`` the last one has no choices and carries ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Optional[CompletionUsage] = None
+    system_fingerprint: Optional[str] = None
+    service_tier: Optional[str] = None
+
+
+class CompletionLogprobs(OpenAIObject):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIObject):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class Completion(OpenAIObject):
+    """A legacy completion; streamed, each server-sent event is one of these too."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[CompletionUsage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class Model(OpenAIObject):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(OpenAIObject):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorObject(OpenAIObject):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(OpenAIObject):
+    """``{"error": {"message", "type", "param", "code"}}``, the body of every error."""
+
+    error: ErrorObject

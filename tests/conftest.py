@@ -1,0 +1,74 @@
+"""Shared fixtures: the real SmolLM2 model, tiny random-weight models, anyio backends."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Triton kernels are tested on the CPU through the interpreter; it must be switched on
+# before any kernel is defined.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from asyncgen.fetch import smollm2
+
+    return smollm2()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' model and tokenizer on the same weights, in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def save_tiny_model(directory: Path, arch: str, tokenizer_dir: Path, **overrides) -> Path:
+    """Saves a random-weight model of ``arch`` with SmolLM2's tokenizer into ``directory``."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    settings.update(overrides)
+    torch.manual_seed(1234)
+    model = model_cls(config_cls(**settings)).eval()
+    with torch.no_grad():  # a wider spread than the default init, so logits differ visibly
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2_path) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_path)

@@ -1,0 +1,85 @@
+"""Incremental detokenization on SmolLM2's real tokenizer."""
+
+import pytest
+
+from asyncgen.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "안녕하세요! 오늘 날씨가 정말 좋네요. 한국어 문장을 토큰 단위로 나누면 바이트가 쪼개집니다.",
+    "Emoji 🎉🚀 and CJK 漢字かな交じり文 mixed with  double  spaces.",
+    "Plain English, with punctuation: commas, periods... and (parentheses)!",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_join_to_full_decode_without_replacement_chars(tokenizer, text):
+    ids = tokenizer.encode(text)
+    det = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for t in ids:
+        det.add([t])
+        pieces.append(det.delta(finished=False))
+    det.flush()
+    pieces.append(det.delta(finished=True))
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # Multi-byte characters really were split across tokens (else this test proves little).
+    if not text.isascii():
+        assert any(p == "" for p in pieces[:-1])
+
+
+def test_partial_character_at_the_end_is_flushed_like_a_full_decode(tokenizer):
+    ids = tokenizer.encode("한국")
+    det = IncrementalDetokenizer(tokenizer)
+    det.add(ids[:-1])
+    det.flush()
+    assert det.delta(finished=True) == tokenizer.decode(ids[:-1])
+
+
+def test_stop_string_is_cut_and_never_split_across_deltas(tokenizer):
+    text = "one two three STOP four five"
+    ids = tokenizer.encode(text)
+    det = IncrementalDetokenizer(tokenizer, stop=["STOP", "zzz"])
+    pieces = []
+    for t in ids:
+        stop = det.add([t])
+        pieces.append(det.delta(finished=stop is not None))
+        if stop:
+            break
+    assert stop == "STOP"
+    assert "".join(pieces) == "one two three "
+    assert not any("S" in p for p in pieces)
+
+
+def test_held_back_prefix_is_released_when_it_does_not_become_a_stop(tokenizer):
+    ids = tokenizer.encode("alpha ST beta")
+    det = IncrementalDetokenizer(tokenizer, stop=["STOP"])
+    pieces = []
+    for t in ids:
+        assert det.add([t]) is None
+        pieces.append(det.delta(finished=False))
+    pieces.append(det.delta(finished=True))
+    assert "".join(pieces) == "alpha ST beta"
+
+
+def test_include_stop_str_in_output(tokenizer):
+    det = IncrementalDetokenizer(tokenizer, stop=["END"], include_stop_str_in_output=True)
+    assert det.add(tokenizer.encode("a b END c")) == "END"
+    assert det.delta(finished=True) == "a b END"
+
+
+def test_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("hi") + [tokenizer.eos_token_id] + tokenizer.encode(" there")
+    for skip, expected in ((True, tokenizer.decode(ids, skip_special_tokens=True)), (False, tokenizer.decode(ids))):
+        det = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        for t in ids:
+            det.add([t])
+        det.flush()
+        assert det.delta(finished=True) == expected

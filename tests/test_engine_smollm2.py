@@ -1,0 +1,244 @@
+"""End to end on the real SmolLM2-135M-Instruct: greedy tokens equal transformers'."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import anyio
+import pytest
+import torch
+
+from asyncgen import AsyncEngine, SamplingParams
+
+NEW_TOKENS = 32
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "안녕하세요, 저는",
+    "Write a haiku about the sea.",
+    "한국의 전통 음식 중에서 가장 유명한 것은 김치입니다. 김치는 배추와 고춧가루로 만들며,",
+    "List three prime numbers:",
+    "In 1969, the first humans landed on the Moon. The mission was called Apollo 11, and the astronauts were "
+    "Neil Armstrong, Buzz Aldrin and Michael Collins. Armstrong was the first to step onto the lunar surface, "
+    "followed by Aldrin, while Collins orbited above in the command module. The landing site was the Sea of "
+    "Tranquility. Describe what the astronauts did during their time on the surface, in detail:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_smollm2):
+    """transformers generate() of each prompt alone, greedy, fp32."""
+    model, tok = hf_smollm2
+    outs = {}
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = tok(p, return_tensors="pt").input_ids
+            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id)
+            outs[p] = gen[0, ids.shape[1]:].tolist()
+    return outs
+
+
+async def _generate_all(engine):
+    results = {}
+
+    async def one(p):
+        out = await engine.generate(p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=False))
+        results[p] = list(out.token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for p in PROMPTS:
+            tg.start_soon(one, p)
+    return results
+
+
+def _assert_equal_to_hf(results, hf_greedy):
+    for p in PROMPTS:
+        ours, ref = results[p], hf_greedy[p]
+        # A sequence that hit EOS in transformers stops there in asyncgen too (EOS kept).
+        assert ours == ref[: len(ours)] and len(ours) == len(ref), (p, ours, ref)
+
+
+@pytest.mark.anyio
+async def test_concurrent_greedy_equals_transformers(smollm2_path, hf_greedy):
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=1024, num_kv_blocks=256) as engine:
+        results = await _generate_all(engine)
+        stats = engine.stats()
+    _assert_equal_to_hf(results, hf_greedy)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_greedy_equals_transformers_under_preemption(smollm2_path, hf_greedy):
+    # 20 blocks of 16 tokens cannot hold all 8 sequences at once: requests get preempted.
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=1024, num_kv_blocks=20) as engine:
+        results = await _generate_all(engine)
+        stats = engine.stats()
+    assert stats.num_preemptions > 0
+    _assert_equal_to_hf(results, hf_greedy)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_greedy_equals_transformers_with_chunked_prefill(smollm2_path, hf_greedy):
+    # A 24-token budget is smaller than the longest prompt (~90 tokens): prompts are chunked.
+    async with AsyncEngine.from_pretrained(
+        smollm2_path, max_model_len=1024, num_kv_blocks=256, max_num_batched_tokens=24
+    ) as engine:
+        longest = max(len(engine.tokenizer.encode(p)) for p in PROMPTS)
+        assert longest > 24
+        results = await _generate_all(engine)
+    _assert_equal_to_hf(results, hf_greedy)
+
+
+@pytest.mark.anyio
+async def test_64_streams_complete_and_loop_stays_responsive(smollm2_path):
+    gaps = []
+    done = anyio.Event()
+
+    async def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            await anyio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    finished = []
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=512, max_num_seqs=64) as engine:
+
+        async def consume(i):
+            chunks = []
+            async for chunk in engine.stream(f"Story {i}: once upon a time", SamplingParams(max_tokens=12, temperature=0.8, seed=i)):
+                chunks.append(chunk)
+            finished.append(chunks[-1].finish_reason)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            async with anyio.create_task_group() as inner:
+                for i in range(64):
+                    inner.start_soon(consume, i)
+            done.set()
+        stats = engine.stats()
+    worst = max(gaps)
+    print(f"worst event-loop gap with 64 streams: {worst * 1000:.1f} ms over {len(gaps)} ticks")
+    assert len(finished) == 64 and all(r in ("length", "stop") for r in finished)
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert worst < 1.0
+
+
+@pytest.mark.anyio
+async def test_cancelling_streams_at_random_points_frees_every_block(smollm2_path):
+    import random
+
+    rng = random.Random(0)
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=128) as engine:
+
+        async def consume_then_cancel(i):
+            limit = rng.randrange(0, 6)
+            with anyio.move_on_after(rng.uniform(0.0, 1.5)):
+                n = 0
+                async for _ in engine.stream(f"Count to ten, take {i}:", SamplingParams(max_tokens=40, temperature=1.0)):
+                    n += 1
+                    if n > limit:
+                        break  # leaving the loop early
+
+        async with anyio.create_task_group() as tg:
+            for i in range(24):
+                tg.start_soon(consume_then_cancel, i)
+        # An explicit abort by id, too.
+        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=200), request_id="to-abort")
+        first = await stream.__anext__()
+        assert first.request_id == "to-abort"
+        assert engine.abort("to-abort")
+        rest = [c async for c in stream]
+        assert rest and rest[-1].finish_reason == "abort"
+        await anyio.sleep(0.05)
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        assert stats.num_free_blocks == stats.num_total_blocks
+        # And the engine still serves.
+        out = await engine.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
+        assert len(out.token_ids) == 4
+
+
+@pytest.mark.anyio
+async def test_korean_stream_deltas_join_to_final_text(smollm2_path):
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=64) as engine:
+        params = SamplingParams(max_tokens=48, temperature=0.9, seed=11)
+        deltas, ids = [], []
+        async for chunk in engine.stream("한국어로 짧은 시를 써 주세요: 봄비가 내리는", params):
+            deltas.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        text = "".join(deltas)
+        tok = engine.tokenizer
+        expected = tok.decode(ids[:-1] if last.finish_reason == "stop" and last.stop_reason is None else ids, skip_special_tokens=True)
+        assert text == expected
+        assert all("\ufffd" not in d for d in deltas[:-1])
+        assert any(ord(c) > 0xAC00 for c in text), text  # Hangul really came out
+
+
+@pytest.mark.anyio
+async def test_api_forms(smollm2_path):
+    engine = AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=64)
+    await engine.start()
+    try:
+        chunks = [c async for c in engine.stream("Hello", SamplingParams(max_tokens=8, temperature=0))]
+        assert str(chunks[0]) == chunks[0].text
+        assert chunks[-1].finish_reason in ("length", "stop") and all(c.finish_reason is None for c in chunks[:-1])
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in chunks)
+
+        out = await engine.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
+        assert out.text == "".join(c.text for c in chunks)
+        assert out.usage.prompt_tokens == len(engine.tokenizer.encode("Hello"))
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+        ids = engine.tokenizer.encode("Hello")
+        by_ids = await engine.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+        assert by_ids.token_ids == out.token_ids and by_ids.prompt is None
+
+        chat = await engine.generate(messages=[{"role": "user", "content": "What is 2+2?"}], params=SamplingParams(max_tokens=24, temperature=0))
+        assert "<|im_start|>assistant" in chat.prompt and chat.text
+
+        many = await engine.generate("Name a color:", SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1))
+        assert [o.index for o in many.outputs] == [0, 1, 2]
+        assert len({o.token_ids for o in many.outputs}) > 1
+        streamed = {}
+        async for c in engine.stream("Name a color:", SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1)):
+            streamed.setdefault(c.index, []).extend(c.token_ids)
+        assert {i: tuple(v) for i, v in streamed.items()} == {o.index: o.token_ids for o in many.outputs}
+
+        stops = await engine.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=30, temperature=0, stop=[" 6"]))
+        assert stops.finish_reason == "stop" and stops.outputs[0].stop_reason == " 6" and " 6" not in stops.text
+
+        lp = await engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+        assert [x.token_id for x in lp.outputs[0].logprobs] == list(lp.token_ids)
+        assert all(x.logprob <= 0 and len(x.top) == 2 and x.top[0][0] == x.token_id for x in lp.outputs[0].logprobs)
+
+        stats = engine.stats()
+        for field in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks"):
+            assert isinstance(getattr(stats, field), int)
+    finally:
+        await engine.aclose()
+    await engine.aclose()  # idempotent
+
+
+@pytest.mark.anyio
+async def test_seeded_request_is_reproducible_in_any_batch(smollm2_path):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=128) as engine:
+        alone = await engine.generate("Tell me about cats.", params)
+        results = {}
+
+        async def one(i, p, sp):
+            results[i] = await engine.generate(p, sp)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(one, i, f"Other prompt {i}", SamplingParams(max_tokens=20, temperature=1.0))
+            tg.start_soon(one, "seeded", "Tell me about cats.", params)
+    assert results["seeded"].token_ids == alone.token_ids

@@ -1,0 +1,262 @@
+"""Bad input: each gets a clear, typed error, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from pydantic import ValidationError
+
+from asyncgen import (
+    AsyncEngine,
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineStateError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    SamplingParams,
+    UnsupportedModelError,
+    WeightsError,
+)
+
+ENGINE_ARGS = dict(max_model_len=256, num_kv_blocks=32)
+
+
+# --- model directories ---------------------------------------------------------------------
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        AsyncEngine.from_pretrained(tmp_path / "nope")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        AsyncEngine.from_pretrained(tmp_path)
+
+
+def test_file_instead_of_directory(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="directory"):
+        AsyncEngine.from_pretrained(f)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError) as info:
+        AsyncEngine.from_pretrained(tmp_path)
+    assert "GPT2LMHeadModel" in str(info.value) and "LlamaForCausalLM" in str(info.value)
+
+
+def test_unsupported_rope_scaling(tiny_llama, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        AsyncEngine.from_pretrained(d)
+
+
+def test_bad_engine_option_names_the_field(tiny_llama):
+    with pytest.raises(ValidationError, match="dtype"):
+        AsyncEngine.from_pretrained(tiny_llama, dtype="int3")
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        AsyncEngine.from_pretrained(tiny_llama, max_num_seqs=0)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_hub_id_fails_clearly_without_network(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    engine = AsyncEngine.from_pretrained("some-org/some-model")
+    with pytest.raises(ModelNotFoundError, match="some-org/some-model"):
+        await engine.start()
+
+
+def _rewrite_weights(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_missing_tensor_is_named(tiny_llama, tmp_path):
+    d = _rewrite_weights(tiny_llama, tmp_path / "m", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_misshaped_tensor_names_both_shapes(tiny_llama, tmp_path):
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:16].clone()
+
+    d = _rewrite_weights(tiny_llama, tmp_path / "m", edit)
+    with pytest.raises(WeightsError) as info:
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+    msg = str(info.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "(16, 64)" in msg and "(32, 64)" in msg
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_corrupt_safetensors_file(tiny_llama, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(WeightsError, match="model.safetensors"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+# --- requests ----------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    (dict(), InvalidRequestError, "exactly one"),
+    (dict(prompt="hi", messages=[{"role": "user", "content": "hi"}]), InvalidRequestError, "exactly one"),
+    (dict(prompt=""), InvalidRequestError, "empty"),
+    (dict(prompt=[]), InvalidRequestError, "empty"),
+    (dict(prompt=[1, -5]), InvalidRequestError, "token ids"),
+    (dict(prompt=[1, 10**9]), InvalidRequestError, "token ids"),
+    (dict(prompt=3.5), InvalidRequestError, "str or a list"),
+    (dict(prompt="word " * 400), PromptTooLongError, "max_model_len"),
+    (dict(prompt="hi", params=SamplingParams(max_tokens=500)), PromptTooLongError, "max_tokens"),
+    (dict(prompt="hi", params=SamplingParams(stop_token_ids=[10**7])), InvalidRequestError, "stop_token_ids"),
+    (dict(prompt="hi", params=SamplingParams(logit_bias={10**7: 1.0})), InvalidRequestError, "logit_bias"),
+    (dict(prompt="hi", params={"temperature": -1}), ValidationError, "temperature"),
+    (dict(prompt="hi", params="greedy"), InvalidRequestError, "SamplingParams"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), InvalidRequestError, "role"),
+    (dict(messages=[{"content": "x"}]), InvalidRequestError, "role"),
+    (dict(messages="hello"), InvalidRequestError, "messages"),
+    (dict(prompt="hi", request_id=""), InvalidRequestError, "request_id"),
+]
+
+
+@pytest.mark.anyio
+async def test_bad_requests_raise_and_engine_keeps_serving(smollm2_path):
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=64) as engine:
+        for kwargs, error, words in BAD_REQUESTS:
+            with pytest.raises(error) as info:
+                engine.stream(**kwargs)
+            assert words in str(info.value), (kwargs, str(info.value))
+            out = await engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0))
+            assert len(out.token_ids) == 2
+        # A prompt that needs more blocks than the pool has.
+        async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=2) as small:
+            with pytest.raises(PromptTooLongError, match="blocks"):
+                small.stream("hello " * 20, SamplingParams(max_tokens=16))
+
+
+@pytest.mark.anyio
+async def test_duplicate_request_id(smollm2_path):
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        s1 = engine.stream("Hello", SamplingParams(max_tokens=30), request_id="same")
+        await s1.__anext__()
+        with pytest.raises(DuplicateRequestError, match="same"):
+            engine.stream("Hello", request_id="same")
+        await s1.aclose()
+
+
+@pytest.mark.anyio
+async def test_lifecycle_errors(smollm2_path):
+    engine = AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS)
+    with pytest.raises(EngineStateError, match="start"):
+        engine.stream("hi")
+    with pytest.raises(EngineStateError):
+        engine.stats()
+    async with engine:
+        with pytest.raises(EngineStateError, match="once"):
+            await engine.start()
+    with pytest.raises(EngineStateError, match="closed"):
+        engine.stream("hi")
+    with pytest.raises(EngineStateError):
+        async with engine:
+            pass
+
+
+@pytest.mark.anyio
+async def test_failing_step_kills_every_stream_and_a_new_engine_starts(smollm2_path):
+    import anyio
+
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        calls = {"n": 0}
+        real = engine._runner.execute
+
+        def flaky(out):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected device failure")
+            return real(out)
+
+        engine._runner.execute = flaky
+        errors = []
+
+        async def consume(i):
+            try:
+                async for _ in engine.stream(f"Prompt {i}", SamplingParams(max_tokens=50)):
+                    pass
+            except EngineDeadError as e:
+                errors.append(e)
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(consume, i)
+        assert len(errors) == 4
+        assert all(isinstance(e.__cause__, RuntimeError) and "injected" in str(e.__cause__) for e in errors)
+        with pytest.raises(EngineDeadError):
+            engine.stream("again")
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as fresh:
+        out = await fresh.generate("Hi", SamplingParams(max_tokens=2))
+        assert len(out.token_ids) == 2
+
+
+@pytest.mark.anyio
+async def test_model_steps_run_on_one_device_thread_not_the_loop(smollm2_path):
+    import threading
+
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        seen = set()
+        real = engine._runner.execute
+
+        def spy(out):
+            seen.add(threading.get_ident())
+            return real(out)
+
+        engine._runner.execute = spy
+        await engine.generate("Hi", SamplingParams(max_tokens=5))
+        await engine.generate("Hello", SamplingParams(max_tokens=5))
+    assert seen == {engine._device.ident}
+    assert threading.get_ident() not in seen
+
+
+@pytest.mark.anyio
+async def test_aclose_while_streaming_ends_streams_with_abort(smollm2_path):
+    import anyio
+
+    engine = AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS)
+    await engine.start()
+    reasons = []
+
+    async def consume():
+        last = None
+        async for c in engine.stream("Tell me a story", SamplingParams(max_tokens=100)):
+            last = c
+        reasons.append(last.finish_reason)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        tg.start_soon(consume)
+        await anyio.sleep(0.5)
+        await engine.aclose()
+    assert reasons == ["abort", "abort"]

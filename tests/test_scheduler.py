@@ -1,0 +1,146 @@
+"""Scheduler and block manager: exact block ids, chunking, preemption order (no torch)."""
+
+import pytest
+
+from asyncgen import SamplingParams
+from asyncgen.engine.block_manager import BlockManager
+from asyncgen.engine.request import Request, RequestStatus
+from asyncgen.engine.scheduler import Scheduler
+
+EOS = frozenset({2})
+
+
+def make(req_id, prompt_len, max_tokens=8, **params):
+    return Request(req_id, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **params), EOS, max_tokens)
+
+
+def step(s: Scheduler, token=7):
+    out = s.schedule()
+    s.update(out, {seq.req_id: token for seq in out.seqs if seq.sample})
+    return out
+
+
+def test_block_manager_allocates_and_frees_exact_ids():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.allocate("a", 5) == [0, 1]
+    assert bm.allocate("b", 4) == [2]
+    assert bm.allocate("a", 8) == [0, 1]  # still two blocks
+    assert bm.allocate("a", 9) == [0, 1, 3]
+    assert bm.num_free_blocks == 0
+    assert not bm.can_allocate("b", 5)
+    bm.free("a")
+    assert bm.num_free_blocks == 3
+    assert bm.allocate("b", 12) == [2, 0, 1]  # freed blocks are reused in order
+    with pytest.raises(RuntimeError):
+        bm.allocate("c", 100)
+
+
+def test_prefill_then_decode_counters():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 6))
+    out = step(s)
+    (seq,) = out.seqs
+    assert (seq.start_pos, len(seq.token_ids), seq.sample) == (0, 6, True)
+    assert seq.block_ids == [0, 1]
+    req = s.requests["a"]
+    assert req.num_computed_tokens == 6 and req.num_tokens == 7
+    out = step(s)
+    assert [(q.start_pos, q.token_ids) for q in out.seqs] == [(6, [7])]
+
+
+def test_chunked_prefill_splits_long_prompt_and_samples_only_at_the_end():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64)
+    s.add(make("a", 12))
+    chunks = []
+    for _ in range(3):
+        out = step(s)
+        chunks.append([(q.start_pos, len(q.token_ids), q.sample) for q in out.seqs])
+    assert chunks == [[(0, 5, False)], [(5, 5, False)], [(10, 2, True)]]
+    assert s.requests["a"].num_output_tokens == 1
+
+
+def test_budget_shared_between_decode_and_new_prompt():
+    s = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64)
+    s.add(make("a", 3))
+    step(s)
+    s.add(make("b", 20))
+    out = step(s)
+    assert [(q.req_id, len(q.token_ids)) for q in out.seqs] == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_limits_running():
+    s = Scheduler(BlockManager(32, 4), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    for name in "abc":
+        s.add(make(name, 2))
+    out = step(s)
+    assert [q.req_id for q in out.seqs] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_preempts_most_recently_admitted_and_recomputes_it():
+    # 4 blocks of 4 tokens: a and b take 2 blocks each after their prompts of 8.
+    s = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 8, max_tokens=6))
+    s.add(make("b", 8, max_tokens=6))
+    step(s)
+    assert s.block_manager.num_free_blocks == 0
+    out = step(s)  # a needs a third block for token 8: b (newest) is preempted
+    assert out.preempted_req_ids == ["b"]
+    assert [q.req_id for q in out.seqs] == ["a"]
+    b = s.requests["b"]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_output_tokens == 1
+    assert s.num_preemptions == 1
+    while "a" in s.requests:
+        step(s)
+    assert "a" not in s.requests
+    out = step(s)  # b comes back and recomputes prompt + its generated token
+    assert [(q.req_id, q.start_pos, len(q.token_ids)) for q in out.seqs] == [("b", 0, 9)]
+
+
+def test_finish_on_eos_max_tokens_and_stop_token_ids():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("eos", 2))
+    s.add(make("len", 2, max_tokens=2))
+    s.add(make("stopid", 2, stop_token_ids=[9]))
+    out = s.schedule()
+    s.update(out, {"eos": 2, "len": 5, "stopid": 9})
+    assert "eos" not in s.requests and "stopid" not in s.requests
+    out = s.schedule()
+    s.update(out, {"len": 5})
+    assert "len" not in s.requests
+    assert s.block_manager.num_free_blocks == 16
+
+
+def test_min_tokens_and_ignore_eos_keep_going():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("min", 2, min_tokens=2))
+    s.add(make("ign", 2, ignore_eos=True))
+    out = s.schedule()
+    s.update(out, {"min": 2, "ign": 2})
+    assert set(s.requests) == {"min", "ign"}
+    out = s.schedule()
+    s.update(out, {"min": 2, "ign": 2})
+    assert set(s.requests) == {"min", "ign"}
+    out = s.schedule()
+    s.update(out, {"min": 2, "ign": 2})
+    assert set(s.requests) == {"ign"}
+
+
+def test_abort_frees_blocks_and_skips_in_flight_result():
+    s = Scheduler(BlockManager(8, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 6))
+    out = s.schedule()
+    assert s.block_manager.num_free_blocks == 6
+    assert s.abort("a")
+    assert s.block_manager.num_free_blocks == 8
+    assert s.update(out, {"a": 5}) == []  # the step that was running for it is ignored
+    assert not s.abort("a")
+    assert s.schedule().finished_req_ids == ["a"]
+
+
+def test_max_model_len_ends_with_length():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=8)
+    s.add(make("a", 6, max_tokens=100))
+    step(s)
+    step(s)
+    assert "a" not in s.requests
