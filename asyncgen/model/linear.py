@@ -159,16 +159,21 @@ class LinearBase(nn.Module):
 
 
 class QKVLinear(LinearBase):
-    def __init__(self, prefix, hidden, num_heads, num_kv_heads, head_dim, bias, dtype, device, method=None, **tp):
-        self.shard_names = {s: f"{prefix}.{s}_proj" for s in "qkv"}
+    """``parent`` is the attention module's checkpoint prefix (``model.layers.3.self_attn``)."""
+
+    def __init__(self, parent, hidden, num_heads, num_kv_heads, head_dim, bias, dtype, device, method=None, **tp):
+        self.shard_names = {s: f"{parent}.{s}_proj" for s in "qkv"}
         sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
-        super().__init__(prefix, hidden, sizes, bias, dtype, device, method, **tp)
+        super().__init__(f"{parent}.qkv_proj", hidden, sizes, bias, dtype, device, method, **tp)
 
 
 class MergedLinear(LinearBase):
-    def __init__(self, prefix, hidden, names_sizes: dict[str, int], bias, dtype, device, method=None, **tp):
-        self.shard_names = {n: f"{prefix}.{n}" for n in names_sizes}
-        super().__init__(prefix, hidden, names_sizes, bias, dtype, device, method, **tp)
+    """Output-concatenated projections of one module, e.g. ``gate_proj`` | ``up_proj``
+    under ``parent`` = ``model.layers.3.mlp``."""
+
+    def __init__(self, parent, name, hidden, names_sizes: dict[str, int], bias, dtype, device, method=None, **tp):
+        self.shard_names = {n: f"{parent}.{n}" for n in names_sizes}
+        super().__init__(f"{parent}.{name}", hidden, names_sizes, bias, dtype, device, method, **tp)
 
 
 class RowLinear(LinearBase):

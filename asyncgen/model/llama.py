@@ -58,7 +58,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
         self.qkv_proj = QKVLinear(
-            f"{prefix}.qkv", cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            prefix, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.attention_bias, dtype, device, method_factory(f"{prefix}.qkv_proj"),
         )
         self.o_proj = RowLinear(
@@ -89,7 +89,7 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.gate_up_proj = MergedLinear(
-            f"{prefix}.gate_up", cfg.hidden_size,
+            prefix, "gate_up_proj", cfg.hidden_size,
             {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
             cfg.mlp_bias, dtype, device, method_factory(f"{prefix}.gate_up_proj"),
         )
