@@ -87,6 +87,8 @@ class ModelRunner:
         self.model: Optional[LlamaForCausalLM] = None
         self.num_blocks = 0
         self.ops_backend = self._pick_backend()
+        self._graphs: dict[int, tuple] = {}
+        self._graph_sizes: list[int] = []
 
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
@@ -125,6 +127,7 @@ class ModelRunner:
             self.num_blocks * kv_block_bytes(self.model_cfg, self.block_size, self.dtype) / 2**20,
             self.num_blocks / per_seq, self.max_model_len,
         )
+        self.capture_graphs()
         return self.num_blocks
 
     def _decide_num_blocks(self) -> int:
@@ -201,10 +204,62 @@ class ModelRunner:
         if self.model is not None:
             self._free_kv_cache()
         self.model = None
+        self._graphs.clear()
+        self._graph_inputs = None
         self.states.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    # --- CUDA graphs (device thread) --------------------------------------------------------
+    def capture_graphs(self) -> None:
+        """Captures the decode step (forward + logits) at a ladder of batch sizes.
+
+        A decode batch of ``B`` sequences replays the smallest captured size >= B with the
+        extra rows padded (slot -1: nothing written; length 1; outputs ignored). Kernel
+        launch settings depend only on shapes and on ``max_seq_len``, which is fixed at
+        ``max_model_len`` for the captured graphs.
+        """
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
+            return
+        t0 = time.perf_counter()
+        max_bs = min(self.cfg.max_num_seqs, 512)
+        sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs) if b <= max_bs})
+        max_blocks = -(-self.max_model_len // self.block_size)
+        dev = self.device
+        g = self._graph_inputs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+        }
+        self._graphs = {}
+        pool = None
+        for b in reversed(sizes):
+            meta = AttentionMetadata(
+                g["slot_mapping"][:b], g["block_tables"][:b], g["seq_lens"][:b], g["query_start_loc"][: b + 1],
+                max_query_len=1, max_seq_len=self.max_model_len,
+            )
+            with torch.inference_mode():
+                for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
+                    self.model.compute_logits(self.model(g["input_ids"][:b], g["positions"][:b], meta))
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(g["input_ids"][:b], g["positions"][:b], meta))
+                pool = graph.pool()
+            self._graphs[b] = (graph, logits)
+        self._graph_sizes = sizes
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
+
+    def _graph_for(self, batch: int):
+        for b in self._graph_sizes:
+            if b >= batch:
+                return b
+        return None
 
     # --- one step (device thread) ------------------------------------------------------------
     @torch.inference_mode()
@@ -222,63 +277,107 @@ class ModelRunner:
         if not out.seqs:
             return ModelOutput({}, {})
 
-        input_ids, positions, meta, logits_idx, sampling_ids = self._prepare(out)
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[logits_idx])
+        inputs = self._prepare(out)
+        graph_bs = self._graph_for(len(out.seqs)) if inputs.is_decode and self._graphs else None
+        if graph_bs is not None:
+            logits = self._replay(graph_bs, inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            logits = self.model.compute_logits(hidden[inputs.logits_idx])
         rows = []
-        for req_id in sampling_ids:
+        for req_id in inputs.sampling_ids:
             st = self.states[req_id]
             rows.append(SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator))
         tokens, logprobs = sample(logits, rows)
         result = ModelOutput({}, {})
-        for req_id, tok, lp in zip(sampling_ids, tokens, logprobs):
+        for req_id, tok, lp in zip(inputs.sampling_ids, tokens, logprobs):
             self.states[req_id].output_token_ids.append(tok)
             result.sampled[req_id] = tok
             if lp is not None:
                 result.logprobs[req_id] = lp
         return result
 
-    def _prepare(self, out: SchedulerOutput):
+    def _replay(self, b: int, inputs: "_StepInputs") -> torch.Tensor:
+        g = self._graph_inputs
+        n = inputs.input_ids.shape[0]
+        g["input_ids"][:n].copy_(inputs.input_ids)
+        g["positions"][:n].copy_(inputs.positions)
+        g["slot_mapping"][:n].copy_(inputs.meta.slot_mapping)
+        g["slot_mapping"][n:b].fill_(-1)
+        g["seq_lens"][:n].copy_(inputs.meta.seq_lens)
+        g["seq_lens"][n:b].fill_(1)
+        width = inputs.meta.block_tables.shape[1]
+        g["block_tables"][:n, :width].copy_(inputs.meta.block_tables)
+        graph, logits = self._graphs[b]
+        graph.replay()
+        return logits[:n]
+
+    def _prepare(self, out: SchedulerOutput) -> "_StepInputs":
+        """Builds the step's index tensors with numpy and moves them in one copy."""
         seqs = out.seqs
         bs = self.block_size
-        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
-        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=len(seqs))
+        n = len(seqs)
+        q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
         seq_lens = starts + q_lens
-        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         total = int(qsl[-1])
-        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=total)
-        # Position of every token: its sequence's start plus its offset within the chunk.
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = starts[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
+        if total == n:  # all decodes: one token each
+            input_ids = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
+            seq_of_token = np.arange(n)
+            positions = starts
+        else:
+            input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=total)
+            # Position of every token: its sequence's start plus its offset within the chunk.
+            seq_of_token = np.repeat(np.arange(n), q_lens)
+            positions = starts[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
         max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        tables = np.zeros((n, max_blocks), dtype=np.int64)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_ids)] = s.block_ids
-        slot_mapping = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(seqs) if s.sample]
         logits_idx = qsl[1:][sample_rows] - 1
-        dev = self.device
 
-        def put(a, dtype):
-            t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-            if dev.type == "cuda":
-                return t.pin_memory().to(dev, non_blocking=True)
-            return t
-
+        parts = (input_ids, positions, slot_mapping, seq_lens, qsl, logits_idx, tables.reshape(-1))
+        flat = np.concatenate(parts)
+        host = torch.from_numpy(flat)
+        if self.device.type == "cuda":
+            staging = self._staging(flat.size)
+            staging.numpy()[:] = flat
+            dev = staging.to(self.device, non_blocking=True)
+        else:
+            dev = host
+        views, off = [], 0
+        for a in parts:
+            views.append(dev[off : off + a.size])
+            off += a.size
+        ids_t, pos_t, slot_t, seq_lens_t, qsl_t, logits_t, tables_t = views
         meta = AttentionMetadata(
-            slot_mapping=put(slot_mapping, torch.int64),
-            block_tables=put(tables, torch.int32),
-            seq_lens=put(seq_lens, torch.int32),
-            query_start_loc=put(qsl, torch.int32),
+            slot_mapping=slot_t,
+            block_tables=tables_t.view(n, max_blocks).to(torch.int32),
+            seq_lens=seq_lens_t.to(torch.int32),
+            query_start_loc=qsl_t.to(torch.int32),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return (
-            put(input_ids, torch.int64),
-            put(positions, torch.int64),
-            meta,
-            put(logits_idx, torch.int64),
-            [seqs[i].req_id for i in sample_rows],
-        )
+        return _StepInputs(ids_t, pos_t, meta, logits_t, [seqs[i].req_id for i in sample_rows], total == n)
 
+    def _staging(self, size: int) -> torch.Tensor:
+        """A pinned host buffer of at least ``size`` int64s, reused across steps (the
+        previous step's copy has finished: sampling synchronised on its result)."""
+        buf = getattr(self, "_pinned", None)
+        if buf is None or buf.numel() < size:
+            buf = self._pinned = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
+        return buf[:size]
+
+
+@dataclasses.dataclass
+class _StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_idx: torch.Tensor  # [S] rows of the hidden states that sample
+    sampling_ids: list[str]  # the S sequences that sample, in row order
+    is_decode: bool  # every sequence computes exactly one token
