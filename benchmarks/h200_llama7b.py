@@ -1,0 +1,236 @@
+"""asyncgen against transformers on a Llama-2-7B-shaped model with random fp16 weights.
+
+One process, one GPU, the same weights for both (transformers builds the model, saves it
+as a safetensors directory, asyncgen loads that directory):
+
+  (a) offline throughput: 256 requests of 128 random prompt tokens / 256 output tokens;
+      transformers ``generate()`` at batch 256 and ``generate_batch()`` on the same inputs;
+  (b) one stream's decode tokens/s;
+  (c) time of one decode step at batch 1, 64 and 256 (context 384) against the floor set
+      by reading the weights and the KV cache once from HBM.
+
+Usage (a CUDA machine; no network): ``python benchmarks/h200_llama7b.py --tokenizer DIR``
+where DIR holds any Llama-compatible tokenizer with ids >= 32000 (SmolLM2's works); the
+tokenizer only turns generated ids into text. ``--quick`` shrinks every size for a smoke run.
+Prints a table at the end and writes the numbers as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import torch
+
+
+def build_checkpoint(directory: Path, tokenizer_dir: Path, cfg_kwargs: dict):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**cfg_kwargs)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.float16).eval()
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
+    return model
+
+
+def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    ids = torch.tensor(prompts, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0,
+        )
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"seconds": dt, "output_tokens": n, "tokens_per_s": n / dt}
+
+
+def hf_generate_batch(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    gc_ = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        res = model.generate_batch(inputs=prompts, generation_config=gc_)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(r.generated_tokens) for r in res.values())
+    return {"seconds": dt, "output_tokens": n, "tokens_per_s": n / dt}
+
+
+def hf_single_stream(model, prompt: list[int], new_tokens: int) -> dict:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens": new_tokens, "tokens_per_s": new_tokens / dt}
+
+
+async def asyncgen_runs(path: Path, prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int, backend: str) -> dict:
+    from asyncgen import AsyncEngine, SamplingParams
+
+    res = {}
+    t0 = time.perf_counter()
+    engine = AsyncEngine.from_pretrained(
+        path, device="cuda", dtype="float16", max_model_len=2048, max_num_seqs=256,
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.85, ops_backend=backend,
+    )
+    await engine.start()
+    res["start_seconds"] = time.perf_counter() - t0
+    res["num_kv_blocks"] = engine.stats().num_total_blocks
+    res["ops_backend"] = engine._runner.ops_backend
+    try:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        # warm-up
+        await engine.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        counts = []
+
+        async def one(p):
+            out = await engine.generate(p, params)
+            counts.append(len(out.token_ids))
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for p in prompts:
+                tg.start_soon(one, p)
+        dt = time.perf_counter() - t0
+        res["offline"] = {"seconds": dt, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / dt}
+
+        times = []
+        async for chunk in engine.stream(prompts[0], SamplingParams(max_tokens=single_tokens, ignore_eos=True)):
+            times.append(time.perf_counter())
+        decode_s = times[-1] - times[0]
+        res["single_stream"] = {
+            "ttft_or_first_gap_s": None, "decode_tokens": len(times) - 1,
+            "tokens_per_s": (len(times) - 1) / decode_s,
+        }
+        res["decode_step_ms"] = decode_step_times(engine, step_batches, ctx)
+    finally:
+        await engine.aclose()
+    return res
+
+
+def decode_step_times(engine, batches, ctx: int) -> dict:
+    """Times ``runner.execute`` for synthetic decode batches at context ``ctx``."""
+    from asyncgen import SamplingParams
+    from asyncgen.engine.scheduler import NewRequestData, ScheduledSeq, SchedulerOutput
+
+    runner = engine._runner
+    bs = runner.block_size
+    blocks_per_seq = -(-(ctx + 1) // bs)
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    out = {}
+    for b in batches:
+        ids = [f"bench-{b}-{i}" for i in range(b)]
+        new = [NewRequestData(r, [1] * ctx, greedy, None, frozenset()) for r in ids]
+        seqs = [
+            ScheduledSeq(r, [5], ctx, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True)
+            for i, r in enumerate(ids)
+        ]
+        runner.execute(SchedulerOutput(seqs, new, [], b, []))
+        step = SchedulerOutput(seqs, [], [], b, [])
+        for _ in range(3):
+            runner.execute(step)
+        torch.cuda.synchronize()
+        n = 20
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.execute(step)
+        torch.cuda.synchronize()
+        out[b] = (time.perf_counter() - t0) / n * 1000
+        runner.execute(SchedulerOutput([], [], ids, 0, []))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--out", default="bench_7b.json")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    if args.quick:
+        cfg = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
+        n_req, prompt_len, new_tokens, single_tokens = 32, 128, 32, 32
+    else:
+        cfg = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+        n_req, prompt_len, new_tokens, single_tokens = 256, 128, 256, 256
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 32000, (n_req, prompt_len), generator=gen).tolist()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncgen-7b-"))
+    results = {"config": cfg, "requests": n_req, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    t0 = time.perf_counter()
+    model = build_checkpoint(work, Path(args.tokenizer), cfg)
+    results["checkpoint_seconds"] = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    results["weight_bytes"] = weight_bytes
+    if not args.skip_hf:
+        results["hf_single_stream"] = hf_single_stream(model, prompts[0], 64 if not args.quick else 16)
+        print("hf single", results["hf_single_stream"], flush=True)
+        results["hf_generate_b256"] = hf_offline(model, prompts, new_tokens)
+        print("hf generate", results["hf_generate_b256"], flush=True)
+        try:
+            results["hf_generate_batch"] = hf_generate_batch(model, prompts, new_tokens)
+        except Exception as e:  # the API moved between transformers releases: say so, keep going
+            results["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"}
+        print("hf generate_batch", results["hf_generate_batch"], flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    ctx = prompt_len + new_tokens
+    results["asyncgen"] = anyio.run(
+        asyncgen_runs, work, prompts, new_tokens, single_tokens, (1, 64, 256) if not args.quick else (1, 8, 32), ctx,
+        args.backend,
+    )
+    bw = 4.3e12
+    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+    floors = {b: (weight_bytes + b * ctx * kv_bytes_per_token) / bw * 1000 for b in results["asyncgen"]["decode_step_ms"]}
+    results["decode_floor_ms"] = floors
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+    a = results["asyncgen"]
+    print("\n=== asyncgen vs transformers,", results["gpu"], "===")
+    print(f"weights {weight_bytes / 1e9:.2f} GB; KV blocks {a['num_kv_blocks']}; backend {a['ops_backend']}; start {a['start_seconds']:.1f} s")
+    print(f"(a) offline {n_req}x{prompt_len}->{new_tokens}: asyncgen {a['offline']['tokens_per_s']:.0f} tok/s", end="")
+    if not args.skip_hf:
+        hf = results["hf_generate_b256"]["tokens_per_s"]
+        print(f"; HF generate {hf:.0f} tok/s ({a['offline']['tokens_per_s'] / hf:.1f}x); HF generate_batch {results['hf_generate_batch'].get('tokens_per_s', float('nan')):.0f} tok/s")
+    else:
+        print()
+    print(f"(b) single stream: asyncgen {a['single_stream']['tokens_per_s']:.1f} tok/s", end="")
+    if not args.skip_hf:
+        print(f"; HF generate {results['hf_single_stream']['tokens_per_s']:.1f} tok/s")
+    else:
+        print()
+    for b, ms in a["decode_step_ms"].items():
+        print(f"(c) decode step batch {b:>3} ctx {ctx}: {ms:.2f} ms (floor {floors[b]:.2f} ms, {floors[b] / ms * 100:.0f}% of bandwidth)")
+
+
+if __name__ == "__main__":
+    main()
