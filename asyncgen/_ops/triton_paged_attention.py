@@ -66,6 +66,7 @@ from .triton_backend import (
     check_devices,
     check_out,
     check_tensor,
+    is_interpreted,
     next_power_of_2,
     num_sms,
 )
@@ -185,7 +186,9 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # Highest ids first: a sequence's later query tiles attend to more keys, so the
+    # longest programs start first and the short ones fill the tail.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
 
     # Which sequence owns this program: the last one whose first program id is <= pid.
@@ -400,6 +403,11 @@ def _reduce_splits_kernel(
     )
 
 
+# The interpreter multiplies bf16 wrongly (it stores bf16 as raw 16-bit integers), so there
+# every tile is upcast to fp32 before tl.dot.
+_INTERPRETED = is_interpreted(_paged_attention_kernel)
+
+
 # ----------------------------------------------------------------------------------------
 # Launch configuration: a function of shapes and hints only (never of tensor values).
 
@@ -475,15 +483,16 @@ def paged_attention(
     reference. The step's keys and values must already be in the cache. Returns ``out``
     (allocated when not given) of q's shape and dtype.
 
-    Keyword-only hints (they choose the kernel, never change the result, and are never
-    checked against the device, which would need a sync):
+    Keyword-only hints: they choose the kernel and its tiling and, when truthful, never
+    change the result; they are not checked against the tensors (that would need a sync):
 
     - ``max_query_len``: an upper bound on any sequence's query count this step. ``1``
       (a decode-only batch) selects the decode kernel, the only one with split-K; ``None``
       runs the general kernel, correct for every batch. Passing 1 when some sequence has
-      more queries is an error the kernel cannot see (only the first query is computed).
-    - ``max_seq_len``: a bound on ``seq_lens`` used to size split-K; ``None`` falls back
-      to ``block_tables.shape[1] * block_size``.
+      more queries is an error the kernel cannot see: that sequence's rows come out wrong.
+    - ``max_seq_len``: the longest ``seq_lens`` entry (or a bound on it), used only to
+      size split-K; ``None`` falls back to ``block_tables.shape[1] * block_size``. Any
+      value gives correct results; a fixed one keeps the launch capturable.
     - ``num_splits``: force the decode split count (needs ``max_query_len=1``); ``None``
       picks it from the batch shape and the device's SM count.
 
@@ -533,8 +542,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    interpreted = device.type == "cpu"
-    upcast = interpreted or q.dtype == torch.float32
+    upcast = _INTERPRETED or q.dtype == torch.float32
     dot_precision = "ieee" if upcast else "tf32"
     qk_scale = float(scale) * _LOG2E
     window = sliding_window if sliding_window is not None else 0

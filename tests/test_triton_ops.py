@@ -1,0 +1,499 @@
+"""The Triton backend against the torch references, on random inputs.
+
+Runs on the CPU through the Triton interpreter: ``TRITON_INTERPRET=1`` is set here, before
+any kernel module is imported, unless the environment already sets it (run with
+``TRITON_INTERPRET=0`` on a CUDA machine to test the compiled kernels on the GPU).
+Sizes are small because the interpreter executes every program in Python.
+
+Interpreter notes that shape the tolerances: it rounds fp32 -> bf16 by truncation (the
+GPU rounds to nearest even), so bf16 results may differ from the reference by an ulp.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from asyncgen._ops import get_ops  # noqa: E402
+from asyncgen._ops import reference as ref  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+OPS = get_ops("triton")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (atol, rtol) per dtype: fp32 exact to rounding, 16-bit types to an ulp or two (bf16 to
+# about four under the interpreter, whose truncating casts compound through the fused
+# ops: a truncated residual sum is normalised, truncated, then scaled and truncated).
+TOL = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (3e-3, 3e-3),
+    torch.bfloat16: (2e-2, 3e-2) if INTERPRET else (1e-2, 1.6e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+def randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+# ----------------------------------------------------------------------------------------
+# rms_norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", [(7, 128), (3, 4096), (2, 3, 96)])
+def test_rms_norm_matches_reference(dtype, with_residual, shape):
+    gen = torch.Generator().manual_seed(1)
+    x = randn(*shape, dtype=dtype, gen=gen) * 3
+    weight = randn(shape[-1], dtype=dtype, gen=gen)
+    residual = randn(*shape, dtype=dtype, gen=gen) if with_residual else None
+    x_before = x.clone()
+
+    normed, res = OPS.rms_norm(x, weight, 1e-6, residual)
+    normed_ref, res_ref = ref.rms_norm(x, weight, 1e-6, residual)
+
+    assert normed.dtype == normed_ref.dtype and normed.shape == normed_ref.shape
+    assert_close(normed, normed_ref, dtype)
+    assert_close(res, res_ref, dtype)
+    assert torch.equal(x, x_before)  # inputs untouched
+    if not with_residual:
+        assert res is x
+
+
+def test_rms_norm_in_place_outputs():
+    gen = torch.Generator().manual_seed(2)
+    x = randn(5, 256, dtype=torch.float16, gen=gen)
+    residual = randn(5, 256, dtype=torch.float16, gen=gen)
+    weight = randn(256, dtype=torch.float16, gen=gen)
+    normed_ref, res_ref = ref.rms_norm(x, weight, 1e-5, residual)
+
+    normed, res = OPS.rms_norm(x, weight, 1e-5, residual, out=x, residual_out=residual)
+
+    assert normed is x and res is residual
+    assert_close(normed, normed_ref, torch.float16)
+    assert_close(res, res_ref, torch.float16)
+
+
+def test_rms_norm_fp32_weight_promotes_like_reference():
+    gen = torch.Generator().manual_seed(3)
+    x = randn(4, 64, dtype=torch.bfloat16, gen=gen)
+    weight = randn(64, dtype=torch.float32, gen=gen)
+    normed, _ = OPS.rms_norm(x, weight, 1e-6)
+    normed_ref, _ = ref.rms_norm(x, weight, 1e-6)
+    assert normed.dtype == torch.float32
+    assert_close(normed, normed_ref, torch.bfloat16)
+
+
+def test_rms_norm_strided_rows():
+    gen = torch.Generator().manual_seed(4)
+    wide = randn(6, 300, dtype=torch.float16, gen=gen)
+    x = wide[:, :200]  # row stride 300
+    weight = randn(200, dtype=torch.float16, gen=gen)
+    normed, _ = OPS.rms_norm(x, weight, 1e-6)
+    assert_close(normed, ref.rms_norm(x, weight, 1e-6)[0], torch.float16)
+
+
+# ----------------------------------------------------------------------------------------
+# rotary_embedding
+
+
+def _cos_sin_cache(max_position: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)  # [max_position, head_dim]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 1, 80)])
+def test_rotary_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(5)
+    num_tokens = 9
+    cache = _cos_sin_cache(4096, head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    q = randn(num_tokens, num_heads, head_dim, dtype=dtype, gen=gen)
+    k = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    q_ref, k_ref = q.clone(), k.clone()
+
+    OPS.rotary_embedding(positions, q, k, cache)
+    ref.rotary_embedding(positions, q_ref, k_ref, cache)
+
+    assert_close(q, q_ref, dtype)
+    assert_close(k, k_ref, dtype)
+
+
+def test_rotary_on_views_of_fused_qkv():
+    gen = torch.Generator().manual_seed(6)
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 64
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float16, gen=gen)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v_before = qkv[:, q_size + kv_size:].clone()
+    positions = torch.tensor([0, 3, 17, 100, 5], device=DEVICE)
+    cache = _cos_sin_cache(128, head_dim)
+    q_ref, k_ref = q.clone(), k.clone()
+
+    OPS.rotary_embedding(positions, q, k, cache)
+    ref.rotary_embedding(positions, q_ref, k_ref, cache)
+
+    assert_close(q, q_ref, torch.float16)
+    assert_close(k, k_ref, torch.float16)
+    assert torch.equal(qkv[:, q_size + kv_size:], v_before)  # v untouched
+
+
+# ----------------------------------------------------------------------------------------
+# silu_and_mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 2 * 96), (3, 2 * 1500), (2, 2, 2 * 64)])
+def test_silu_and_mul_matches_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(7)
+    x = randn(*shape, dtype=dtype, gen=gen) * 4
+    assert_close(OPS.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+def test_silu_and_mul_into_out():
+    gen = torch.Generator().manual_seed(8)
+    x = randn(4, 2 * 80, dtype=torch.bfloat16, gen=gen)
+    out = torch.empty(4, 80, dtype=torch.bfloat16, device=DEVICE)
+    assert OPS.silu_and_mul(x, out=out) is out
+    assert_close(out, ref.silu_and_mul(x), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------
+# store_kv_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 16), (3, 128, 8)])
+def test_store_kv_cache_matches_reference(dtype, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(9)
+    num_blocks, num_tokens = 6, 11
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = -1  # padding tokens
+    slot_mapping = slots.to(DEVICE)
+    key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    value = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    OPS.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    ref.store_kv_cache(key, value, k_ref, v_ref, slot_mapping)
+
+    assert torch.equal(k_cache.isnan(), k_ref.isnan())
+    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
+
+
+def test_store_kv_cache_from_qkv_views_int32_slots():
+    gen = torch.Generator().manual_seed(10)
+    num_tokens, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    qkv = randn(num_tokens, 3 * num_kv_heads * head_dim, dtype=torch.float16, gen=gen)
+    size = num_kv_heads * head_dim
+    key = qkv[:, size:2 * size].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * size:].view(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor([33, -1, 0, 17], dtype=torch.int32, device=DEVICE)
+    k_cache = torch.zeros(3, block_size, num_kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    OPS.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    ref.store_kv_cache(key, value, k_ref, v_ref, slot_mapping.long())
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# ----------------------------------------------------------------------------------------
+# paged_attention
+
+GARBAGE_BLOCK = 1 << 30  # block-table entries no valid key maps to; reading one would fault
+
+
+def make_attention_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> dict:
+    """A paged batch with shuffled, non-contiguous block ids. Cache slots no sequence owns
+    (unused blocks, the tail of each last block) hold NaN; unused block-table entries
+    hold an id far past the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), GARBAGE_BLOCK, dtype=torch.int32)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    for b, n in enumerate(seq_lens):
+        for j in range(blocks_per_seq[b]):
+            block = free.pop()
+            block_tables[b, j] = block
+            used = min(block_size, n - j * block_size)
+            k_cache[block, :used] = torch.randn(used, num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[block, :used] = torch.randn(used, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(query_start_loc[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    return dict(
+        q=q.to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc.to(DEVICE),
+    )
+
+
+def run_both(batch: dict, *, sliding_window=None, **hints) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = batch["q"].shape[-1] ** -0.5
+    expected = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window)
+    actual = OPS.paged_attention(**batch, scale=scale, sliding_window=sliding_window, **hints)
+    assert not actual.isnan().any()
+    return actual, expected
+
+
+# (query lengths, sequence lengths): decode-only, prefill-only, mixed, chunked prefill
+# (queries after cached context), ragged lengths with an idle sequence (0 queries).
+SCENARIOS = {
+    "decode": ([1, 1, 1, 1], [1, 17, 64, 150]),
+    "prefill": ([20, 3, 70], [20, 3, 70]),
+    "mixed": ([1, 37, 1, 5], [40, 37, 129, 5]),
+    "chunked": ([16, 33], [80, 100]),
+    "ragged": ([2, 0, 9, 1, 19], [2, 12, 30, 200, 64]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_paged_attention_batches(dtype, scenario):
+    q_lens, seq_lens = SCENARIOS[scenario]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                                 block_size=16, dtype=dtype, seed=11)
+    actual, expected = run_both(batch, max_query_len=max(q_lens))
+    assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_gqa_and_head_dims(group, head_dim):
+    num_kv_heads = 2 if group < 8 else 1
+    batch = make_attention_batch([1, 13, 4], [50, 13, 36], num_heads=group * num_kv_heads,
+                                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+                                 dtype=torch.float16, seed=12)
+    actual, expected = run_both(batch)  # no hints: the general kernel, default tiles
+    assert_close(actual, expected, torch.float16)
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_paged_attention_other_head_dims(head_dim):
+    batch = make_attention_batch([1, 6], [33, 40], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                                 block_size=8, dtype=torch.bfloat16, seed=13)
+    actual, expected = run_both(batch, max_query_len=6)
+    assert_close(actual, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_decode_kernel(group, head_dim):
+    num_kv_heads = 2 if group < 8 else 1
+    batch = make_attention_batch([1, 1, 0, 1], [1, 70, 9, 130], num_heads=group * num_kv_heads,
+                                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+                                 dtype=torch.float16, seed=14)
+    actual, expected = run_both(batch, max_query_len=1, num_splits=1)
+    rows = [0, 1, 2]  # the idle sequence has no query row
+    assert_close(actual[rows], expected[rows], torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_paged_attention_split_k(dtype, num_splits):
+    # Long contexts over few sequences; splits that get no key tile must not disturb the
+    # result (the 3-token context has one tile for 2..8 splits).
+    batch = make_attention_batch([1, 1, 1], [300, 3, 517], num_heads=8, num_kv_heads=2, head_dim=64,
+                                 block_size=16, dtype=dtype, seed=15)
+    actual, expected = run_both(batch, max_query_len=1, num_splits=num_splits)
+    assert_close(actual, expected, dtype)
+
+
+def test_paged_attention_split_k_chosen_automatically():
+    from asyncgen._ops.triton_paged_attention import _decode_config, _num_splits
+
+    block_n = _decode_config(64, torch.float16)[0]
+    # 2 sequences x 1 kv head on 132 SMs with 2048-token contexts: the launcher splits;
+    # a full batch or a short context does not.
+    assert _num_splits(2, 1, 2048, block_n, 132) > 1
+    assert _num_splits(512, 8, 2048, block_n, 132) == 1
+    assert _num_splits(2, 1, 64, block_n, 132) == 1
+    batch = make_attention_batch([1, 1], [700, 1000], num_heads=4, num_kv_heads=1, head_dim=64,
+                                 block_size=16, dtype=torch.float16, seed=16)
+    actual, expected = run_both(batch, max_query_len=1)
+    assert_close(actual, expected, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_query_len,num_splits", [(None, None), (1, 1), (1, 4)])
+def test_paged_attention_sliding_window(dtype, max_query_len, num_splits):
+    window = 24
+    if max_query_len == 1:
+        q_lens, seq_lens = [1, 1, 1], [10, 100, 211]
+    else:
+        q_lens, seq_lens = [1, 40, 7], [100, 90, 31]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=64,
+                                 block_size=8, dtype=dtype, seed=17)
+    expected = ref.paged_attention(**batch, scale=0.125, sliding_window=window)
+    # Keys before every query's window may be gone: poison them and unmap whole blocks
+    # (an engine may free blocks that fell out of the window).
+    block_size = batch["k_cache"].shape[1]
+    starts = batch["query_start_loc"].tolist()
+    for b, n in enumerate(seq_lens):
+        first_query_pos = n - (starts[b + 1] - starts[b])
+        lowest_needed = max(0, first_query_pos - window + 1)
+        for pos in range(lowest_needed):
+            block = int(batch["block_tables"][b, pos // block_size])
+            if block != GARBAGE_BLOCK:
+                batch["k_cache"][block, pos % block_size] = float("nan")
+                batch["v_cache"][block, pos % block_size] = float("nan")
+        batch["block_tables"][b, : lowest_needed // block_size] = GARBAGE_BLOCK
+
+    actual = OPS.paged_attention(**batch, scale=0.125, sliding_window=window, max_query_len=max_query_len,
+                                 num_splits=num_splits)
+    assert_close(actual, expected, dtype)
+
+
+def test_paged_attention_strided_q_and_out():
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    batch = make_attention_batch([3, 1], [20, 9], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                 head_dim=head_dim, block_size=16, dtype=torch.float16, seed=18)
+    gen = torch.Generator().manual_seed(19)
+    qkv = randn(4, (num_heads + 2 * num_kv_heads) * head_dim, dtype=torch.float16, gen=gen)
+    q = qkv[:, : num_heads * head_dim].view(4, num_heads, head_dim)  # token stride 512
+    batch["q"] = q
+    out_storage = torch.zeros(4, num_heads, 2 * head_dim, dtype=torch.float16, device=DEVICE)
+    out = out_storage[:, :, :head_dim]  # head stride 128
+
+    result = OPS.paged_attention(**batch, scale=0.125, out=out)
+    expected = ref.paged_attention(**batch, scale=0.125)
+
+    assert result is out
+    assert_close(out, expected, torch.float16)
+    assert not out_storage[:, :, head_dim:].any()
+
+
+def test_paged_attention_long_prefill_many_query_tiles():
+    # More queries than one query tile at the default config, int64 index tensors.
+    batch = make_attention_batch([150, 1], [170, 20], num_heads=2, num_kv_heads=2, head_dim=32,
+                                 block_size=16, dtype=torch.float32, seed=20)
+    batch["query_start_loc"] = batch["query_start_loc"].long()
+    batch["seq_lens"] = batch["seq_lens"].long()
+    actual, expected = run_both(batch)
+    assert_close(actual, expected, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Launcher validation
+
+
+def _small_batch() -> dict:
+    return make_attention_batch([1, 2], [5, 2], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    "change,name",
+    [
+        (lambda b: b.update(q=b["q"].float()), "k_cache"),
+        (lambda b: b.update(q=b["q"][:, :3]), "num_heads"),
+        (lambda b: b.update(v_cache=b["v_cache"][:, :8]), "v_cache"),
+        (lambda b: b.update(block_tables=b["block_tables"].float()), "block_tables"),
+        (lambda b: b.update(seq_lens=b["seq_lens"][:1]), "block_tables"),
+        (lambda b: b.update(query_start_loc=b["query_start_loc"][:2]), "query_start_loc"),
+        (lambda b: b.update(q=b["q"].transpose(1, 2).contiguous().transpose(1, 2)), "q"),
+        (lambda b: b.update(q=b["q"][..., :24].contiguous(), k_cache=b["k_cache"][..., :24].contiguous(),
+                            v_cache=b["v_cache"][..., :24].contiguous()), "head_dim"),
+    ],
+)
+def test_paged_attention_rejects_bad_arguments(change, name):
+    batch = _small_batch()
+    change(batch)
+    with pytest.raises(ValueError, match=name):
+        OPS.paged_attention(**batch, scale=0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(num_splits=4), "max_query_len"),
+        (dict(max_query_len=-1), "max_query_len"),
+        (dict(out=torch.empty(3, 4, 32, dtype=torch.float32)), "out"),
+    ],
+)
+def test_paged_attention_rejects_bad_options(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        OPS.paged_attention(**_small_batch(), scale=0.1, **kwargs)
+
+
+def test_elementwise_launchers_reject_bad_arguments():
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.randn(64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        OPS.rms_norm(x, w[:32], 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        OPS.rms_norm(x, w, 1e-6, x.half())
+    with pytest.raises(ValueError, match="x"):
+        OPS.rms_norm(x.long(), w, 1e-6)
+    with pytest.raises(ValueError, match="x"):
+        OPS.silu_and_mul(x[:, :63])
+    with pytest.raises(ValueError, match="x"):
+        OPS.silu_and_mul(x.t())
+    with pytest.raises(ValueError, match="out"):
+        OPS.silu_and_mul(x, out=torch.empty(4, 64, device=DEVICE))
+
+    q, k = torch.randn(3, 4, 64, device=DEVICE), torch.randn(3, 2, 64, device=DEVICE)
+    cache = torch.randn(16, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="positions"):
+        OPS.rotary_embedding(torch.zeros(3, device=DEVICE), q, k, cache)
+    with pytest.raises(ValueError, match="k"):
+        OPS.rotary_embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), q, k.half(), cache)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        OPS.rotary_embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), q, k, cache[:, :32])
+
+    kv_cache = torch.zeros(2, 16, 2, 64, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        OPS.store_kv_cache(k, k, kv_cache, kv_cache, slots.float())
+    with pytest.raises(ValueError, match="k_cache"):
+        OPS.store_kv_cache(k, k, kv_cache[:, :, :1], kv_cache[:, :, :1], slots)
+    with pytest.raises(ValueError, match="value"):
+        OPS.store_kv_cache(k, k[:2], kv_cache, kv_cache, slots)
+
+
+def test_get_ops_triton_bundle():
+    assert OPS.name == "triton"
+    for name in ("rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_attention"):
+        assert callable(getattr(OPS, name))
