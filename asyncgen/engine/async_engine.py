@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 import anyio
-import sniffio
 
 from ..config import EngineConfig
 from ..errors import (
@@ -38,7 +37,7 @@ from ..errors import (
 from ..outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
 from .core import EngineCore, RequestGroup
-from .device_thread import DeviceThread, threadsafe_caller
+from .device_thread import DeviceThread, current_async_library, threadsafe_caller
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -139,7 +138,7 @@ class AsyncEngine:
         self._wakeup = anyio.Event()
         self._stopped = anyio.Event()
         self._state = _State.RUNNING
-        lib = sniffio.current_async_library()
+        lib = current_async_library()
         if lib == "asyncio":
             import asyncio
 

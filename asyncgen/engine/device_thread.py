@@ -14,14 +14,32 @@ import threading
 from typing import Any, Callable
 
 import anyio
-import sniffio
 
-__all__ = ["DeviceThread", "threadsafe_caller"]
+__all__ = ["DeviceThread", "current_async_library", "threadsafe_caller"]
+
+
+def current_async_library() -> str:
+    """``"asyncio"`` or ``"trio"``: the event loop running in this thread."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    try:
+        import trio
+
+        trio.lowlevel.current_task()
+        return "trio"
+    except (ImportError, RuntimeError):
+        pass
+    raise RuntimeError("asyncgen needs a running asyncio or trio event loop")
 
 
 def threadsafe_caller() -> Callable[[Callable[[], Any]], None]:
     """A function that schedules a callback on the current event loop from any thread."""
-    lib = sniffio.current_async_library()
+    lib = current_async_library()
     if lib == "asyncio":
         import asyncio
 
@@ -30,7 +48,6 @@ def threadsafe_caller() -> Callable[[Callable[[], Any]], None]:
         import trio
 
         return trio.lowlevel.current_trio_token().run_sync_soon
-    raise RuntimeError(f"asyncgen supports the asyncio and trio event loops, not {lib!r}")
 
 
 class DeviceThread:
