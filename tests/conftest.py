@@ -63,7 +63,10 @@ def save_tiny_model(directory: Path, arch: str, tokenizer_dir: Path, **overrides
     model = model_cls(config_cls(**settings)).eval()
     with torch.no_grad():  # a wider spread than the default init, so logits differ visibly
         for p in model.parameters():
-            p.normal_(0.0, 0.08)
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)
+            else:
+                p.normal_(1.0, 0.1)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

@@ -1,0 +1,99 @@
+"""Tiny random-weight Llama, Mistral and Qwen2 checkpoints saved by transformers: one
+forward pass over the paged cache gives transformers' logits; the Triton backend (under
+the interpreter on the CPU) generates what the torch reference generates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from asyncgen import AsyncEngine, SamplingParams
+from asyncgen._ops import get_ops
+from asyncgen.model.config import ModelConfig
+from asyncgen.model.llama import AttentionMetadata, LlamaForCausalLM
+from asyncgen.model.loader import load_weights
+
+from conftest import save_tiny_model
+
+VARIANTS = {
+    "llama": {},
+    "llama-rope-llama3": dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "llama-rope-linear-tied": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True),
+    "mistral-sliding": dict(sliding_window=16),
+    "qwen2": {},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request, tmp_path_factory, smollm2_path):
+    name = request.param
+    arch = name.split("-")[0]
+    return save_tiny_model(tmp_path_factory.mktemp(name), arch, smollm2_path, **VARIANTS[name])
+
+
+def _forward_in_chunks(model, ids: torch.Tensor, chunks, block_size=4):
+    """Runs ``ids`` through the paged model in the given chunks, blocks scattered."""
+    cfg = model.cfg
+    num_blocks = 64
+    for layer in model.layers:
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        layer.self_attn.k_cache = torch.full(shape, float("nan"))
+        layer.self_attn.v_cache = torch.full(shape, float("nan"))
+    n = ids.shape[0]
+    table = torch.randperm(num_blocks)[: -(-n // block_size)].to(torch.int32)
+    pos = torch.arange(n)
+    slots = table[pos // block_size].long() * block_size + pos % block_size
+    logits = []
+    for s, e in chunks:
+        meta = AttentionMetadata(
+            slots[s:e], table.unsqueeze(0), torch.tensor([e], dtype=torch.int32),
+            torch.tensor([0, e - s], dtype=torch.int32), e - s, e,
+        )
+        logits.append(model.compute_logits(model(ids[s:e], pos[s:e], meta)))
+    return torch.cat(logits)
+
+
+def test_logits_match_transformers(tiny: Path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    cfg = ModelConfig.from_dir(tiny)
+    model = LlamaForCausalLM(cfg, get_ops("torch"), torch.float32, torch.device("cpu"))
+    load_weights(model, tiny)
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (40,))
+    with torch.no_grad():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+        got = _forward_in_chunks(model, ids, [(0, 17), (17, 18), (18, 40)])
+    assert ref.abs().max() > 1.0  # logits are not trivially flat
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_triton_backend_generates_like_the_reference(tiny_llama):
+    prompts = ["Hello there", "A much longer prompt that will be chunked into pieces by the budget", "x"]
+
+    async def run(backend):
+        res = {}
+        async with AsyncEngine.from_pretrained(
+            tiny_llama, ops_backend=backend, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=16
+        ) as engine:
+
+            async def one(p):
+                out = await engine.generate(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                res[p] = out.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for p in prompts:
+                    tg.start_soon(one, p)
+        return res
+
+    pytest.importorskip("triton")
+    assert await run("triton") == await run("torch")
