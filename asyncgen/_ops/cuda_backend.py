@@ -130,7 +130,7 @@ def _check_hint(name: str, value: object, minimum: int) -> None:
 
 def _block_contiguous(cache: torch.Tensor) -> bool:
     """[num_blocks, block_size, num_kv_heads, head_dim] with each block contiguous."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
+    _, _, num_kv_heads, head_dim = cache.shape
     return cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(1) == num_kv_heads * head_dim
 
 

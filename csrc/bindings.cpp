@@ -1,0 +1,26 @@
+// The one place the extension's ops are declared to torch. After `import asyncgen._C`
+// they are torch.ops.asyncgen_C.<name>; the Python launchers live in
+// asyncgen/_ops/cuda_backend.py.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(asyncgen_C, m) {
+  m.def(
+      "store_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, int sliding_window, "
+      "int partition_size=-1) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
+  m.impl("store_kv_cache", &asyncgen::store_kv_cache);
+  m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "asyncgen CUDA kernels; the ops are registered under torch.ops.asyncgen_C";
+}

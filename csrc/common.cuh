@@ -1,0 +1,128 @@
+// Small device helpers shared by the csrc kernels: 16-byte vector conversions for the
+// 2-byte float types, warp reductions and integer helpers.
+//
+// Nothing here includes torch: the kernel headers build with nvcc alone, which keeps
+// them compilable (and checkable) apart from the torch glue in the .cu files.
+// torch builds extensions with __CUDA_NO_HALF_CONVERSIONS__ and friends, so every
+// conversion below is an explicit intrinsic.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#ifndef AG_DEVICE
+#define AG_DEVICE __device__ __forceinline__
+#endif
+
+// Kernels are launched through this macro so that the launch code can be reused by a
+// host-side emulation of the kernels; `kernel` must be a plain name (a function pointer).
+#ifndef AG_LAUNCH_KERNEL
+#define AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, ...) \
+  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
+
+namespace asyncgen {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+AG_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+AG_DEVICE int imax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------
+// 8 elements of a 2-byte float type travel as one 16-byte uint4.
+
+template <typename T>
+struct Float8;
+
+template <>
+struct Float8<__half> {
+  static AG_DEVICE void unpack(const uint4& raw, float (&f)[8]) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = __half22float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+  static AG_DEVICE float to_float(__half x) { return __half2float(x); }
+  static AG_DEVICE __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct Float8<__nv_bfloat16> {
+  static AG_DEVICE void unpack(const uint4& raw, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+  static AG_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static AG_DEVICE __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// A 16-byte load; `ptr` must be 16-byte aligned.
+template <typename T>
+AG_DEVICE uint4 load16(const T* ptr) {
+  return *reinterpret_cast<const uint4*>(ptr);
+}
+
+// ---------------------------------------------------------------------------------------
+// Butterfly reductions over lanes that differ in the bits FIRST_MASK..16; every lane ends
+// with the result. FIRST_MASK = 1 reduces the whole warp.
+
+template <int FIRST_MASK = 1>
+AG_DEVICE float warp_max(float v) {
+#pragma unroll
+  for (int mask = FIRST_MASK; mask < kWarpSize; mask <<= 1) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, mask));
+  }
+  return v;
+}
+
+template <int FIRST_MASK = 1>
+AG_DEVICE float warp_sum(float v) {
+#pragma unroll
+  for (int mask = FIRST_MASK; mask < kWarpSize; mask <<= 1) {
+    v += __shfl_xor_sync(kFullMask, v, mask);
+  }
+  return v;
+}
+
+// Whole-block reductions; `scratch` holds one float per warp. Every thread gets the
+// result. Contains __syncthreads(): call from all threads of the block.
+template <int NUM_WARPS>
+AG_DEVICE float block_max(float v, float* scratch) {
+  v = warp_max(v);
+  const int warp = threadIdx.x / kWarpSize;
+  if (threadIdx.x % kWarpSize == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < NUM_WARPS; ++w) r = fmaxf(r, scratch[w]);
+  __syncthreads();  // scratch may be reused right after
+  return r;
+}
+
+template <int NUM_WARPS>
+AG_DEVICE float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / kWarpSize;
+  if (threadIdx.x % kWarpSize == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = 0.f;
+#pragma unroll
+  for (int w = 0; w < NUM_WARPS; ++w) r += scratch[w];
+  __syncthreads();
+  return r;
+}
+
+}  // namespace asyncgen

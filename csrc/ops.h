@@ -1,0 +1,21 @@
+// Torch-facing entry points of the csrc extension, registered in bindings.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace asyncgen {
+
+// k_cache[slot // block_size, slot % block_size] = key[token] (same for value) for every
+// token whose slot_mapping entry is >= 0.
+void store_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// Decode attention (one query token per sequence) into `out`. max_seq_len must bound
+// seq_lens from above; it sizes the split-K partitions. sliding_window <= 0: no window.
+// partition_size: < 0 automatic, 0 single pass, > 0 split-K with that many tokens each.
+void paged_attention_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                            int64_t sliding_window, int64_t partition_size);
+
+}  // namespace asyncgen

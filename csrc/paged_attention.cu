@@ -1,0 +1,140 @@
+// Torch glue for the paged-attention decode kernels (paged_attention.cuh): argument
+// checks, the split-K plan, scratch buffers and the launch on the current stream.
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <climits>
+
+#include "check.h"
+#include "ops.h"
+#include "paged_attention.cuh"
+
+namespace asyncgen {
+
+// Instantiated in paged_attention_fp16.cu / paged_attention_bf16.cu.
+extern template bool launch_paged_attention_decode<__half>(const DecodeParams& p, cudaStream_t stream);
+extern template bool launch_paged_attention_decode<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream);
+
+namespace {
+
+int multiprocessor_count(int device) {
+  static int cached[64] = {0};  // per device; a benign race writes the same value
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cached[device] = count;
+  return count;
+}
+
+int clamp_to_int(int64_t x) { return static_cast<int>(x > INT_MAX ? INT_MAX : x); }
+
+}  // namespace
+
+void paged_attention_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
+                            int64_t sliding_window, int64_t partition_size) {
+  AG_CHECK_DIM(q, 3);
+  AG_CHECK_CUDA(q, q);
+  AG_CHECK_CUDA(out, q);
+  AG_CHECK_CUDA(k_cache, q);
+  AG_CHECK_CUDA(v_cache, q);
+  AG_CHECK_CUDA(block_tables, q);
+  AG_CHECK_CUDA(seq_lens, q);
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "q must be float16 or bfloat16, got ", q.scalar_type());
+  AG_CHECK_DTYPE(out, q.scalar_type());
+  AG_CHECK_DTYPE(k_cache, q.scalar_type());
+  AG_CHECK_DTYPE(v_cache, q.scalar_type());
+  AG_CHECK_DTYPE(block_tables, at::kInt);
+  AG_CHECK_DTYPE(seq_lens, at::kInt);
+  AG_CHECK_LAST_DIM_CONTIGUOUS(q);
+  AG_CHECK_LAST_DIM_CONTIGUOUS(out);
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
+  check_cache_layout(k_cache, "k_cache");
+  check_cache_layout(v_cache, "v_cache");
+  TORCH_CHECK(v_cache.sizes().slice(1) == k_cache.sizes().slice(1),
+              "v_cache must match k_cache's [block_size, num_kv_heads, head_dim], got ",
+              v_cache.sizes(), " vs ", k_cache.sizes());
+
+  const int64_t num_seqs = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "k_cache head_dim ", k_cache.size(3), " != q head_dim ", head_dim);
+  TORCH_CHECK(decode_supports_head_dim(static_cast<int>(head_dim)),
+              "head_dim must be 64, 128 or 256, got ", head_dim);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "q's num_heads (", num_heads,
+              ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(block_size % kTile == 0, "k_cache block_size must be a multiple of ", kTile, ", got ", block_size);
+  TORCH_CHECK(k_cache.stride(0) % 8 == 0 && v_cache.stride(0) % 8 == 0 && is_aligned16(k_cache) &&
+                  is_aligned16(v_cache),
+              "k_cache and v_cache must be 16-byte aligned with a block stride that is a multiple of 8");
+  AG_CHECK_DIM(block_tables, 2);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
+              "block_tables must be [num_seqs=", num_seqs, ", max_blocks] with contiguous rows, got shape ",
+              block_tables.sizes(), " strides ", block_tables.strides());
+  AG_CHECK_DIM(seq_lens, 1);
+  TORCH_CHECK(seq_lens.size(0) == num_seqs && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous [num_seqs=", num_seqs, "], got shape ", seq_lens.sizes());
+  TORCH_CHECK(max_seq_len >= 0, "max_seq_len must be >= 0, got ", max_seq_len);
+  TORCH_CHECK(partition_size < 0 || partition_size % kTile == 0,
+              "partition_size must be < 0 (automatic), 0 (single pass) or a multiple of ", kTile,
+              ", got ", partition_size);
+  TORCH_CHECK(num_seqs <= 65535, "at most 65535 sequences per call, got ", num_seqs);
+  if (num_seqs == 0) return;
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  const int window = sliding_window > 0 ? clamp_to_int(sliding_window) : 0;
+  const DecodePlan plan = plan_decode(
+      static_cast<int>(num_seqs), static_cast<int>(num_heads), static_cast<int>(num_kv_heads),
+      clamp_to_int(max_seq_len), window, multiprocessor_count(q.get_device()),
+      static_cast<int>(partition_size < 0 ? -1 : partition_size));
+
+  at::Tensor part_max, part_sum, part_out;
+  if (plan.num_partitions > 1) {
+    const auto opts = q.options().dtype(at::kFloat);
+    part_max = at::empty({num_seqs, num_heads, plan.num_partitions}, opts);
+    part_sum = at::empty({num_seqs, num_heads, plan.num_partitions}, opts);
+    part_out = at::empty({num_seqs, num_heads, plan.num_partitions, head_dim}, opts);
+  }
+
+  DecodeParams p{};
+  p.out = out.data_ptr();
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int>();
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.part_max = plan.num_partitions > 1 ? part_max.data_ptr<float>() : nullptr;
+  p.part_sum = plan.num_partitions > 1 ? part_sum.data_ptr<float>() : nullptr;
+  p.part_out = plan.num_partitions > 1 ? part_out.data_ptr<float>() : nullptr;
+  p.out_stride_seq = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.q_stride_seq = q.stride(0);
+  p.q_stride_head = q.stride(1);
+  p.k_stride_block = k_cache.stride(0);
+  p.v_stride_block = v_cache.stride(0);
+  p.block_table_stride = block_tables.stride(0);
+  p.num_seqs = static_cast<int>(num_seqs);
+  p.num_heads = static_cast<int>(num_heads);
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.head_dim = static_cast<int>(head_dim);
+  p.block_size = static_cast<int>(block_size);
+  p.sliding_window = window;
+  p.partition_size = plan.partition_size;
+  p.max_partitions = plan.num_partitions;
+  p.scale = static_cast<float>(scale);
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool launched = q.scalar_type() == at::kHalf
+                            ? launch_paged_attention_decode<__half>(p, stream)
+                            : launch_paged_attention_decode<__nv_bfloat16>(p, stream);
+  TORCH_CHECK(launched, "no decode kernel for head_dim ", head_dim);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace asyncgen

@@ -1,0 +1,139 @@
+"""Random inputs for the paged-attention decode and KV-write kernels, built to catch
+indexing and masking mistakes: shuffled non-contiguous block ids, ragged lengths with
+partial last blocks, NaN in every cache slot no sequence owns, block-table padding that
+points at an all-NaN block, a strided q and a strided block table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class DecodeCase:
+    q: torch.Tensor             # [num_seqs, num_heads, head_dim], a strided view
+    k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    k_cache_ref: torch.Tensor   # the same, with finite values before the window
+    v_cache_ref: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, width] int32, a strided view
+    seq_lens: torch.Tensor      # [num_seqs] int32
+    query_start_loc: torch.Tensor
+    scale: float
+    sliding_window: int | None
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max())
+
+
+def make_decode_case(
+    *,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    max_len: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    empty_seq: bool = False,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> DecodeCase:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=g)
+    lens[0] = max_len
+    if num_seqs > 2:
+        lens[1] = min(max_len, 2 * block_size)  # exactly full last block
+    if empty_seq:
+        lens[-1] = 0  # a padding entry of a captured batch
+    blocks_per_seq = [(int(n) + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    perm = torch.randperm(num_blocks, generator=g)
+    poison = int(perm[-1])  # owned by nobody: all NaN
+    width = max(blocks_per_seq) + 2
+    tables = torch.full((num_seqs, width + 3), poison, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[i : i + n]
+        i += n
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    in_window = torch.zeros_like(owned)
+    for b in range(num_seqs):
+        n = int(lens[b])
+        start = max(0, n - sliding_window) if sliding_window else 0
+        for pos in range(n):
+            slot = int(tables[b, pos // block_size]) * block_size + pos % block_size
+            owned[slot] = True
+            in_window[slot] |= pos >= start
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    # The kernel must not read positions before the window either.
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[owned & ~in_window] = float("nan")
+
+    qkv = torch.randn(num_seqs, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
+    to = dict(device=device)
+    return DecodeCase(
+        q=qkv.to(**to)[:, :num_heads],
+        k_cache=k_cache.to(**to),
+        v_cache=v_cache.to(**to),
+        k_cache_ref=k_ref.to(**to),
+        v_cache_ref=v_ref.to(**to),
+        block_tables=tables.to(**to)[:, :width],
+        seq_lens=lens.to(torch.int32).to(**to),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+        sliding_window=sliding_window,
+    )
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| in fp32; inf when out has NaN."""
+    out, ref = out.float(), ref.float()
+    if torch.isnan(out).any():
+        return float("inf")
+    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+
+
+@dataclasses.dataclass
+class StoreCase:
+    key: torch.Tensor           # [num_tokens, num_kv_heads, head_dim], a strided view
+    value: torch.Tensor
+    k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens], some -1
+
+
+def make_store_case(
+    *,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    num_blocks: int = 9,
+    dtype: torch.dtype,
+    slot_dtype: torch.dtype = torch.int64,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> StoreCase:
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
+    qkv = torch.randn(num_tokens, 4 * num_kv_heads, head_dim, generator=g).to(dtype)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return StoreCase(
+        key=qkv.to(device)[:, num_kv_heads : 2 * num_kv_heads],
+        value=qkv.to(device)[:, 2 * num_kv_heads : 3 * num_kv_heads],
+        k_cache=torch.randn(shape, generator=g).to(dtype).to(device),
+        v_cache=torch.randn(shape, generator=g).to(dtype).to(device),
+        slot_mapping=slots.to(slot_dtype).to(device),
+    )

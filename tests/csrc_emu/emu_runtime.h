@@ -1,0 +1,188 @@
+// A tiny single-threaded CUDA execution model for running the csrc kernel headers on a
+// CPU, so their index arithmetic, masking and cross-lane logic can be tested against the
+// torch reference without a GPU. Not a performance model.
+//
+// Each thread of a block is a ucontext fiber; blocks run one after another. Barriers
+// (__syncthreads, __syncwarp) and warp shuffles switch fibers until every live thread of
+// the block (or warp) has arrived, which also makes divergent barriers show up as a
+// deadlock error instead of silently passing. __shared__ becomes `static`: with one block
+// at a time, a function-local static is exactly per-block shared memory.
+//
+// Include this before any csrc header, and compile with a host C++20 compiler and the
+// CUDA include directory (for cuda_fp16.h / cuda_bf16.h, which are host-usable).
+#pragma once
+
+#define __shared__ static
+#define __launch_bounds__(...)
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <ucontext.h>
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace emu {
+
+struct Barrier {
+  int expected = 0;
+  int arrived = 0;
+  unsigned generation = 0;
+};
+
+struct Fiber {
+  ucontext_t context;
+  dim3 thread_idx;
+  bool done = false;
+};
+
+struct BlockRun {
+  std::vector<Fiber> fibers;
+  Barrier block_barrier;
+  std::vector<Barrier> warp_barriers;
+  std::vector<uint64_t> shuffle_slots;  // one per thread
+  std::function<void()> body;
+  ucontext_t scheduler;
+  int current = 0;
+  uint64_t events = 0;  // arrivals, releases, exits: progress for deadlock detection
+};
+
+inline BlockRun* g_run = nullptr;
+inline dim3 g_thread_idx, g_block_idx, g_block_dim, g_grid_dim;
+inline std::vector<std::unique_ptr<char[]>> g_stacks;
+constexpr size_t kStackBytes = 256 * 1024;
+
+inline int linear_tid() {
+  return static_cast<int>(g_thread_idx.x + g_block_dim.x * (g_thread_idx.y + g_block_dim.y * g_thread_idx.z));
+}
+
+inline void yield() {
+  BlockRun& run = *g_run;
+  swapcontext(&run.fibers[run.current].context, &run.scheduler);
+}
+
+inline void release_if_complete(Barrier& b) {
+  if (b.arrived > 0 && b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+    ++g_run->events;
+  }
+}
+
+inline void wait(Barrier& b) {
+  const unsigned generation = b.generation;
+  ++b.arrived;
+  ++g_run->events;
+  release_if_complete(b);
+  while (b.generation == generation) yield();
+}
+
+inline void fiber_entry() {
+  BlockRun& run = *g_run;
+  run.body();
+  // An exited thread no longer holds back barriers (as on the hardware).
+  const int tid = linear_tid();
+  --run.block_barrier.expected;
+  release_if_complete(run.block_barrier);
+  Barrier& warp = run.warp_barriers[tid / 32];
+  --warp.expected;
+  release_if_complete(warp);
+  run.fibers[run.current].done = true;
+  ++run.events;
+}
+
+inline void run_block(dim3 block_idx, dim3 block_dim, const std::function<void()>& body) {
+  const int num_threads = static_cast<int>(block_dim.x * block_dim.y * block_dim.z);
+  if (num_threads % 32 != 0) {
+    std::fprintf(stderr, "emu: block size %d is not a multiple of 32\n", num_threads);
+    std::abort();
+  }
+  BlockRun run;
+  run.body = body;
+  run.fibers.resize(num_threads);
+  run.block_barrier.expected = num_threads;
+  run.warp_barriers.resize(num_threads / 32);
+  for (Barrier& b : run.warp_barriers) b.expected = 32;
+  run.shuffle_slots.assign(num_threads, 0);
+  while (static_cast<int>(g_stacks.size()) < num_threads) g_stacks.emplace_back(new char[kStackBytes]);
+  g_run = &run;
+  g_block_idx = block_idx;
+  g_block_dim = block_dim;
+  for (int t = 0; t < num_threads; ++t) {
+    Fiber& f = run.fibers[t];
+    f.thread_idx = dim3(t % block_dim.x, (t / block_dim.x) % block_dim.y, t / (block_dim.x * block_dim.y));
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = g_stacks[t].get();
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = &run.scheduler;
+    makecontext(&f.context, fiber_entry, 0);
+  }
+  for (int live = num_threads; live > 0;) {
+    const uint64_t events_before = run.events;
+    live = 0;
+    for (int t = 0; t < num_threads; ++t) {
+      if (run.fibers[t].done) continue;
+      run.current = t;
+      g_thread_idx = run.fibers[t].thread_idx;
+      swapcontext(&run.scheduler, &run.fibers[t].context);
+      live += run.fibers[t].done ? 0 : 1;
+    }
+    if (live > 0 && run.events == events_before) {
+      std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): divergent barrier or shuffle\n",
+                   block_idx.x, block_idx.y, block_idx.z);
+      std::abort();
+    }
+  }
+  g_run = nullptr;
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t /*stream*/,
+            const Args&... args) {
+  g_grid_dim = grid;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x)
+        run_block(dim3(x, y, z), block, [&] { kernel(args...); });
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::g_thread_idx)
+#define blockIdx (emu::g_block_idx)
+#define blockDim (emu::g_block_dim)
+#define gridDim (emu::g_grid_dim)
+#define AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, ...) \
+  emu::launch(kernel, grid, block, smem, stream, __VA_ARGS__)
+
+inline void __syncthreads() { emu::wait(emu::g_run->block_barrier); }
+
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) std::abort();  // only full-warp syncs are modelled
+  emu::wait(emu::g_run->warp_barriers[emu::linear_tid() / 32]);
+}
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
+  if (mask != 0xffffffffu || width != 32) std::abort();
+  emu::BlockRun& run = *emu::g_run;
+  const int tid = emu::linear_tid();
+  const int warp = tid / 32;
+  std::memcpy(&run.shuffle_slots[tid], &value, sizeof(T));
+  emu::wait(run.warp_barriers[warp]);
+  T result;
+  std::memcpy(&result, &run.shuffle_slots[warp * 32 + ((tid % 32) ^ lane_mask)], sizeof(T));
+  emu::wait(run.warp_barriers[warp]);
+  return result;
+}
+
+inline float __expf(float x) { return std::exp(x); }

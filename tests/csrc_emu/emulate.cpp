@@ -1,0 +1,43 @@
+// C entry points over the csrc kernel headers, run by the CPU emulator (emu_runtime.h);
+// loaded with ctypes by tests/test_csrc_emulated.py. The structs are filled from Python
+// with the same layout as the C++ ones.
+#include "emu_runtime.h"
+
+#include "cache_kernels.cuh"
+#include "paged_attention.cuh"
+
+using asyncgen::DecodeParams;
+using asyncgen::StoreKVParams;
+
+extern "C" {
+
+int ag_plan_decode(int num_seqs, int num_heads, int num_kv_heads, int max_seq_len,
+                   int sliding_window, int num_sms, int requested_partition_size,
+                   int* partition_size, int* num_partitions) {
+  const asyncgen::DecodePlan plan =
+      asyncgen::plan_decode(num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window,
+                            num_sms, requested_partition_size);
+  *partition_size = plan.partition_size;
+  *num_partitions = plan.num_partitions;
+  return 0;
+}
+
+// dtype: 0 = float16, 1 = bfloat16. Returns 0 on success.
+int ag_paged_attention_decode(const DecodeParams* p, int dtype) {
+  const bool ok = dtype == 0 ? asyncgen::launch_paged_attention_decode<__half>(*p, nullptr)
+                             : asyncgen::launch_paged_attention_decode<__nv_bfloat16>(*p, nullptr);
+  return ok ? 0 : 1;
+}
+
+int ag_store_kv_cache(const StoreKVParams* p, int element_size, int slot_is_int64, int aligned16) {
+  switch (element_size) {
+    case 2: asyncgen::launch_store_kv_cache<uint16_t>(*p, slot_is_int64, aligned16, nullptr); return 0;
+    case 4: asyncgen::launch_store_kv_cache<uint32_t>(*p, slot_is_int64, aligned16, nullptr); return 0;
+    default: return 1;
+  }
+}
+
+int ag_sizeof_decode_params() { return sizeof(DecodeParams); }
+int ag_sizeof_store_params() { return sizeof(StoreKVParams); }
+
+}  // extern "C"

@@ -1,0 +1,163 @@
+"""Builds and drives the CPU emulation of the csrc kernels (``emulate.cpp``) via ctypes.
+
+The emulation runs the real kernel source (``csrc/*.cuh``) with a host compiler, one
+fiber per CUDA thread, so the kernels' indexing, masking and cross-lane logic can be
+checked against ``asyncgen._ops.reference`` on a machine with no GPU. It needs a C++20
+compiler and the CUDA headers (``cuda_fp16.h``); :func:`build` returns None without them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE.parent.parent / "csrc"
+SOURCES = [HERE / "emulate.cpp", HERE / "emu_runtime.h", *sorted(CSRC.glob("*.cuh"))]
+
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+
+
+class DecodeParams(ctypes.Structure):
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("q", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("part_max", ctypes.c_void_p),
+        ("part_sum", ctypes.c_void_p),
+        ("part_out", ctypes.c_void_p),
+        ("out_stride_seq", ctypes.c_int64),
+        ("out_stride_head", ctypes.c_int64),
+        ("q_stride_seq", ctypes.c_int64),
+        ("q_stride_head", ctypes.c_int64),
+        ("k_stride_block", ctypes.c_int64),
+        ("v_stride_block", ctypes.c_int64),
+        ("block_table_stride", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int),
+        ("num_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("sliding_window", ctypes.c_int),
+        ("partition_size", ctypes.c_int),
+        ("max_partitions", ctypes.c_int),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class StoreKVParams(ctypes.Structure):
+    _fields_ = [
+        ("key", ctypes.c_void_p),
+        ("value", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("key_stride_token", ctypes.c_int64),
+        ("key_stride_head", ctypes.c_int64),
+        ("value_stride_token", ctypes.c_int64),
+        ("value_stride_head", ctypes.c_int64),
+        ("k_stride_block", ctypes.c_int64),
+        ("v_stride_block", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+    ]
+
+
+def _cuda_include() -> Path | None:
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    for root in roots:
+        if root and (Path(root) / "include" / "cuda_fp16.h").exists():
+            return Path(root) / "include"
+    return None
+
+
+def build(out_dir: Path) -> "Emulator | None":
+    """Compiles the emulator into ``out_dir`` (reused while the sources are unchanged)."""
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    include = _cuda_include()
+    if cxx is None or include is None:
+        return None
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    lib = out_dir / f"agemu_{digest}.so"
+    if not lib.exists():
+        cmd = [
+            cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-fno-strict-aliasing",
+            f"-I{CSRC}", f"-I{include}", str(HERE / "emulate.cpp"), "-o", str(lib),
+        ]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return Emulator(ctypes.CDLL(str(lib)))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Emulator:
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        assert lib.ag_sizeof_decode_params() == ctypes.sizeof(DecodeParams)
+        assert lib.ag_sizeof_store_params() == ctypes.sizeof(StoreKVParams)
+        lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
+        lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
+
+    def plan(self, num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window, num_sms,
+             partition_size) -> tuple[int, int]:
+        size, count = ctypes.c_int(), ctypes.c_int()
+        self.lib.ag_plan_decode(num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window,
+                                num_sms, partition_size, ctypes.byref(size), ctypes.byref(count))
+        return size.value, count.value
+
+    def paged_attention_decode(self, out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                               max_seq_len, sliding_window=0, partition_size=-1, num_sms=132):
+        """Mirrors the torch op's glue: plan, scratch buffers, params, launch."""
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        size, count = self.plan(num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window,
+                                num_sms, partition_size)
+        part_max = part_sum = part_out = None
+        if count > 1:
+            part_max = torch.empty(num_seqs, num_heads, count)
+            part_sum = torch.empty(num_seqs, num_heads, count)
+            part_out = torch.empty(num_seqs, num_heads, count, head_dim)
+        p = DecodeParams(
+            _ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens),
+            _ptr(part_max), _ptr(part_sum), _ptr(part_out),
+            out.stride(0), out.stride(1), q.stride(0), q.stride(1),
+            k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+            num_seqs, num_heads, num_kv_heads, head_dim, k_cache.shape[1], sliding_window,
+            size, count, scale,
+        )
+        rc = self.lib.ag_paged_attention_decode(ctypes.byref(p), DTYPE_CODES[q.dtype])
+        assert rc == 0, "unsupported head_dim"
+        return count
+
+    def store_kv_cache(self, key, value, k_cache, v_cache, slot_mapping):
+        es = key.element_size()
+        aligned = all(t.data_ptr() % 16 == 0 for t in (key, value, k_cache, v_cache)) and all(
+            (s * es) % 16 == 0
+            for s in (key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                      k_cache.stride(0), v_cache.stride(0), key.shape[2])
+        )
+        p = StoreKVParams(
+            _ptr(key), _ptr(value), _ptr(k_cache), _ptr(v_cache), _ptr(slot_mapping),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), v_cache.stride(0),
+            key.shape[0], key.shape[1], key.shape[2], k_cache.shape[1],
+        )
+        rc = self.lib.ag_store_kv_cache(ctypes.byref(p), es, slot_mapping.dtype == torch.int64, aligned)
+        assert rc == 0
+        return aligned

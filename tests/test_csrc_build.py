@@ -1,0 +1,103 @@
+"""The csrc extension's Python side where the extension may be missing (CPU machines):
+nothing raises at import, the backend says it is unavailable, asking for it says how to
+build it, and the launchers reject bad arguments by name before touching a device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncgen._ops import cuda_backend, get_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_is_available_is_a_bool_and_false_without_cuda():
+    available = cuda_backend.is_available()
+    assert isinstance(available, bool)
+    if not torch.cuda.is_available():
+        assert available is False
+
+
+def test_get_ops_cuda_says_how_to_build_when_extension_missing(monkeypatch):
+    monkeypatch.setattr(cuda_backend, "_extension", lambda: None)
+    assert cuda_backend.is_available() is False
+    with pytest.raises(RuntimeError, match=r"setup\.py build_ext --inplace"):
+        get_ops("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine may have the extension built")
+def test_get_ops_cuda_raises_runtime_error_here():
+    with pytest.raises(RuntimeError, match="asyncgen._C"):
+        get_ops("cuda")
+
+
+def _decode_args(**overrides):
+    num_seqs, num_heads, num_kv_heads, head_dim = 2, 4, 2, 64
+    args = dict(
+        q=torch.randn(num_seqs, num_heads, head_dim, dtype=torch.float16),
+        k_cache=torch.randn(3, 16, num_kv_heads, head_dim, dtype=torch.float16),
+        v_cache=torch.randn(3, 16, num_kv_heads, head_dim, dtype=torch.float16),
+        block_tables=torch.zeros(num_seqs, 2, dtype=torch.int32),
+        seq_lens=torch.ones(num_seqs, dtype=torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        scale=0.125,
+    )
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "name, bad, message",
+    [
+        ("q", torch.randn(2, 4, dtype=torch.float16), "q must have 3 dimensions"),
+        ("k_cache", torch.randn(3, 16, 2, 64, dtype=torch.float32), "k_cache must have dtype"),
+        ("v_cache", torch.randn(3, 16, 2, 32, dtype=torch.float16), "v_cache must have k_cache's shape"),
+        ("block_tables", torch.zeros(2, 2), "block_tables must have dtype"),
+        ("seq_lens", torch.ones(3, dtype=torch.int32), "block_tables must have 3 rows"),
+        ("query_start_loc", torch.arange(2, dtype=torch.int32), "query_start_loc must have shape"),
+        ("scale", "0.1", "scale must be a float"),
+        ("q", torch.randn(2, 3, 64, dtype=torch.float16), "multiple of k_cache's num_kv_heads"),
+    ],
+)
+def test_paged_attention_rejects_bad_arguments_by_name(name, bad, message):
+    with pytest.raises(ValueError, match=message):
+        cuda_backend.paged_attention(**_decode_args(**{name: bad}))
+
+
+def test_paged_attention_rejects_bad_hints_and_cpu_tensors():
+    with pytest.raises(ValueError, match="max_seq_len must be None or an int"):
+        cuda_backend.paged_attention(**_decode_args(), max_seq_len=-1)
+    with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+        cuda_backend.paged_attention(**_decode_args(), sliding_window=0)
+    with pytest.raises(ValueError, match="q is on cpu; the cuda backend needs CUDA tensors"):
+        cuda_backend.paged_attention(**_decode_args())
+
+
+def test_store_kv_cache_rejects_bad_arguments_by_name():
+    key = torch.randn(5, 2, 64, dtype=torch.float16)
+    cache = torch.zeros(3, 16, 2, 64, dtype=torch.float16)
+    slots = torch.arange(5)
+    with pytest.raises(ValueError, match="value must have key's shape"):
+        cuda_backend.store_kv_cache(key, key[:4], cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="slot_mapping must have dtype"):
+        cuda_backend.store_kv_cache(key, key, cache, cache.clone(), slots.float())
+    with pytest.raises(ValueError, match=r"k_cache must have shape \[num_blocks, block_size, 2, 64\]"):
+        cuda_backend.store_kv_cache(key, key, cache[..., :32], cache[..., :32].clone(), slots)
+    with pytest.raises(ValueError, match="key is on cpu"):
+        cuda_backend.store_kv_cache(key, key, cache, cache.clone(), slots)
+
+
+def test_setup_py_skips_the_extension_when_asked():
+    env = dict(os.environ, ASYNCGEN_SKIP_CUDA="1")
+    result = subprocess.run(
+        [sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "asyncgen"
+    assert "building without the CUDA extension: ASYNCGEN_SKIP_CUDA is set" in result.stderr

@@ -1,0 +1,128 @@
+"""The csrc kernels (csrc/*.cuh) run on the CPU through tests/csrc_emu, against the torch
+reference. This checks the kernels' indexing, masking, split-K merge and cross-lane logic
+where no GPU exists; speed and the torch glue are checked on a GPU by
+tests/gpu/check_csrc_ops.py. Skipped without a C++20 compiler or the CUDA headers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncgen._ops import reference
+from csrc_emu import harness
+from csrc_emu.cases import make_decode_case, make_store_case, relative_error
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def emu(request, tmp_path_factory):
+    cache = getattr(request.config, "cache", None)  # reuses the build across runs
+    out_dir = cache.mkdir("csrc_emu") if cache is not None else tmp_path_factory.mktemp("csrc_emu")
+    emulator = harness.build(out_dir)
+    if emulator is None:
+        pytest.skip("needs a C++ compiler and the CUDA headers (cuda_fp16.h)")
+    return emulator
+
+
+def run_decode(emu, case, *, partition_size=-1, max_seq_len=None, num_sms=132):
+    out = torch.full_like(case.q, float("nan"))
+    parts = emu.paged_attention_decode(
+        out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+        case.max_seq_len if max_seq_len is None else max_seq_len, case.sliding_window or 0,
+        partition_size, num_sms,
+    )
+    ref = reference.paged_attention(
+        case.q, case.k_cache_ref, case.v_cache_ref, case.block_tables, case.seq_lens,
+        case.query_start_loc, case.scale, case.sliding_window,
+    )
+    return out, ref, parts
+
+
+# (num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, window)
+SHAPES = [
+    (3, 4, 4, 128, 16, 150, None),    # MHA
+    (3, 8, 2, 128, 16, 203, None),    # GQA 4
+    (2, 16, 2, 64, 16, 170, None),    # GQA 8
+    (2, 6, 1, 128, 32, 97, None),     # GQA 6: heads padded to 8, block_size 32
+    (2, 24, 2, 64, 16, 120, None),    # GQA 12: two head chunks per kv head
+    (2, 2, 1, 256, 16, 70, None),     # head_dim 256
+    (3, 8, 2, 64, 16, 230, 37),       # sliding window
+    (2, 4, 4, 128, 16, 100, 200),     # window wider than the context
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("partition_size", [0, 48], ids=["single", "split"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(str(v) for v in s))
+def test_decode_matches_reference(emu, shape, partition_size, dtype):
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, window = shape
+    case = make_decode_case(
+        num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, max_len=max_len, dtype=dtype, sliding_window=window, seed=len(SHAPES),
+    )
+    out, ref, parts = run_decode(emu, case, partition_size=partition_size)
+    assert (parts > 1) == (partition_size > 0)
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_decode_automatic_split_matches_reference(emu):
+    # Few sequences and heads with long contexts: the automatic plan splits.
+    case = make_decode_case(num_seqs=2, num_heads=4, num_kv_heads=1, head_dim=64, max_len=1100,
+                            dtype=torch.float16, seed=3)
+    out, ref, parts = run_decode(emu, case, partition_size=-1, num_sms=8)
+    assert parts > 1
+    assert relative_error(out, ref) < TOLERANCE[torch.float16]
+
+
+def test_decode_empty_sequence_gives_zeros(emu):
+    # seq_len 0 (a padded entry of a captured decode batch) must not produce NaN.
+    for partition_size in (0, 32):
+        case = make_decode_case(num_seqs=3, num_heads=4, num_kv_heads=2, head_dim=64, max_len=90,
+                                dtype=torch.bfloat16, empty_seq=True)
+        out, ref, _ = run_decode(emu, case, partition_size=partition_size)
+        assert torch.equal(out[-1].float(), torch.zeros_like(out[-1].float()))
+        assert relative_error(out[:-1], ref[:-1]) < TOLERANCE[torch.bfloat16]
+
+
+def test_decode_underestimated_max_seq_len_stays_correct(emu):
+    # The last launched partition takes the remainder: slower, never wrong.
+    case = make_decode_case(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=64, max_len=300,
+                            dtype=torch.float16, seed=5)
+    out, ref, parts = run_decode(emu, case, partition_size=32, max_seq_len=100)
+    assert parts == 4
+    assert relative_error(out, ref) < TOLERANCE[torch.float16]
+
+
+def test_plan_depends_on_shapes_only(emu):
+    # (num_seqs, num_heads, num_kv_heads, max_seq_len, window, num_sms, requested)
+    assert emu.plan(1, 32, 32, 4096, 0, 132, 0) == (0, 1)          # forced single pass
+    assert emu.plan(64, 32, 32, 4096, 0, 132, -1) == (0, 1)        # batch fills the GPU
+    assert emu.plan(1, 32, 32, 250, 0, 132, -1) == (0, 1)          # short context
+    size, count = emu.plan(1, 32, 32, 4096, 0, 132, -1)            # batch 1, long context
+    assert count > 1 and size % 64 == 0 and size >= 128 and size * count >= 4096
+    size, count = emu.plan(1, 32, 8, 1 << 20, 0, 132, -1)          # huge context
+    assert count <= 1024 and size * count >= 1 << 20
+    size, count = emu.plan(1, 8, 8, 100_000, 512, 132, 64)         # a window bounds the work
+    assert (size, count) == (64, 9)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, slot_dtype",
+    [
+        (torch.float16, 128, torch.int64),
+        (torch.bfloat16, 64, torch.int32),
+        (torch.float32, 64, torch.int64),
+        (torch.float16, 12, torch.int64),  # 24-byte rows: the element-wise path
+    ],
+)
+def test_store_kv_cache_matches_reference(emu, dtype, head_dim, slot_dtype):
+    case = make_store_case(num_tokens=37, num_kv_heads=3, head_dim=head_dim, dtype=dtype,
+                           slot_dtype=slot_dtype, seed=head_dim)
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    reference.store_kv_cache(case.key, case.value, k_ref, v_ref, case.slot_mapping.long())
+    vectorized = emu.store_kv_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    assert vectorized == (head_dim * case.key.element_size() % 16 == 0)
+    assert torch.equal(case.k_cache, k_ref)
+    assert torch.equal(case.v_cache, v_ref)
