@@ -23,7 +23,7 @@ from .errors import (
     UnsupportedModelError,
     WeightsError,
 )
-from .outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk, TokenLogprob, Usage
+from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamChunk, TokenLogprob, Usage
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "PromptTooLongError",
+    "RequestMetrics",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",

@@ -18,7 +18,8 @@ class EngineConfig(BaseModel):
     ``num_kv_blocks`` blocks when given; else sized from ``kv_cache_memory`` bytes; else,
     on the CPU, 1 GiB, and on CUDA the part of ``gpu_memory_utilization`` of the card
     left after the weights and a profiled forward pass at the largest batch.
-    ``ops_backend`` forces a kernel backend ("torch", "triton" or "cuda"); "auto" picks
+    ``enable_prefix_caching`` shares the KV blocks of equal prompt prefixes between
+    requests (and between the ``n`` samples of one request). ``ops_backend`` forces a kernel backend ("torch", "triton" or "cuda"); "auto" picks
     the fastest available for the device.
     """
 
@@ -34,6 +35,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory: Optional[int] = Field(default=None, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     ops_backend: Literal["auto", "torch", "triton", "cuda"] = "auto"
+    enable_prefix_caching: bool = True
     enforce_eager: bool = False
     trust_remote_code: bool = False
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-__all__ = ["CompletionOutput", "EngineStats", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage"]
+__all__ = [
+    "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
+]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -20,6 +22,27 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Timings of one completion, in seconds (``time.monotonic()`` for the instants).
+
+    ``queue_time``: arrival to first scheduled; ``time_to_first_token``: arrival to the
+    first generated token; ``time_per_output_token``: mean gap between later tokens.
+    ``num_cached_tokens`` prompt tokens came from the prefix cache instead of being
+    computed.
+    """
+
+    arrival_time: float
+    finished_time: float
+    queue_time: Optional[float]
+    time_to_first_token: Optional[float]
+    time_per_output_token: Optional[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,6 +75,7 @@ class StreamChunk:
     stop_reason: Optional[str | int] = None
     usage: Optional[Usage] = None
     logprobs: Optional[tuple[TokenLogprob, ...]] = None  # one per token id, when asked for
+    metrics: Optional[RequestMetrics] = None  # on the last chunk of each completion
 
     def __str__(self) -> str:
         return self.text
@@ -71,6 +95,7 @@ class CompletionOutput:
     finish_reason: Optional[FinishReason]
     stop_reason: Optional[str | int] = None
     logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    metrics: Optional[RequestMetrics] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,6 +124,10 @@ class RequestOutput:
     def finish_reason(self) -> Optional[FinishReason]:
         return self.outputs[0].finish_reason
 
+    @property
+    def metrics(self) -> Optional[RequestMetrics]:
+        return self.outputs[0].metrics
+
     def __str__(self) -> str:
         return self.text
 
@@ -118,3 +147,13 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     kv_cache_usage: float
+    num_cached_blocks: int
+    prefix_cache_hit_rate: float
+    generation_tokens_per_s: float  # over the last few seconds
+    gpu_memory_allocated_bytes: Optional[int] = None
+    gpu_memory_total_bytes: Optional[int] = None
+    gpu_utilization: Optional[float] = None  # percent, where NVML is available
+
+    @property
+    def num_preempted(self) -> int:
+        return self.num_preemptions

@@ -242,3 +242,35 @@ async def test_seeded_request_is_reproducible_in_any_batch(smollm2_path):
                 tg.start_soon(one, i, f"Other prompt {i}", SamplingParams(max_tokens=20, temperature=1.0))
             tg.start_soon(one, "seeded", "Tell me about cats.", params)
     assert results["seeded"].token_ids == alone.token_ids
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_prefix_caching_changes_no_greedy_token(smollm2_path):
+    system = "You are a careful assistant. Answer in one short sentence. " * 6
+    questions = ["What is rain?", "What is snow?", "Why is the sky blue?", "What is rain?"]
+
+    async def run(enable):
+        results = []
+        async with AsyncEngine.from_pretrained(
+            smollm2_path, max_model_len=512, num_kv_blocks=128, enable_prefix_caching=enable
+        ) as engine:
+            for q in questions:  # one after another, so later ones can hit the cache
+                out = await engine.generate(
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                    params=SamplingParams(max_tokens=12, temperature=0),
+                )
+                results.append(out)
+            stats = engine.stats()
+        return results, stats
+
+    on, stats_on = await run(True)
+    off, stats_off = await run(False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert stats_on.prefix_cache_hit_rate > 0.5 and stats_off.prefix_cache_hit_rate == 0
+    assert on[0].metrics.num_cached_tokens == 0 and on[1].metrics.num_cached_tokens > 0
+    assert on[3].metrics.num_cached_tokens >= on[1].metrics.num_cached_tokens
+    assert all(o.metrics.num_cached_tokens == 0 for o in off)
+    m = on[1].metrics
+    assert m.time_to_first_token >= m.queue_time >= 0 and m.time_per_output_token > 0
+    assert m.num_prompt_tokens == len(on[1].prompt_token_ids) and m.num_generation_tokens == len(on[1].token_ids)

@@ -10,8 +10,10 @@ from asyncgen.engine.scheduler import Scheduler
 EOS = frozenset({2})
 
 
-def make(req_id, prompt_len, max_tokens=8, **params):
-    return Request(req_id, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **params), EOS, max_tokens)
+def make(req_id, prompt_len, max_tokens=8, first=10, **params):
+    """A request whose prompt counts up from ``first`` (equal ``first`` = shared prefix)."""
+    prompt = list(range(first, first + prompt_len))
+    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, **params), EOS, max_tokens)
 
 
 def step(s: Scheduler, token=7):
@@ -81,7 +83,7 @@ def test_preempts_most_recently_admitted_and_recomputes_it():
     # 4 blocks of 4 tokens: a and b take 2 blocks each after their prompts of 8.
     s = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     s.add(make("a", 8, max_tokens=6))
-    s.add(make("b", 8, max_tokens=6))
+    s.add(make("b", 8, max_tokens=6, first=100))
     step(s)
     assert s.block_manager.num_free_blocks == 0
     out = step(s)  # a needs a third block for token 8: b (newest) is preempted
@@ -144,3 +146,59 @@ def test_max_model_len_ends_with_length():
     step(s)
     step(s)
     assert "a" not in s.requests
+
+
+# --- prefix caching -------------------------------------------------------------------------
+def test_prefix_cache_shares_full_blocks_and_counts_references():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 10))
+    step(s)  # a computed 10 tokens: blocks 0, 1 full and keyed, block 2 partial
+    assert bm.num_cached_blocks == 2
+    s.add(make("b", 11))  # same first 10 tokens (make() counts up from 10), one more
+    out = step(s)
+    b_seq = next(q for q in out.seqs if q.req_id == "b")
+    assert b_seq.block_ids[:2] == bm.table("a")[:2]  # shared, not recomputed
+    assert b_seq.start_pos == 8 and b_seq.token_ids == list(range(18, 21))
+    assert s.requests["b"].num_cached_tokens == 8
+    assert bm.hit_rate == 8 / 21
+    s.abort("a")
+    assert bm.num_free_blocks == 8 - len(bm.table("b"))  # a's shared blocks still held by b
+    s.abort("b")
+    assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 2  # kept for reuse
+
+
+def test_prefix_cache_keeps_one_token_to_compute_and_evicts_lru():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.allocate("a", 8) == [0, 1]
+    bm.cache_full_blocks("a", list(range(8)), 8)
+    bm.free("a")
+    # An identical 8-token prompt: only the first block may be reused (token 7 must run).
+    assert bm.match_prefix(list(range(8))) == [0]
+    assert bm.match_prefix(list(range(9))) == [0, 1]
+    assert bm.match_prefix([99] + list(range(1, 9))) == []
+    # Unkeyed free blocks go first; then the least recently freed cached block (1 before 0:
+    # the end of a prefix is evicted before its start).
+    assert bm.allocate("x", 12) == [2, 3, 1]
+    assert bm.match_prefix(list(range(9))) == [0]
+
+
+def test_prefix_caching_off_never_shares():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", list(range(8)), 8)
+    assert bm.match_prefix(list(range(9))) == [] and bm.num_cached_blocks == 0
+
+
+def test_n_samples_wait_for_the_first_then_share_its_prompt_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    lead, follow = make("r#0", 9), make("r#1", 9)
+    follow.prefix_leader = lead
+    s.add(lead)
+    s.add(follow)
+    out = step(s)
+    assert [q.req_id for q in out.seqs] == ["r#0"]
+    out = step(s)
+    f = next(q for q in out.seqs if q.req_id == "r#1")
+    assert f.start_pos == 8 and f.block_ids[:2] == bm.table("r#0")[:2]

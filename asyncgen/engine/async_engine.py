@@ -172,7 +172,7 @@ class AsyncEngine:
         self.model_name = _display_name(self._model, path)
         self._core = EngineCore(
             tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
-            self.config.max_num_batched_tokens, max_len, eos_ids,
+            self.config.max_num_batched_tokens, max_len, eos_ids, self.config.enable_prefix_caching,
         )
 
     async def aclose(self) -> None:
@@ -323,6 +323,7 @@ class AsyncEngine:
         reasons: list[Any] = [None] * n
         stops: list[Any] = [None] * n
         lps: list[list] = [[] for _ in range(n)]
+        metrics: list[Any] = [None] * n
         usage = None
         async with stream:
             async for chunk in stream:
@@ -333,12 +334,14 @@ class AsyncEngine:
                 if chunk.finish_reason is not None:
                     reasons[chunk.index] = chunk.finish_reason
                     stops[chunk.index] = chunk.stop_reason
+                    metrics[chunk.index] = chunk.metrics
                 if chunk.usage is not None:
                     usage = chunk.usage
         outputs = tuple(
             CompletionOutput(
                 i, "".join(texts[i]), tuple(ids[i]), reasons[i], stops[i],
                 tuple(lps[i]) if stream.group.params.logprobs is not None else None,
+                metrics[i],
             )
             for i in range(n)
         )

@@ -9,10 +9,11 @@ so each is atomic with respect to the tasks that consume streams.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Optional
 
-from ..outputs import EngineStats, StreamChunk, Usage
+from ..outputs import EngineStats, RequestMetrics, StreamChunk, Usage
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -50,6 +51,7 @@ class RequestGroup:
         self.notify: Callable[[], None] = lambda: None
         self.num_unfinished = params.n
         self.num_completion_tokens = 0
+        self.arrival_time = time.monotonic()
 
     @property
     def finished(self) -> bool:
@@ -69,15 +71,17 @@ class EngineCore:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        enable_prefix_caching: bool = True,
     ):
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, RequestGroup] = {}  # sequence id -> its group
         self.num_steps = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.num_finished = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -86,10 +90,14 @@ class EngineCore:
     def add(self, group: RequestGroup, max_tokens: int) -> None:
         """Registers every sequence of ``group`` with the scheduler (atomic)."""
         p = group.params
+        leader = None
         for i in range(p.n):
             seq_id = group.request_id if p.n == 1 else f"{group.request_id}#{i}"
             seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
+            if self.block_manager.enable_prefix_caching:
+                req.prefix_leader = leader
+                leader = leader or req
             detok = IncrementalDetokenizer(
                 self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
             )
@@ -97,6 +105,9 @@ class EngineCore:
             self._group_of[seq_id] = group
             self.scheduler.add(req, seed)
         self.groups[group.request_id] = group
+        group.arrival_time = time.monotonic()
+        for seq in group.seqs.values():
+            seq.req.arrival_time = group.arrival_time
         self.num_prompt_tokens += len(group.prompt_token_ids) * p.n
 
     def abort(self, request_id: str) -> bool:
@@ -129,6 +140,10 @@ class EngineCore:
     def process(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None) -> None:
         """Applies a step's sampled tokens: counters, stop checks, text, stream chunks."""
         self.num_steps += 1
+        now = time.monotonic()
+        self._recent.append((now, len(sampled)))
+        while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
+            self._recent.popleft()
         touched: list[RequestGroup] = []
         for req in self.scheduler.update(out, sampled):
             group = self._group_of[req.request_id]
@@ -161,11 +176,13 @@ class EngineCore:
             return
         reason = None
         usage = None
+        metrics = None
         if finished:
             seq.done = True
             status = seq.req.status
             reason = status.value if status.finished else "abort"
             group.num_unfinished -= 1
+            metrics = _metrics(seq.req)
             if group.finished:
                 usage = Usage(len(group.prompt_token_ids), group.num_completion_tokens)
                 self._forget(group)
@@ -173,6 +190,7 @@ class EngineCore:
             group.request_id, seq.req.index, text, tuple(seq.pending_ids), reason,
             seq.req.stop_reason if reason == "stop" else None, usage,
             tuple(seq.pending_logprobs) if seq.req.params.logprobs is not None else None,
+            metrics,
         )
         seq.pending_ids = []
         seq.pending_logprobs = []
@@ -189,6 +207,9 @@ class EngineCore:
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent if now - t <= _RATE_WINDOW_S]
+        rate = sum(n for _, n in recent) / (now - recent[0][0]) if len(recent) > 1 and now > recent[0][0] else 0.0
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -201,4 +222,48 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            prefix_cache_hit_rate=bm.hit_rate,
+            generation_tokens_per_s=rate,
+            **_gpu_stats(),
         )
+
+
+_RATE_WINDOW_S = 10.0
+
+
+def _metrics(req) -> RequestMetrics:
+    now = time.monotonic()
+    n = req.num_output_tokens
+    first = req.first_token_time
+    return RequestMetrics(
+        arrival_time=req.arrival_time,
+        finished_time=now,
+        queue_time=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
+        time_to_first_token=None if first is None else first - req.arrival_time,
+        time_per_output_token=(now - first) / (n - 1) if first is not None and n > 1 else None,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        num_generation_tokens=n,
+        num_preemptions=req.num_preemptions,
+    )
+
+
+def _gpu_stats() -> dict:
+    """Memory (and utilisation where NVML answers) of the current CUDA device, if any.
+
+    Reads counters only; it launches no GPU work, so it is safe on the loop thread."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    out = {
+        "gpu_memory_allocated_bytes": torch.cuda.memory_allocated(),
+        "gpu_memory_total_bytes": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+    }
+    try:
+        out["gpu_utilization"] = float(torch.cuda.utilization())
+    except Exception:  # NVML missing or not permitted: leave the field unset (None)
+        pass
+    return out

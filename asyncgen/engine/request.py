@@ -35,6 +35,7 @@ class Request:
     __slots__ = (
         "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
+        "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time",
     )
 
     def __init__(
@@ -58,6 +59,14 @@ class Request:
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic()
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.prefix_leader: Optional["Request"] = None  # the n > 1 sample whose prompt blocks to share
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ takes the sampled tokens back.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from typing import Iterable, Optional
 
@@ -143,24 +144,42 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not bm.can_allocate(req.request_id, req.num_computed_tokens + n):
+                leader = req.prefix_leader
+                if leader is not None and leader.status is RequestStatus.RUNNING and not leader.prompt_done:
+                    # A sample of an n > 1 request waits until the first sample's prompt is
+                    # in the cache, then shares its blocks instead of recomputing them.
+                    skipped.append(self.waiting.popleft())
+                    continue
+                cached: list[int] = []
+                if req.num_computed_tokens == 0:
+                    cached = bm.match_prefix(req.token_ids)
+                start = len(cached) * bm.block_size if cached else req.num_computed_tokens
+                n = min(req.num_tokens - start, budget)
+                if not bm.can_allocate(req.request_id, start + n, cached):
                     break
                 self.waiting.popleft()
+                if req.num_computed_tokens == 0:
+                    bm.record_query(req.num_tokens, len(cached) * bm.block_size)
+                    req.num_cached_tokens = len(cached) * bm.block_size
+                req.num_computed_tokens = start
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                seqs.append(self._take(req, n))
+                seqs.append(self._take(req, n, cached))
                 budget -= n
+            self.waiting.extendleft(reversed(skipped))
 
         new_requests, self._unseen = self._unseen, []
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs, new_requests, finished, self.max_num_batched_tokens - budget, preempted)
 
-    def _take(self, req: Request, n: int) -> ScheduledSeq:
+    def _take(self, req: Request, n: int, cached: list[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
-        table = self.block_manager.allocate(req.request_id, start + n)
+        table = self.block_manager.allocate(req.request_id, start + n, cached)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
         return ScheduledSeq(
             req.request_id, req.token_ids[start : start + n], start, list(table), start + n == req.num_tokens
         )
@@ -184,10 +203,13 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start_pos:
                 continue
             req.num_computed_tokens += len(seq.token_ids)
+            self.block_manager.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             token = sampled.get(seq.req_id) if seq.sample else None
             if token is None:
                 continue
             req.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             got.append(req)
             status = self._check_stop(req, token)
             if status is not None:

@@ -47,6 +47,12 @@ class ModelConfig:
             raw = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(f"{cfg_path} is not valid JSON: {e}") from e
+        quant_path = path / "quantize_config.json"  # AutoGPTQ's file, when config.json has none
+        if raw.get("quantization_config") is None and quant_path.is_file():
+            try:
+                raw["quantization_config"] = json.loads(quant_path.read_text())
+            except (OSError, ValueError) as e:
+                raise ModelNotFoundError(f"{quant_path} is not valid JSON: {e}") from e
         return cls.from_dict(raw)
 
     @classmethod

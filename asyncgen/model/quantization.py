@@ -58,7 +58,7 @@ from .._ops import quant_reference as qref
 from ..errors import UnsupportedModelError, WeightsError
 from .linear import LinearBase, LinearMethod, check_shape
 
-__all__ = ["QuantConfig", "QuantLinearMethod", "QuantScheme", "linear_method_factory"]
+__all__ = ["QuantConfig", "QuantLinearMethod", "QuantScheme", "encode_awq", "encode_gptq", "linear_method_factory"]
 
 METHODS = ("awq", "gptq")
 KERNELS = ("auto", "dense", "reference", "triton")
@@ -156,8 +156,6 @@ def _scheme(method: str, raw: dict[str, Any], base: dict[str, Any]) -> QuantSche
         version = str(raw.get("version") or raw.get("format") or "gemm").lower()
         if version != "gemm":
             raise UnsupportedModelError(f"AWQ version/format {version!r} is not supported; only 'gemm'")
-        if not raw.get("zero_point", True):
-            raise UnsupportedModelError("AWQ without zero points (zero_point = false) is not supported")
         if group_size == -1:
             raise UnsupportedModelError("AWQ with group_size -1 is not supported")
         return QuantScheme("awq", 4, group_size, False, 0)
@@ -394,6 +392,28 @@ class QuantLinearMethod(LinearMethod):
 
 
 # --- format helpers ------------------------------------------------------------------------------
+def encode_awq(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight [K, N/8], qzeros [G, N/8]) as AutoAWQ's GEMM format stores 4-bit ``codes``
+    [K, N] and zero points ``zeros`` [G, N]; the inverse of what loading reads."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        rows, n = t.shape
+        fields = t.reshape(rows, n // 8, 8)[:, :, list(_AWQ_ORDER)].reshape(rows, n)
+        return qref.pack_cols(fields, 4)
+
+    return pack(codes), pack(zeros)
+
+
+def encode_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight [K*bits/32, N], qzeros [G, N*bits/32]) as GPTQ stores ``codes`` [K, N] (rows
+    in checkpoint order) and ``zeros`` [G, N]; ``v1``: the zero-minus-one convention,
+    written by 32-bit word subtraction as GPTQModel does."""
+    qzeros = qref.pack_cols(zeros, bits)
+    if v1:
+        qzeros = _add_to_fields(qzeros, -1, bits)
+    return qref.pack_rows(codes, bits), qzeros
+
+
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """[R, N // 8] AWQ words -> [R, N] codes in column order."""
     fields = qref.unpack_cols(packed, 4)  # [R, N], field p of word j at column 8j + p
