@@ -55,7 +55,7 @@ async def engine_greedy(path, prompts, backend, **kwargs):
     from asyncgen import AsyncEngine, SamplingParams
 
     results = [None] * len(prompts)
-    async with AsyncEngine.from_pretrained(path, device="cuda", dtype="float32", max_model_len=1024, ops_backend=backend, **kwargs) as engine:
+    async with AsyncEngine.from_pretrained(path, device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=16, ops_backend=backend, **kwargs) as engine:
 
         async def one(i):
             out = await engine.generate(prompts[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
