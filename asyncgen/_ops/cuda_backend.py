@@ -43,6 +43,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 _DECODE_HEAD_DIMS = (64, 128, 256)
 _TILE = 16  # the decode kernel's token tile; block_size must be a multiple
+_GQA_TRITON_FROM = 512  # num_seqs * num_kv_heads from which Triton's GQA decode is faster
 _MAX_DECODE_SEQS = 65535
 
 
@@ -266,8 +267,16 @@ def paged_attention(
 
 
 def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
-    """Whether the csrc decode kernel takes these (else Triton does)."""
+    """Whether the csrc decode kernel takes these and is the faster choice (else Triton).
+
+    Measured on an H200 (docs/BENCHMARKS.md): csrc wins by 5-7x for one or few
+    sequences and ties Triton for large multi-head batches, but Triton's GQA tiles win
+    (1.5-1.8x) once grouped-query batches fill the GPU (num_seqs * num_kv_heads >= 512).
+    """
     head_dim = q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if q.shape[1] != num_kv_heads and q.shape[0] * num_kv_heads >= _GQA_TRITON_FROM:
+        return False
     return (
         _extension() is not None
         and q.dtype in _DECODE_DTYPES

@@ -12,6 +12,7 @@ imports is checked. Exits non-zero on any mismatch.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -95,7 +96,7 @@ def main() -> int:
             }
             for backend in backends:
                 for name, kw in settings.items():
-                    got, stats = anyio.run(engine_greedy, Path(d), prompts, backend, **kw)
+                    got, stats = anyio.run(functools.partial(engine_greedy, Path(d), prompts, backend, **kw))
                     bad = [i for i in range(len(prompts)) if got[i] != ref[i]]
                     first = [
                         next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), None) for i in bad

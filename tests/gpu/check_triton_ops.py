@@ -282,7 +282,7 @@ def check_attention(ops, dtype, quick, sweep):
         if not quick:
             cases += [(16, 8192), (128, 4096 if kvh == 8 else 2048)]
         for num_seqs, ctx in cases:
-            lens = [ctx - 37 * i for i in range(num_seqs)]  # ragged, partial last blocks
+            lens = [ctx - (37 * i) % (ctx // 2) for i in range(num_seqs)]  # ragged, partial last blocks
             base = dict(max_query_len=1, max_seq_len=max(lens))
             splits = tpa._num_splits(num_seqs, kvh, max(lens), tpa._decode_config(HEAD_DIM, dtype)[0],
                                      torch.cuda.get_device_properties(0).multi_processor_count)
@@ -292,7 +292,7 @@ def check_attention(ops, dtype, quick, sweep):
                 check_attention_case(ops, dtype, f"decode B={num_seqs} ctx~{ctx} kvh={kvh} splits=1",
                                      [1] * num_seqs, lens, kvh, hints=dict(base, num_splits=1))
         check_attention_case(ops, dtype, f"decode B=64 ctx~2048 kvh={kvh} general kernel", [1] * 64,
-                             [2048 - 37 * i for i in range(64)], kvh, hints=dict(max_query_len=None))
+                             [2048 - (37 * i) % 1024 for i in range(64)], kvh, hints=dict(max_query_len=None))
         # Prefill and mixed batches.
         prefill_len = 2048 if quick else 8192
         check_attention_case(ops, dtype, f"prefill 1x{prefill_len} kvh={kvh}", [prefill_len], [prefill_len], kvh,
