@@ -1,0 +1,165 @@
+"""An OpenAI-compatible HTTP server in one file: FastAPI + asyncgen.
+
+    python examples/fastapi_server.py --host 127.0.0.1 --port 8000 [--model DIR]
+
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, or
+server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``,
+plus ``GET /health`` and ``GET /stats`` (the engine's load and KV-cache figures).
+
+The model is ``--model``, else ``$ASYNCGEN_MODEL``, else the bundled SmolLM2-135M-Instruct.
+The official client works unchanged but for the address::
+
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    async for chunk in await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}], stream=True):
+        print(chunk.choices[0].delta.content or "", end="")
+
+The engine lives in the app's lifespan: it starts before the first request and closes at
+shutdown. A client that disconnects mid-request gets its generation aborted and its KV
+blocks freed at once: for a stream, Starlette stops iterating the event generator and
+the ``finally`` below closes the engine stream; for a plain request, the handler is
+cancelled as soon as the server reports the disconnect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any, Optional
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from asyncgen import AsyncEngine
+from asyncgen.openai import APIStatusError, AsyncStream, BadRequestError, OpenAIAdapter, sse_stream
+
+
+def resolve_model(model: Optional[str] = None) -> str:
+    """``model``, else ``$ASYNCGEN_MODEL``, else the bundled SmolLM2 (built on first use)."""
+    model = model or os.environ.get("ASYNCGEN_MODEL")
+    if model:
+        return model
+    from asyncgen.fetch import smollm2
+
+    return str(smollm2())
+
+
+def create_app(model: Optional[str] = None, **engine_kwargs: Any) -> FastAPI:
+    """The app; ``engine_kwargs`` go to ``AsyncEngine.from_pretrained`` (``max_model_len``,
+    ``num_kv_blocks``, ``max_num_seqs``, ...)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with AsyncEngine.from_pretrained(resolve_model(model), **engine_kwargs) as engine:
+            app.state.engine = engine
+            app.state.openai = OpenAIAdapter(engine)
+            yield
+
+    app = FastAPI(title="asyncgen OpenAI-compatible server", lifespan=lifespan)
+
+    @app.exception_handler(APIStatusError)
+    async def openai_error(request: Request, exc: APIStatusError) -> JSONResponse:
+        return JSONResponse(exc.to_response().to_dict(), status_code=exc.status_code)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        adapter: OpenAIAdapter = request.app.state.openai
+        return await _respond(request, adapter.create_chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        adapter: OpenAIAdapter = request.app.state.openai
+        return await _respond(request, adapter.create_completion)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        return request.app.state.openai.list_models().to_dict()
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(request: Request, model: str) -> dict:
+        return request.app.state.openai.retrieve_model(model).to_dict()
+
+    @app.get("/health")
+    async def health(request: Request) -> dict:
+        return {"status": "ok" if request.app.state.engine.is_running else "down"}
+
+    @app.get("/stats")
+    async def stats(request: Request) -> dict:
+        return asdict(request.app.state.engine.stats())
+
+    return app
+
+
+async def _respond(request: Request, create) -> Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    result = await _unless_disconnected(request, create, body)
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, AsyncStream):
+        # Whether iteration ends, fails or is cut short by a disconnect, closing the event
+        # generator closes the engine stream; the background task makes sure it is closed
+        # even if Starlette drops the generator without finishing it.
+        events = sse_stream(result)
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(events.aclose),
+        )
+    return JSONResponse(result.to_dict())
+
+
+async def _unless_disconnected(request: Request, create, body: Any):
+    """``await create(body)``, cancelled (which aborts the generation) if the client goes
+    away first. The body is already read, so the next ASGI message can only be the
+    disconnect. A streamed result returns at once; its disconnects are StreamingResponse's."""
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    result = error = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        try:
+            result = await create(body)
+        except APIStatusError as e:
+            error = e
+        finally:
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    if result is None:  # the client left; nobody is waiting for an answer
+        return Response(status_code=499)
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None, help="model directory (default: $ASYNCGEN_MODEL, else SmolLM2)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    args = parser.parse_args(argv)
+    app = create_app(
+        args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""examples/discord_bot.py: the message handler, called with fake Discord objects (no
+network), streams a real SmolLM2 answer into one message with throttled edits."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import anyio
+import pytest
+
+pytest.importorskip("discord")
+
+from asyncgen.fetch import smollm2  # noqa: E402
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "discord_bot.py"
+INTERVAL = 0.5
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"  # discord.py runs on asyncio
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("discord_bot", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+async def bot(example, anyio_backend):
+    bot = example.AskBot(
+        str(smollm2()), engine_kwargs={"num_kv_blocks": 256, "max_model_len": 2048},
+        max_tokens=20, temperature=0.0, edit_interval=INTERVAL,
+    )
+    await bot.setup_hook()  # what discord.py calls after login
+    yield bot
+    await bot.close()
+    assert not bot.engine.is_running
+
+
+class FakeSentMessage:
+    def __init__(self, content: str):
+        self.content = content
+        self.edits: list[tuple[float, str]] = []
+
+    async def edit(self, *, content: str) -> None:
+        self.edits.append((time.monotonic(), content))
+        self.content = content
+
+
+class FakeChannel:
+    def __init__(self, channel_id: int):
+        self.id = channel_id
+        self.sent: list[FakeSentMessage] = []
+
+    async def send(self, content: str) -> FakeSentMessage:
+        message = FakeSentMessage(content)
+        self.sent.append(message)
+        return message
+
+
+class FakeAuthor:
+    def __init__(self, bot: bool = False):
+        self.bot = bot
+
+
+class FakeMessage:
+    def __init__(self, content: str, channel: FakeChannel, author_is_bot: bool = False):
+        self.content = content
+        self.channel = channel
+        self.author = FakeAuthor(author_is_bot)
+
+
+def check_reply(channel: FakeChannel, cursor: str) -> str:
+    [reply] = channel.sent
+    times = [t for t, _ in reply.edits]
+    texts = [c for _, c in reply.edits]
+    final = texts[-1]
+    assert final.strip() and not final.endswith(cursor)
+    for text in texts[:-1]:  # each partial edit shows a prefix of the answer, with a cursor
+        assert text.endswith(cursor) and final.startswith(text[: -len(cursor)])
+    gaps = [b - a for a, b in zip(times[:-1], times[1:-1])]  # the final edit is not throttled
+    assert all(g >= INTERVAL * 0.95 for g in gaps), gaps
+    return final
+
+
+async def test_streams_one_reply_with_throttled_edits(bot, example):
+    channel = FakeChannel(1)
+    start = time.monotonic()
+    await bot.on_message(FakeMessage("!ask What is the capital of France?", channel))
+    elapsed = time.monotonic() - start
+    final = check_reply(channel, example.CURSOR)
+    assert len(channel.sent[0].edits) <= elapsed / INTERVAL + 2
+    assert engine_idle(bot.engine)
+    # the answer is the model's greedy answer to the same conversation
+    history = list(bot.history[1])
+    assert history[-1] == {"role": "assistant", "content": final}
+
+
+async def test_many_channels_at_once(bot, example):
+    channels = [FakeChannel(100 + i) for i in range(3)]
+    with anyio.fail_after(180):
+        async with anyio.create_task_group() as tg:
+            for i, ch in enumerate(channels):
+                tg.start_soon(bot.on_message, FakeMessage(f"!ask Give me a fun fact number {i}.", ch))
+    for ch in channels:
+        check_reply(ch, example.CURSOR)
+    assert engine_idle(bot.engine)
+
+
+async def test_follow_up_uses_the_channel_history(bot):
+    channel = FakeChannel(7)
+    await bot.on_message(FakeMessage("!ask My name is Ada.", channel))
+    await bot.on_message(FakeMessage("!ask What is my name?", channel))
+    assert [m["role"] for m in bot.history[7]] == ["user", "assistant", "user", "assistant"]
+    assert len(channel.sent) == 2
+
+
+async def test_ignores_bots_and_other_messages(bot):
+    channel = FakeChannel(2)
+    await bot.on_message(FakeMessage("!ask hello", channel, author_is_bot=True))
+    await bot.on_message(FakeMessage("just chatting", channel))
+    assert channel.sent == []
+    await bot.on_message(FakeMessage("!ask   ", channel))
+    assert [m.content for m in channel.sent] == ["Ask me something: `!ask <question>`"]
+
+
+async def test_a_too_long_question_gets_an_apology(bot):
+    channel = FakeChannel(3)
+    await bot.on_message(FakeMessage("!ask " + "why " * 3000, channel))
+    assert channel.sent[0].content.startswith("Sorry, I can't answer that")
+    assert engine_idle(bot.engine)
+
+
+async def test_editor_throttles_with_a_fake_clock(example):
+    now = [0.0]
+    message = FakeSentMessage("…")
+    editor = example.ThrottledEditor(message, interval=1.0, clock=lambda: now[0])
+    text = ""
+    for _ in range(100):  # 100 pieces over 10 seconds
+        text += "x"
+        now[0] += 0.1
+        await editor.update(text)
+    await editor.finish(text)
+    assert 10 <= editor.num_edits <= 12
+    assert message.content == text
+
+
+def engine_idle(engine) -> bool:
+    s = engine.stats()
+    return s.num_running == 0 and s.num_free_blocks == s.num_total_blocks

@@ -1,0 +1,235 @@
+"""examples/fastapi_server.py, run as a program under uvicorn and driven by the official
+``openai`` client (only ``base_url`` changed): chat and completions, streamed and not,
+several clients at once, errors, and a client that disconnects mid-stream (its request
+must be aborted and its KV blocks freed)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from openai.types import Completion  # noqa: E402
+from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: pathlib.Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The example as its README runs it (no --model: the bundled SmolLM2), on a free port."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("fastapi") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCGEN_MODEL"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [
+        sys.executable, "examples/fastapi_server.py", "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "2048", "--num-kv-blocks", "256",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_ready(proc, url + "/health", log, timeout=300)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+async def client(server):
+    async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused") as c:
+        yield c
+
+
+async def _stats(server: str) -> dict:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{server}/stats")).json()
+
+
+async def test_models_list_names_the_model(client):
+    page = await client.models.list()
+    assert [m.id for m in page.data] == [MODEL]
+    assert page.data[0].object == "model"
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4o")
+
+
+async def test_chat_completion(client):
+    resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert isinstance(resp, ChatCompletion)
+    assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion" and resp.model == MODEL
+    assert abs(resp.created - time.time()) < 600
+    [choice] = resp.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens <= 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+async def test_chat_stream_matches_non_streamed(client):
+    whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert all(isinstance(c, ChatCompletionChunk) and c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert finals[0].choices[0].delta.content is None
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+
+
+async def test_completions_streamed_and_not(client):
+    prompt = "The capital of France is"
+    whole = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert isinstance(whole, Completion) and whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+    stream = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    echoed = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + whole.choices[0].text
+
+
+async def test_n_choices_and_logprobs(client):
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, n=2, seed=7, logprobs=True, top_logprobs=3
+    )
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    for choice in resp.choices:
+        content = choice.logprobs.content
+        assert "".join(t.token for t in content) == choice.message.content
+        assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+        assert all(bytes(t.bytes).decode(errors="replace") == t.token for t in content)
+    comp = await client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == 4
+    assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+async def test_several_clients_at_once(server):
+    results: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused") as c:
+            if i % 2:
+                stream = await c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=10, stream=True
+                )
+                results[i] = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+            else:
+                resp = await c.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=10, seed=i)
+                results[i] = resp.choices[0].text
+
+    with anyio.fail_after(240):
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+    assert sorted(results) == list(range(6)) and all(results.values())
+
+
+async def test_disconnect_mid_stream_aborts_and_frees_blocks(client, server):
+    before = await _stats(server)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}],
+        max_tokens=1500, stream=True, extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    async for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 3:
+            break
+    during = await _stats(server)
+    assert during["num_running"] == 1 and during["num_free_blocks"] < during["num_total_blocks"]
+    await stream.close()  # drops the connection mid-stream
+
+    with anyio.fail_after(60):
+        while True:
+            stats = await _stats(server)
+            if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
+                break
+            await anyio.sleep(0.1)
+    assert stats["num_waiting"] == 0
+    assert stats["num_finished_requests"] == before["num_finished_requests"] + 1
+    assert stats["num_generation_tokens"] - before["num_generation_tokens"] < 1500
+
+
+async def test_errors_are_openai_error_objects(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5)
+    assert e.value.status_code == 400 and e.value.param == "temperature"
+    assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:  # refused before the event stream starts
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, extra_body={"colour": 1})
+    assert e.value.param == "colour" and "Unrecognized request argument" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.param == "tools"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 3000}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert e.value.code == "model_not_found"
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    stats = await _stats(server)
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
