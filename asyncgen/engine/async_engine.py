@@ -226,19 +226,36 @@ class AsyncEngine:
             self._wakeup.set()
 
     async def _run(self) -> None:
+        """The engine loop. While the device runs step N+1, the loop turns step N's
+        tokens into text and stream chunks::
+
+            schedule(N+1) needs only update(N): counters, stop tokens, lengths
+            ... submit(N+1) -> emit(N): detokenize, stop strings, chunks -> await(N+1) ...
+        """
         core = self._core
+        inflight = None  # (SchedulerOutput, Job) of the step on the device
         try:
             while self._state is _State.RUNNING:
+                if inflight is None:
+                    self._drain_pending_aborts()
+                    out = core.schedule() if core.scheduler.has_work else None
+                    if out is None or out.is_empty:
+                        if not self._wakeup.is_set():
+                            await self._wakeup.wait()
+                        self._wakeup = anyio.Event()
+                        continue
+                    inflight = (out, self._device.submit(self._runner.execute, out))
+                out, job = inflight
+                result = await job.result()
+                reqs = core.update(out, result.sampled, result.logprobs)
                 self._drain_pending_aborts()
-                out = core.schedule() if core.scheduler.has_work else None
-                if out is None or out.is_empty:
-                    if not self._wakeup.is_set():
-                        await self._wakeup.wait()
-                    self._wakeup = anyio.Event()
-                    continue
-                result = await self._device.run(self._runner.execute, out)
-                core.process(out, result.sampled, result.logprobs)
-                # Let the streams' consumers take their chunks before the next step.
+                inflight = None
+                if core.scheduler.has_work:
+                    nxt = core.schedule()
+                    if not nxt.is_empty:
+                        inflight = (nxt, self._device.submit(self._runner.execute, nxt))
+                core.emit(reqs)
+                # Let the streams' consumers take their chunks.
                 await anyio.lowlevel.checkpoint()
         except BaseException as e:
             if isinstance(e, anyio.get_cancelled_exc_class()):
@@ -246,6 +263,12 @@ class AsyncEngine:
                 raise
             self._die(EngineDeadError(f"a model step failed: {type(e).__name__}: {e}"), e)
         finally:
+            if inflight is not None:  # closing: let the device finish what it was given
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await inflight[1].result()
+                    except BaseException:
+                        pass  # the engine is stopping; the step's result has no reader
             self._stopped.set()
 
     def _die(self, error: EngineDeadError, cause: BaseException) -> None:

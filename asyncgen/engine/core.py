@@ -138,27 +138,45 @@ class EngineCore:
         return self.scheduler.schedule()
 
     def process(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None) -> None:
-        """Applies a step's sampled tokens: counters, stop checks, text, stream chunks."""
+        """``update`` then ``emit``: a whole step's results applied at once."""
+        self.emit(self.update(out, sampled, logprobs))
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None) -> list[Request]:
+        """The part of applying a step that the next ``schedule()`` depends on: counters,
+        appended tokens, stop tokens and length limits. Returns the requests that got a
+        token, for ``emit``."""
         self.num_steps += 1
         now = time.monotonic()
         self._recent.append((now, len(sampled)))
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
             self._recent.popleft()
-        touched: list[RequestGroup] = []
-        for req in self.scheduler.update(out, sampled):
-            group = self._group_of[req.request_id]
-            seq = group.seqs[req.request_id]
-            token = req.token_ids[-1]
-            seq.pending_ids.append(token)
+        reqs = self.scheduler.update(out, sampled)
+        for req in reqs:
+            seq = self._group_of[req.request_id].seqs[req.request_id]
+            seq.pending_ids.append(req.token_ids[-1])
             if logprobs and req.request_id in logprobs:
                 seq.pending_logprobs.append(logprobs[req.request_id])
-            self.num_generation_tokens += 1
+        self.num_generation_tokens += len(reqs)
+        return reqs
+
+    def emit(self, reqs: list[Request]) -> None:
+        """The rest, which may overlap the next step on the device: text, stop strings,
+        stream chunks. A stop string found here ends its request; the token the next step
+        computes for it is then discarded by ``update``."""
+        touched: list[RequestGroup] = []
+        for req in reqs:
+            group = self._group_of.get(req.request_id)
+            if group is None:
+                continue
+            seq = group.seqs[req.request_id]
+            if seq.done:
+                continue
             group.num_completion_tokens += 1
             finished = req.status.finished
             # A token that ended the sequence as a stop token is kept in token_ids, not in text.
             is_stop_token = finished and req.status is RequestStatus.FINISHED_STOPPED
             if not is_stop_token:
-                stop = seq.detok.add([token])
+                stop = seq.detok.add([seq.pending_ids[-1]])
                 if stop is not None and not finished:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import anyio
 
-__all__ = ["DeviceThread", "current_async_library", "threadsafe_caller"]
+__all__ = ["DeviceThread", "Job", "current_async_library", "threadsafe_caller"]
 
 
 def current_async_library() -> str:
@@ -67,32 +67,16 @@ class DeviceThread:
                 return
             job()
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "Job":
+        """Queues ``fn(*args)`` on the device thread and returns at once; ``await
+        job.result()`` later. Call from the event-loop thread."""
+        job = Job(fn, args, threadsafe_caller())
+        self._jobs.put(job.run)
+        return job
+
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs ``fn(*args)`` on the device thread and returns its result (or raises).
-
-        The wait is shielded from cancellation: a job, once submitted, always completes
-        before this returns, so the caller never loses track of device work in flight.
-        """
-        call_soon = threadsafe_caller()
-        done = anyio.Event()
-        box: dict[str, Any] = {}
-
-        def job() -> None:
-            try:
-                box["result"] = fn(*args)
-            except BaseException as e:  # handed to the awaiting task, re-raised there
-                box["error"] = e
-            try:
-                call_soon(done.set)
-            except RuntimeError:
-                pass  # the loop is gone; nobody is waiting any more
-
-        self._jobs.put(job)
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+        """Runs ``fn(*args)`` on the device thread and returns its result (or raises)."""
+        return await self.submit(fn, *args).result()
 
     def stop(self) -> None:
         """Lets the thread exit after the jobs already queued."""
@@ -100,3 +84,32 @@ class DeviceThread:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+
+class Job:
+    """One call queued on the device thread."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, call_soon: Callable[[Callable[[], Any]], None]):
+        self._fn, self._args, self._call_soon = fn, args, call_soon
+        self._done = anyio.Event()
+        self._box: dict[str, Any] = {}
+
+    def run(self) -> None:  # on the device thread
+        try:
+            self._box["result"] = self._fn(*self._args)
+        except BaseException as e:  # handed to the awaiting task, re-raised there
+            self._box["error"] = e
+        try:
+            self._call_soon(self._done.set)
+        except RuntimeError:
+            pass  # the loop is gone; nobody is waiting any more
+
+    async def result(self) -> Any:
+        """The call's result (or its exception). The wait is shielded from cancellation:
+        a job, once submitted, completes before this returns, so device work in flight is
+        never lost track of."""
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["result"]
