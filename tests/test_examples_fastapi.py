@@ -5,7 +5,7 @@ must be aborted and its KV blocks freed)."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import pathlib
 import socket
@@ -23,6 +23,8 @@ pytest.importorskip("uvicorn")
 
 from openai.types import Completion  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
+
+from asyncgen.fetch import smollm2  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
@@ -164,7 +166,7 @@ async def test_n_choices_and_logprobs(client):
     assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
 
 
-async def test_several_clients_at_once(server):
+async def test_several_clients_at_once_one_leaving(server):
     results: dict[int, str] = {}
 
     async def one(i: int) -> None:
@@ -178,11 +180,37 @@ async def test_several_clients_at_once(server):
                 resp = await c.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=10, seed=i)
                 results[i] = resp.choices[0].text
 
+    async def leaver() -> None:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused") as c:
+            stream = await c.completions.create(
+                model=MODEL, prompt="A long tale:", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+            )
+            async for _ in stream:
+                break
+            await stream.close()
+
     with anyio.fail_after(240):
         async with anyio.create_task_group() as tg:
+            tg.start_soon(leaver)
             for i in range(6):
                 tg.start_soon(one, i)
     assert sorted(results) == list(range(6)) and all(results.values())
+    with anyio.fail_after(60):
+        while (await _stats(server))["num_running"]:
+            await anyio.sleep(0.1)
+    stats = await _stats(server)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_model_from_flag_env_or_bundled(monkeypatch):
+    spec = importlib.util.spec_from_file_location("fastapi_server", REPO_ROOT / "examples" / "fastapi_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("ASYNCGEN_MODEL", "/models/from-env")
+    assert module.resolve_model("/models/from-flag") == "/models/from-flag"
+    assert module.resolve_model() == "/models/from-env"
+    monkeypatch.delenv("ASYNCGEN_MODEL")
+    assert module.resolve_model() == str(smollm2())
 
 
 async def test_disconnect_mid_stream_aborts_and_frees_blocks(client, server):

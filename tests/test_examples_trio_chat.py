@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from contextlib import aclosing
 
 import pytest
 
@@ -72,5 +73,6 @@ async def test_chat_keeps_history_and_deadlines_abort(example):
         assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
 
         out = io.StringIO()
-        history = await example.chat(engine, scripted("word " * 3000, "/quit"), out, max_tokens=4)
+        async with aclosing(scripted("word " * 3000, "/quit", "never read")) as lines:
+            history = await example.chat(engine, lines, out, max_tokens=4)
         assert "(error:" in out.getvalue() and history == [{"role": "system", "content": example.SYSTEM}]

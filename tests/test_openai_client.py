@@ -278,3 +278,13 @@ async def test_engine_not_running():
     with pytest.raises(InternalServerError) as e:
         await client.chat.completions.create(model=engine.model_name, messages=MESSAGES)
     assert e.value.status_code == 503 and e.value.type == "server_error"
+
+
+@ASYNCIO_ONLY
+async def test_served_model_names(engine):
+    client = InProcessOpenAI(engine, model_names=["smol", "assistant"])
+    assert [m.id for m in (await client.models.list()).data] == ["smol", "assistant"] and client.model == "smol"
+    resp = await client.chat.completions.create(model="assistant", messages=MESSAGES, max_tokens=1)
+    assert resp.model == "assistant"
+    with pytest.raises(NotFoundError):
+        await client.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=1)

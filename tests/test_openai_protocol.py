@@ -4,6 +4,10 @@ mapping to SamplingParams, response and chunk JSON, server-sent events, token by
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -35,6 +39,12 @@ def chat(**kw):
 
 def completion(**kw):
     return _parse(CompletionRequest, {"model": "m", "prompt": "hi", **kw})
+
+
+def test_the_openai_package_is_not_needed():
+    code = "import sys, asyncgen.openai; assert 'openai' not in sys.modules, 'asyncgen.openai imported openai'"
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
 
 
 def test_public_api_is_sorted_and_importable():

@@ -266,7 +266,7 @@ class OpenAIAdapter:
 
     ``model_names`` are the names clients may put in ``model`` (default: the engine's
     ``model_name``, the model directory's name); any other name is a 404, as in OpenAI's
-    API. The first is the name reported in responses and ``/v1/models``.
+    API; responses name the model the request asked for.
     """
 
     def __init__(self, engine, *, model_names: Optional[list[str]] = None, owned_by: str = "asyncgen"):
@@ -316,10 +316,10 @@ class OpenAIAdapter:
             logprobs = ChoiceLogprobs(content=self._chat_logprobs(out.logprobs)) if req.logprobs else None
             message = ChatCompletionMessage(content="".join(out.texts))
             choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=out.finish_reason))
-        return ChatCompletion(id=rid, created=created, model=self.model_names[0], choices=choices, usage=usage)
+        return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
 
     async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int):
-        model = self.model_names[0]
+        model = req.model
 
         def chunk(choices, usage=None):
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
@@ -386,10 +386,10 @@ class OpenAIAdapter:
             logprobs = self._completion_logprobs(out.logprobs, len(echo)) if req.logprobs is not None else None
             text = echo + "".join(out.texts)
             choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
-        return Completion(id=rid, created=created, model=self.model_names[0], choices=choices, usage=usage)
+        return Completion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
 
     async def _completion_chunks(self, streams, req: CompletionRequest, n: int, echoes, rid: str, created: int):
-        model = self.model_names[0]
+        model = req.model
         offsets = [len(echoes[k // n]) for k in range(n * len(streams))]
 
         def chunk(choices, usage=None):
