@@ -150,7 +150,7 @@ async def test_cancelling_streams_at_random_points_frees_every_block(smollm2_pat
             for i in range(24):
                 tg.start_soon(consume_then_cancel, i)
         # An explicit abort by id, too.
-        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=200), request_id="to-abort")
+        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=200, ignore_eos=True), request_id="to-abort")
         first = await stream.__anext__()
         assert first.request_id == "to-abort"
         assert engine.abort("to-abort")
