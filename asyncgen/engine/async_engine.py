@@ -340,6 +340,7 @@ class AsyncEngine:
     ) -> RequestOutput:
         """Generates for one prompt and returns the whole :class:`RequestOutput`."""
         stream = self.stream(prompt, params, messages=messages, request_id=request_id)
+        stream.group.wake_each_chunk = False
         n = stream.group.params.n
         texts: list[list[str]] = [[] for _ in range(n)]
         ids: list[list[int]] = [[] for _ in range(n)]

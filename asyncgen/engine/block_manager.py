@@ -94,12 +94,15 @@ class BlockManager:
         """Registers the blocks of ``seq_id`` that ``num_computed`` tokens have filled."""
         if not self.enable_prefix_caching:
             return
+        done = self._num_keyed.get(seq_id, 0)
+        full = num_computed // self.block_size
+        if full <= done:
+            return  # no block filled up since the last call: the common decode step
         table = self._tables.get(seq_id)
         if not table:
             return
         bs = self.block_size
-        done = self._num_keyed.get(seq_id, 0)
-        full = min(num_computed // bs, len(table))
+        full = min(full, len(table))
         parent = self._key_id.get(table[done - 1], None) if done else _ROOT
         for i in range(done, full):
             block = table[i]
