@@ -177,8 +177,6 @@ async def test_failing_step_turns_every_live_stream_into_engine_dead_error(tiny_
 
 # --- leaks the soak found ---------------------------------------------------------------------
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="the engine keeps a reference cycle group.notify -> stream, so a "
-                   "stream left without closing is never collected while its request runs")
 async def test_leaving_async_for_without_closing_aborts(tiny_model):
     async with AsyncEngine.from_pretrained(tiny_model, max_model_len=256, num_kv_blocks=64) as engine:
 
@@ -192,8 +190,6 @@ async def test_leaving_async_for_without_closing_aborts(tiny_model):
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(strict=True, reason="Scheduler.finish() leaves an unseen request in _unseen, and "
-                   "ModelRunner.execute() drops finished ids before adding new requests")
 async def test_request_aborted_before_its_first_step_leaves_no_runner_state(tiny_model):
     async with AsyncEngine.from_pretrained(tiny_model, max_model_len=256, num_kv_blocks=64) as engine:
         stream = engine.stream([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), request_id="early")

@@ -18,6 +18,7 @@ import logging
 import re
 import threading
 import uuid
+import weakref
 import warnings
 from collections import deque
 from pathlib import Path
@@ -469,7 +470,10 @@ class RequestStream(AsyncIterator[StreamChunk]):
         self._registered = False
         self._closed = False
         self._event: Optional[anyio.Event] = None
-        group.notify = self._notify
+        # The engine holds the group; the group must not hold the stream, or a stream
+        # dropped mid-request could never be collected (and so never aborted).
+        notify = weakref.WeakMethod(self._notify)
+        group.notify = lambda: (m := notify()) is not None and m()
 
     @property
     def request_id(self) -> str:

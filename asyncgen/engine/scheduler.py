@@ -71,7 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._unseen: list[NewRequestData] = []
+        self._unseen: dict[str, NewRequestData] = {}  # added, not yet sent to the runner
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
 
@@ -82,7 +82,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         stop_ids = frozenset(req.params.stop_token_ids or ()) | (frozenset() if req.params.ignore_eos else req.eos_token_ids)
-        self._unseen.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids))
+        self._unseen[req.request_id] = NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Ends ``req`` now: it leaves the queues and its blocks return to the pool."""
@@ -95,7 +95,8 @@ class Scheduler:
         req.status = status
         self.block_manager.free(req.request_id)
         del self.requests[req.request_id]
-        self._finished_ids.append(req.request_id)
+        if self._unseen.pop(req.request_id, None) is None:  # the runner knows it: tell it to forget
+            self._finished_ids.append(req.request_id)
 
     def abort(self, req_id: str) -> bool:
         req = self.requests.get(req_id)
@@ -171,7 +172,7 @@ class Scheduler:
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
 
-        new_requests, self._unseen = self._unseen, []
+        new_requests, self._unseen = list(self._unseen.values()), {}
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs, new_requests, finished, self.max_num_batched_tokens - budget, preempted)
 
