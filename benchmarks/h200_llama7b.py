@@ -163,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", default="bench_7b.json")
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None, help="where to write the checkpoint (kept); default: a temp dir, removed")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
@@ -181,6 +181,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 32000, (n_req, prompt_len), generator=gen).tolist()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncgen-7b-"))
+    work.mkdir(parents=True, exist_ok=True)
     results = {"config": cfg, "requests": n_req, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     t0 = time.perf_counter()
@@ -212,7 +213,8 @@ def main() -> None:
     floors = {b: (weight_bytes + b * ctx * kv_bytes_per_token) / bw * 1000 for b in results["asyncgen"]["decode_step_ms"]}
     results["decode_floor_ms"] = floors
     Path(args.out).write_text(json.dumps(results, indent=2))
-    shutil.rmtree(work, ignore_errors=True)
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
 
     a = results["asyncgen"]
     print("\n=== asyncgen vs transformers,", results["gpu"], "===")
