@@ -137,7 +137,11 @@ def test_abort_frees_blocks_and_skips_in_flight_result():
     assert s.block_manager.num_free_blocks == 8
     assert s.update(out, {"a": 5}) == []  # the step that was running for it is ignored
     assert not s.abort("a")
-    assert s.schedule().finished_req_ids == ["a"]
+    # An output with nothing to run is not executed: the news waits for the next real step.
+    assert s.schedule().is_empty
+    s.add(make("b", 2))
+    out = s.schedule()
+    assert out.finished_req_ids == ["a"] and [r.req_id for r in out.new_requests] == ["b"]
 
 
 def test_max_model_len_ends_with_length():

@@ -211,20 +211,28 @@ def split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> int:
     return split
 
 
-def _config(m: int, n: int, k: int, group_size: int, g_idx) -> tuple[int, int, int, int]:
+def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: torch.device) -> dict:
+    """Launch configuration by the number of rows (decode batch or prompt chunk)."""
     if m <= 16:
         block_m, block_n, block_k, warps = 16, 64, 128, 4
     elif m <= 32:
         block_m, block_n, block_k, warps = 32, 64, 128, 4
     elif m <= 64:
         block_m, block_n, block_k, warps = 64, 64, 64, 4
+    elif m <= 256:
+        block_m, block_n, block_k, warps = 64, 128, 64, 4
     else:
         block_m, block_n, block_k, warps = 128, 128, 64, 8
     # Prefer a tile that stays inside one group (one scale row per tile) when one fits.
     if g_idx is None and group_size < k:
         while block_k > 16 and group_size % block_k:
             block_k //= 2
-    return block_m, block_n, block_k, warps
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    # Splitting K only pays while the weight read dominates (few rows).
+    split = split_k(tiles, k, block_k, device) if m <= 64 else 1
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=3,
+    )
 
 
 def quant_gemm(
@@ -251,11 +259,11 @@ def quant_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    block_m, block_n, block_k, warps = _config(m, n, k, group_size, g_idx)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split_k(tiles, k, block_k, x.device)
+    cfg = _config(m, n, k, bits, group_size, g_idx, x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
+    split = cfg["SPLIT_K"]
     target = out if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    _quant_gemm_kernel[(tiles, split)](
+    _quant_gemm_kernel[grid](
         x, qweight, scales, zeros,
         g_idx if g_idx is not None else qweight,
         perm if perm is not None else qweight,
@@ -268,15 +276,9 @@ def quant_gemm(
         HAS_G_IDX=g_idx is not None,
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
-        GROUP_PER_TILE=group_per_tile(group_size, k, block_k, g_idx),
+        GROUP_PER_TILE=group_per_tile(group_size, k, cfg["BLOCK_K"], g_idx),
         DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and is_interpreted(_quant_gemm_kernel)),
-        SPLIT_K=split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=8,
-        num_warps=warps,
-        num_stages=3,
+        **cfg,
     )
     if split > 1:
         out.copy_(target)

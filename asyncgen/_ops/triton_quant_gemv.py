@@ -112,8 +112,8 @@ def _quant_gemv_kernel(
         tl.atomic_add(out_ptrs, y, mask=mask)
 
 
-def _config(m: int, bits: int, group_size: int, k: int, g_idx) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps); the register tile is BLOCK_M * BLOCK_KW * BLOCK_N."""
+def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: torch.device) -> dict:
+    """Launch configuration; the register tile is BLOCK_M * BLOCK_KW * BLOCK_N fp32."""
     block_m = 1
     while block_m < m:
         block_m *= 2
@@ -123,7 +123,11 @@ def _config(m: int, bits: int, group_size: int, k: int, g_idx) -> tuple[int, int
     if g_idx is None and group_size < k:
         while block_kw > 1 and group_size % (block_kw * pack):
             block_kw //= 2
-    return block_m, block_n, block_kw, 4
+    tiles = triton.cdiv(n, block_n)
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw,
+        SPLIT_K=split_k(tiles, k, block_kw * pack, device), num_warps=4,
+    )
 
 
 def quant_gemv(
@@ -150,12 +154,12 @@ def quant_gemv(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    block_m, block_n, block_kw, warps = _config(m, bits, group_size, k, g_idx)
-    block_k = block_kw * (32 // bits)
-    tiles = triton.cdiv(n, block_n)
-    split = split_k(tiles, k, block_k, x.device)
+    cfg = _config(m, n, k, bits, group_size, g_idx, x.device)
+    block_k = cfg["BLOCK_KW"] * (32 // bits)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
+    split = cfg["SPLIT_K"]
     target = out if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    _quant_gemv_kernel[(tiles, split)](
+    _quant_gemv_kernel[grid](
         x, qweight, scales, zeros,
         g_idx if g_idx is not None else qweight,
         perm if perm is not None else qweight,
@@ -169,11 +173,7 @@ def quant_gemv(
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         GROUP_PER_TILE=group_per_tile(group_size, k, block_k, g_idx),
-        SPLIT_K=split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_KW=block_kw,
-        num_warps=warps,
+        **cfg,
     )
     if split > 1:
         out.copy_(target)

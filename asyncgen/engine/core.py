@@ -230,7 +230,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         now = time.monotonic()
-        recent = [(t, n) for t, n in self._recent if now - t <= _RATE_WINDOW_S]
+        recent = [(t, n) for t, n in tuple(self._recent) if now - t <= _RATE_WINDOW_S]
         rate = sum(n for _, n in recent) / (now - recent[0][0]) if len(recent) > 1 and now > recent[0][0] else 0.0
         return EngineStats(
             num_running=len(self.scheduler.running),

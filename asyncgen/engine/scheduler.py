@@ -172,6 +172,8 @@ class Scheduler:
                 budget -= n
             self.waiting.extendleft(reversed(skipped))
 
+        if not seqs:  # nothing runs: the runner will not see this output; keep its news
+            return SchedulerOutput([], [], [], 0, preempted)
         new_requests, self._unseen = list(self._unseen.values()), {}
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs, new_requests, finished, self.max_num_batched_tokens - budget, preempted)

@@ -10,7 +10,7 @@ The two formats, per checkpoint module with ``K`` input and ``N`` output feature
     AWQ (GEMM)  qweight [K, N // 8] int32   packed along N; within a word, field p holds
                                             column 8j + ORDER[p], ORDER = [0,2,4,6,1,3,5,7]
                 qzeros  [G, N // 8] int32   same packing, zero points as stored
-                scales  [G, N]      fp16    G = K / group_size
+                scales  [G, N]      fp16    G = K / group_size (bf16 from GPTQModel run in bf16)
     GPTQ        qweight [K*bits/32, N] int32  packed along K, field i of word j = row j*pack + i
                 qzeros  [G, ceil(N*bits/32)] int32  packed along N; checkpoint format v1
                                             ("gptq") stores zero - 1, v2 ("gptq_v2") the zero
@@ -41,8 +41,11 @@ by part, each into its columns of one output.
 
 GPTQ v1 zero points are converted by adding ``0x11111111`` (4-bit; ``0x01010101``
 8-bit) to each packed 32-bit word, carries included: the exact inverse of how GPTQModel
-writes v1 (subtracting the same constant from its v2 words), and identical to adding one
-to every field wherever no field holds 0xF.
+writes v1 (subtracting the same constant from its v2 words), and the same as adding one
+to each field on its own unless a field holds all ones (a zero point of 0, which v1 can
+only store through that borrow). AWQ's ``zero_point`` flag is not trusted: GPTQModel
+writes ``false`` for symmetric AWQ yet stores the zero points (all 8), so the stored
+``qzeros`` are always used.
 """
 
 from __future__ import annotations

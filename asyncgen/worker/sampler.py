@@ -119,37 +119,43 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 
     processed = logits  # what logprobs are computed from; later steps make new tensors
     greedy = [r.params.temperature == 0.0 for r in rows]
+    tokens = logits.argmax(dim=-1)
     if all(greedy):
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = tokens.tolist()
         return tokens, _logprobs(processed, tokens, rows)
-    greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None
 
-    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=logits.dtype, device=device)
-    logits = logits / temps.unsqueeze(1)
-    min_p = [r.params.min_p for r in rows]
+    # Only the sampling rows go through temperature, filters and the exponential race.
+    idx = [i for i, g in enumerate(greedy) if not g]
+    srows = [rows[i] for i in idx]
+    sub = logits[torch.tensor(idx, device=device)] if len(idx) < n else logits
+    temps = torch.tensor([r.params.temperature for r in srows], dtype=sub.dtype, device=device)
+    sub = sub / temps.unsqueeze(1)
+    min_p = [r.params.min_p for r in srows]
     if any(p > 0 for p in min_p):
-        probs = logits.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=logits.dtype, device=device).unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
-    top_p = [r.params.top_p for r in rows]
+        probs = sub.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=sub.dtype, device=device).unsqueeze(1)
+        sub = sub.masked_fill(probs < threshold, float("-inf"))
+    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in srows]
+    top_p = [r.params.top_p for r in srows]
     use_k = any(k < vocab for k in top_k)
     use_p = any(p < 1.0 for p in top_p)
     if use_k or use_p:
-        logits = _apply_top_k_top_p(
-            logits,
+        sub = _apply_top_k_top_p(
+            sub,
             torch.tensor(top_k, device=device) if use_k else None,
-            torch.tensor(top_p, dtype=logits.dtype, device=device) if use_p else None,
+            torch.tensor(top_p, dtype=sub.dtype, device=device) if use_p else None,
         )
-    probs = logits.softmax(dim=-1)
+    probs = sub.softmax(dim=-1)
     race = torch.empty_like(probs)
-    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
-    if len(seeded) < n:
+    seeded = [j for j, r in enumerate(srows) if r.generator is not None]
+    if len(seeded) < len(srows):
         race.exponential_()
-    for i in seeded:
-        race[i].exponential_(generator=rows[i].generator)
-    tokens = (probs / race).argmax(dim=-1)
-    if greedy_tokens is not None:
-        tokens = torch.where(torch.tensor(greedy, device=device), greedy_tokens, tokens)
+    for j in seeded:
+        race[j].exponential_(generator=srows[j].generator)
+    sampled = (probs / race).argmax(dim=-1)
+    if len(idx) < n:
+        tokens[torch.tensor(idx, device=device)] = sampled
+    else:
+        tokens = sampled
     tokens = tokens.tolist()
     return tokens, _logprobs(processed, tokens, rows)
