@@ -5,6 +5,9 @@ of them), greedy, fp32 on both sides. transformers runs ``generate()`` on the sa
 prompts as one left-padded batch. Prints total output tokens/s of each.
 
     python benchmarks/cpu_smollm2.py [--requests 16] [--new-tokens 128]
+
+Set OMP_NUM_THREADS to fix the thread count of both sides (the engine's device thread
+included) on a machine shared with other work.
 """
 
 from __future__ import annotations
@@ -72,10 +75,10 @@ def main():
 
     path = smollm2()
     prompts = [PROMPTS[i % len(PROMPTS)] + f" (variant {i})" for i in range(args.requests)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     n_a, t_a = anyio.run(run_asyncgen, path, prompts, args.new_tokens)
+    print(f"asyncgen:     {n_a} tokens in {t_a:.1f} s = {n_a / t_a:.1f} tok/s", flush=True)
     n_h, t_h = run_hf(path, prompts, args.new_tokens)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"asyncgen:     {n_a} tokens in {t_a:.1f} s = {n_a / t_a:.1f} tok/s")
     print(f"transformers: {n_h} tokens in {t_h:.1f} s = {n_h / t_h:.1f} tok/s")
     print(f"ratio: {(n_a / t_a) / (n_h / t_h):.2f}x")
 
