@@ -1,0 +1,218 @@
+"""Checks the 4-bit (and 8-bit) quantized GEMV and GEMM kernels on a CUDA GPU and times them.
+
+Every case draws random codes, zero points and scales, packs them in asyncgen's kernel
+layout (:mod:`asyncgen._ops.quant_reference`), and compares each kernel with
+dequantize-then-matmul (the weight dequantized in fp16 by the reference, multiplied in
+fp32). Shapes are a 7B Llama's: 4096x4096 (q, k, v, o), 4096x11008 (gate or up),
+4096x22016 (gate|up merged), 11008x4096 (down); batch (rows of x) 1, 16, 64, 256.
+Variants: AWQ/GPTQ 4-bit group 128, GPTQ act-order (permuted activations), 8-bit.
+
+Times (``triton.testing.do_bench``, median) go next to an fp16 ``x @ W`` (cuBLAS) on the
+dense weight, with the bytes each quantized call must read and the share of 4.3 TB/s.
+A last check captures the decode-shaped calls in a CUDA graph and replays them.
+
+Run from the repository root: ``PYTHONPATH=. python tests/gpu/check_quant_ops.py [--quick] [--sweep]``
+(``--sweep`` also times alternative launch configurations at decode sizes).
+Exits with status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+HBM_BYTES_PER_S = 4.3e12
+SHAPES = [(4096, 4096), (4096, 11008), (4096, 22016), (11008, 4096)]  # (K = in, N = out)
+BATCHES = [1, 16, 64, 256]
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    rel_err: float
+    ok: bool
+    us: float
+    fp16_us: float
+    num_bytes: int
+
+
+ROWS: list[Row] = []
+
+
+def bench_us(fn) -> float:
+    from triton.testing import do_bench
+
+    try:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    except TypeError:  # older triton: no return_mode
+        return do_bench(fn, warmup=25, rep=100) * 1e3
+
+
+def make_weights(k: int, n: int, bits: int, group_size: int, act_order: bool, gen: torch.Generator):
+    from asyncgen._ops import quant_reference as qref
+
+    num_groups = -(-k // group_size)
+    codes = torch.randint(0, 2**bits, (k, n), generator=gen, device="cuda")
+    scales = (torch.rand(num_groups, n, generator=gen, device="cuda") * 0.002 + 0.0005).half()
+    zeros = torch.randint(0, 2**bits, (num_groups, n), generator=gen, device="cuda").half()
+    perm = torch.randperm(k, generator=gen, device="cuda") if act_order else None
+    return qref.pack_rows(codes, bits), scales, zeros, perm
+
+
+def check_case(kernel_name, kernel, x, qweight, scales, zeros, bits, group_size, perm, dense, fp16_us, case) -> None:
+    got = kernel(x, qweight, scales, zeros, bits, group_size, None, perm)
+    xs = x if perm is None else x[:, perm]
+    want = xs.float() @ dense.float()
+    err = (got.float() - want).abs().max().item()
+    scale = want.abs().max().item()
+    rel = err / max(scale, 1e-6)
+    # fp16 output rounding (2**-11 relative) plus fp32 summation order.
+    ok = bool(torch.isfinite(got).all()) and rel < 2e-3
+    out = torch.empty_like(got)
+    us = bench_us(lambda: kernel(x, qweight, scales, zeros, bits, group_size, None, perm, out=out))
+    k, n = dense.shape
+    num_bytes = qweight.numel() * 4 + scales.numel() * 2 * 2 + x.numel() * 2 + got.numel() * 2 + (0 if perm is None else k * 8)
+    ROWS.append(Row(kernel_name, case, rel, ok, us, fp16_us, num_bytes))
+    print(f"  {kernel_name:<5} {case:<44} {'ok ' if ok else 'FAIL'} rel_err {rel:.1e} {us:9.1f} us "
+          f"(fp16 {fp16_us:8.1f} us)", flush=True)
+
+
+def check_kernels(shapes, batches) -> None:
+    from asyncgen._ops import quant_reference as qref
+    from asyncgen._ops.triton_quant_gemm import quant_gemm
+    from asyncgen._ops.triton_quant_gemv import MAX_ROWS, quant_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    variants = [("4-bit g128", 4, 128, False), ("4-bit g128 act-order", 4, 128, True), ("8-bit g128", 8, 128, False)]
+    for k, n in shapes:
+        for name, bits, group, act in variants:
+            if bits == 8 and (k, n) != (4096, 4096):
+                continue
+            qweight, scales, zeros, perm = make_weights(k, n, bits, group, act, gen)
+            dense = qref.dequantize(qweight, scales, zeros, bits, group)  # [K, N] fp16
+            for m in batches:
+                x = torch.randn(m, k, generator=gen, device="cuda").half()
+                fp16_us = bench_us(lambda: x @ dense)
+                case = f"{k}x{n} M={m} {name}"
+                if m <= MAX_ROWS:
+                    check_case("gemv", quant_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
+                check_case("gemm", quant_gemm, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
+            del qweight, scales, zeros, dense
+            torch.cuda.empty_cache()
+
+
+def check_graph_capture() -> None:
+    """The decode-shaped calls never synchronise: they capture in a CUDA graph and replay."""
+    from asyncgen._ops import quant_reference as qref
+    from asyncgen._ops.triton_quant_gemm import quant_gemm
+    from asyncgen._ops.triton_quant_gemv import quant_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qweight, scales, zeros, perm = make_weights(4096, 4096, 4, 128, True, gen)
+    x1 = torch.randn(1, 4096, generator=gen, device="cuda").half()
+    x16 = torch.randn(16, 4096, generator=gen, device="cuda").half()
+    for _ in range(2):  # compile outside the capture
+        quant_gemv(x1, qweight, scales, zeros, 4, 128, None, perm)
+        quant_gemm(x16, qweight, scales, zeros, 4, 128, None, perm)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = quant_gemv(x1, qweight, scales, zeros, 4, 128, None, perm)
+        y16 = quant_gemm(x16, qweight, scales, zeros, 4, 128, None, perm)
+    x1.copy_(torch.randn(1, 4096, generator=gen, device="cuda").half())
+    x16.copy_(torch.randn(16, 4096, generator=gen, device="cuda").half())
+    graph.replay()
+    torch.cuda.synchronize()
+    ok, worst = True, 0.0
+    for x, y in ((x1, y1), (x16, y16)):
+        want = qref.quant_matmul(x, qweight, scales, zeros, 4, 128, None, perm).float()
+        rel = ((y.float() - want).abs().max() / want.abs().max()).item()
+        worst = max(worst, rel)
+        ok = ok and rel < 2e-3
+    ROWS.append(Row("graph", "capture+replay gemv M=1, gemm M=16", worst, ok, 0.0, 0.0, 0))
+    print(f"  graph capture+replay {'ok' if ok else 'FAIL'} rel_err {worst:.1e}", flush=True)
+
+
+def sweep() -> None:
+    """Times alternative launch configurations at decode sizes; prints the fastest per case
+    next to the default (to tune ``_config`` in the two kernel modules)."""
+    import itertools
+
+    from asyncgen._ops import triton_quant_gemm as tqg
+    from asyncgen._ops import triton_quant_gemv as tqv
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    print("\nsweep (4-bit, group 128): default vs best configuration")
+    for k, n in ((4096, 4096), (4096, 22016)):
+        qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
+        for module, fn, m, space in (
+            (tqv, tqv.quant_gemv, 1, [dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_KW=16, SPLIT_K=sk, num_warps=w)
+                                      for bn, sk, w in itertools.product((32, 64, 128), (1, 4, 16), (4, 8))]),
+            (tqg, tqg.quant_gemm, 16, [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=st)
+                                       for bn, sk, st in itertools.product((64, 128), (1, 4), (3, 4))]),
+            (tqg, tqg.quant_gemm, 64, [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=3)
+                                       for bn, sk, w in itertools.product((64, 128), (1, 2), (4, 8))]),
+        ):
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            default = bench_us(lambda: fn(x, qweight, scales, zeros, 4, 128))
+            original, best = module._config, (default, "default")
+            try:
+                for cfg in space:
+                    module._config = lambda *a, _cfg=cfg: dict(_cfg)
+                    try:
+                        us = bench_us(lambda: fn(x, qweight, scales, zeros, 4, 128))
+                    except Exception:  # out of resources and the like: skip the configuration
+                        continue
+                    if us < best[0]:
+                        best = (us, cfg)
+            finally:
+                module._config = original
+            print(f"  {fn.__name__} {k}x{n} M={m}: default {default:.1f} us, best {best[0]:.1f} us {best[1]}", flush=True)
+
+
+def print_table() -> None:
+    print(f"\n{'kernel':<6} {'case':<44} {'ok':<4} {'rel_err':>8} {'us':>9} {'fp16 us':>9} {'speedup':>8} {'GB/s':>7} {'%HBM':>5}")
+    for r in ROWS:
+        if r.kernel == "graph":
+            print(f"{r.kernel:<6} {r.case:<44} {'ok' if r.ok else 'FAIL':<4} {r.rel_err:8.1e}")
+            continue
+        gbs = r.num_bytes / (r.us * 1e-6) / 1e9
+        print(f"{r.kernel:<6} {r.case:<44} {'ok' if r.ok else 'FAIL':<4} {r.rel_err:8.1e} {r.us:9.1f} {r.fp16_us:9.1f} "
+              f"{r.fp16_us / r.us:7.2f}x {gbs:7.0f} {gbs * 1e9 / HBM_BYTES_PER_S * 100:4.0f}%")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two shapes, batches 1 and 64")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative launch configurations")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
+        return 1
+    try:
+        import asyncgen  # noqa: F401
+    except ImportError:
+        print("asyncgen is not importable: run from the repository root with PYTHONPATH=.", file=sys.stderr)
+        return 1
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    batches = [1, 64] if args.quick else BATCHES
+    check_kernels(shapes, batches)
+    check_graph_capture()
+    if args.sweep:
+        sweep()
+    print_table()
+    failed = [r for r in ROWS if not r.ok]
+    print(f"\n{len(ROWS) - len(failed)} / {len(ROWS)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
