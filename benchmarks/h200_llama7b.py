@@ -7,7 +7,11 @@ as a safetensors directory, asyncgen loads that directory):
       transformers ``generate()`` at batch 256 and ``generate_batch()`` on the same inputs;
   (b) one stream's decode tokens/s;
   (c) time of one decode step at batch 1, 64 and 256 (context 384) against the floor set
-      by reading the weights and the KV cache once from HBM.
+      by reading the weights and the KV cache once from HBM, measured as the engine runs
+      steps (each launched before the previous one is collected) and one at a time;
+  (d) with ``--profile``: the device time of each kernel in one eager decode step at
+      batch 1, and the time of a prompt step over a cached prefix (78 new tokens after
+      992 cached) against the same 1,070 tokens computed from scratch.
 
 Usage (a CUDA machine; no network): ``python benchmarks/h200_llama7b.py --tokenizer DIR``
 where DIR holds any Llama-compatible tokenizer with ids >= 32000 (SmolLM2's works); the
@@ -83,7 +87,9 @@ def hf_single_stream(model, prompt: list[int], new_tokens: int) -> dict:
     return {"seconds": dt, "output_tokens": new_tokens, "tokens_per_s": new_tokens / dt}
 
 
-async def asyncgen_runs(path: Path, prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int, backend: str) -> dict:
+async def asyncgen_runs(
+    path: Path, prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int, backend: str, profile: bool
+) -> dict:
     from asyncgen import AsyncEngine, SamplingParams
 
     res = {}
@@ -121,14 +127,18 @@ async def asyncgen_runs(path: Path, prompts, new_tokens: int, single_tokens: int
             "ttft_or_first_gap_s": None, "decode_tokens": len(times) - 1,
             "tokens_per_s": (len(times) - 1) / decode_s,
         }
-        res["decode_step_ms"] = decode_step_times(engine, step_batches, ctx)
+        res["decode_step_ms"], res["decode_step_sync_ms"] = decode_step_times(engine, step_batches, ctx)
+        if profile:
+            res["profile"] = profile_steps(engine)
     finally:
         await engine.aclose()
     return res
 
 
-def decode_step_times(engine, batches, ctx: int) -> dict:
-    """Times ``runner.execute`` for synthetic decode batches at context ``ctx``."""
+def decode_step_times(engine, batches, ctx: int) -> tuple[dict, dict]:
+    """Times synthetic decode batches at context ``ctx``: pipelined as the engine runs them
+    (step k+1 launched before step k is collected: the interval between steps) and one
+    at a time (``runner.execute``: host work plus device work, nothing overlapped)."""
     from asyncgen import SamplingParams
     from asyncgen.engine.scheduler import NewRequestData, ScheduledSeq, SchedulerOutput
 
@@ -136,7 +146,7 @@ def decode_step_times(engine, batches, ctx: int) -> dict:
     bs = runner.block_size
     blocks_per_seq = -(-(ctx + 1) // bs)
     greedy = SamplingParams(temperature=0, max_tokens=10)
-    out = {}
+    out, sync = {}, {}
     for b in batches:
         ids = [f"bench-{b}-{i}" for i in range(b)]
         new = [NewRequestData(r, [1] * ctx, greedy, None, frozenset()) for r in ids]
@@ -154,9 +164,94 @@ def decode_step_times(engine, batches, ctx: int) -> dict:
         for _ in range(n):
             runner.execute(step)
         torch.cuda.synchronize()
+        sync[b] = (time.perf_counter() - t0) / n * 1000
+        t0 = time.perf_counter()
+        prev = runner.launch(step)
+        for _ in range(n - 1):
+            nxt = runner.launch(step)
+            runner.collect(prev)
+            prev = nxt
+        runner.collect(prev)
         out[b] = (time.perf_counter() - t0) / n * 1000
         runner.execute(SchedulerOutput([], [], ids, 0, []))
-    return out
+    return out, sync
+
+
+def profile_steps(engine) -> dict:
+    """(d): per-kernel device time of one eager decode step at batch 1 (context 384), and
+    a prompt step over a cached prefix against the same prompt from scratch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from asyncgen import SamplingParams
+    from asyncgen.engine.scheduler import NewRequestData, ScheduledSeq, SchedulerOutput
+
+    runner = engine._runner
+    bs = runner.block_size
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    result = {}
+
+    def kernels(step, reps=3) -> list:
+        for _ in range(2):
+            runner.execute(step)
+        torch.cuda.synchronize()
+        activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            for _ in range(reps):
+                runner.execute(step)
+            torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t > 0 and ev.count >= reps:
+                rows.append((ev.key[:90], ev.count // reps, t / reps))
+        rows.sort(key=lambda r: -r[2])
+        return rows
+
+    # Decode at batch 1, eager (no CUDA graph) so each kernel shows.
+    ctx = 384
+    new = NewRequestData("prof-dec", [1] * ctx, greedy, None, frozenset())
+    seq = ScheduledSeq("prof-dec", [5], ctx, list(range(-(-(ctx + 1) // bs))), True)
+    runner.execute(SchedulerOutput([seq], [new], [], 1, []))
+    graphs, runner._graphs = runner._graphs, {}
+    rows = kernels(SchedulerOutput([seq], [], [], 1, []))
+    runner._graphs = graphs
+    runner.execute(SchedulerOutput([], [], ["prof-dec"], 0, []))
+    total = sum(r[2] for r in rows)
+    print(f"(d) eager decode step, batch 1, ctx {ctx}: {total / 1000:.2f} ms of kernels, "
+          f"{sum(r[1] for r in rows)} launches")
+    for name, count, us in rows[:16]:
+        print(f"    {us:9.1f} us  x{count:<4d} {name}")
+    result["decode_b1_kernels"] = [{"kernel": n, "per_step": c, "us": t} for n, c, t in rows]
+
+    # A 1,070-token prompt: all of it, then 78 tokens over 992 cached ones.
+    prompt, cached = 1070, 992
+    table = list(range(1000, 1000 + -(-(prompt + 1) // bs)))
+    timings = {}
+    for name, start in (("from_scratch", 0), ("over_cached_prefix", cached)):
+        rid = f"prof-{name}"
+        new = NewRequestData(rid, [7] * prompt, greedy, None, frozenset())
+        step = SchedulerOutput([ScheduledSeq(rid, [7] * (prompt - start), start, table, True)], [new], [], prompt - start, [])
+        runner.execute(step)
+        again = SchedulerOutput([ScheduledSeq(rid, [7] * (prompt - start), start, table, True)], [], [], prompt - start, [])
+        for _ in range(2):
+            runner.execute(again)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            runner.execute(again)
+        torch.cuda.synchronize()
+        timings[name] = (time.perf_counter() - t0) / 5 * 1000
+        if name == "over_cached_prefix":
+            rows = kernels(again)
+            result["cached_prefill_kernels"] = [{"kernel": n, "per_step": c, "us": t} for n, c, t in rows]
+            print(f"(d) {prompt - start}-token step over {start} cached: {sum(r[2] for r in rows) / 1000:.2f} ms of kernels")
+            for kname, count, us in rows[:10]:
+                print(f"    {us:9.1f} us  x{count:<4d} {kname}")
+        runner.execute(SchedulerOutput([], [], [rid], 0, []))
+    print(f"(d) prompt step: {prompt} tokens from scratch {timings['from_scratch']:.2f} ms; "
+          f"{prompt - cached} tokens over {cached} cached {timings['over_cached_prefix']:.2f} ms")
+    result["prompt_step_ms"] = timings
+    return result
 
 
 def main() -> None:
@@ -167,6 +262,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also run (d): kernel times and the cached-prefix step")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -206,7 +302,7 @@ def main() -> None:
     ctx = prompt_len + new_tokens
     results["asyncgen"] = anyio.run(
         asyncgen_runs, work, prompts, new_tokens, single_tokens, (1, 64, 256) if not args.quick else (1, 8, 32), ctx,
-        args.backend,
+        args.backend, args.profile,
     )
     bw = 4.3e12
     kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
@@ -231,7 +327,8 @@ def main() -> None:
     else:
         print()
     for b, ms in a["decode_step_ms"].items():
-        print(f"(c) decode step batch {b:>3} ctx {ctx}: {ms:.2f} ms (floor {floors[b]:.2f} ms, {floors[b] / ms * 100:.0f}% of bandwidth)")
+        print(f"(c) decode step batch {b:>3} ctx {ctx}: {ms:.2f} ms pipelined, {a['decode_step_sync_ms'][b]:.2f} ms "
+              f"one at a time (floor {floors[b]:.2f} ms, {floors[b] / ms * 100:.0f}% of bandwidth)")
 
 
 if __name__ == "__main__":

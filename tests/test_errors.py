@@ -192,7 +192,7 @@ async def test_failing_step_kills_every_stream_and_a_new_engine_starts(smollm2_p
         import time
 
         calls = {"n": 0}
-        real = engine._runner.execute
+        real = engine._runner.launch
         failed_at = []
 
         def flaky(out):
@@ -202,7 +202,7 @@ async def test_failing_step_kills_every_stream_and_a_new_engine_starts(smollm2_p
                 raise RuntimeError("injected device failure")
             return real(out)
 
-        engine._runner.execute = flaky
+        engine._runner.launch = flaky
         errors = []
         seen_at = []
 
@@ -234,13 +234,13 @@ async def test_model_steps_run_on_one_device_thread_not_the_loop(smollm2_path):
 
     async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
         seen = set()
-        real = engine._runner.execute
+        real = engine._runner.launch
 
         def spy(out):
             seen.add(threading.get_ident())
             return real(out)
 
-        engine._runner.execute = spy
+        engine._runner.launch = spy
         await engine.generate("Hi", SamplingParams(max_tokens=5))
         await engine.generate("Hello", SamplingParams(max_tokens=5))
     assert seen == {engine._device.ident}

@@ -4,7 +4,7 @@ import pytest
 
 from asyncgen import SamplingParams
 from asyncgen.engine.block_manager import BlockManager
-from asyncgen.engine.request import Request, RequestStatus
+from asyncgen.engine.request import PLACEHOLDER, Request, RequestStatus
 from asyncgen.engine.scheduler import Scheduler
 
 EOS = frozenset({2})
@@ -206,3 +206,52 @@ def test_n_samples_wait_for_the_first_then_share_its_prompt_blocks():
     out = step(s)
     f = next(q for q in out.seqs if q.req_id == "r#1")
     assert f.start_pos == 8 and f.block_ids[:2] == bm.table("r#0")[:2]
+
+
+# --- planning a step before the previous one's tokens are known -----------------------------
+def test_run_ahead_plans_the_next_step_with_a_placeholder_then_fills_it():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 6, max_tokens=3))
+    first = s.schedule()  # prefill, samples token 1
+    second = s.schedule()  # planned before `first` finished: its input is still unknown
+    (seq,) = second.seqs
+    assert (seq.start_pos, seq.token_ids, seq.sample) == (6, [PLACEHOLDER], True)
+    req = s.requests["a"]
+    assert req.num_computed_tokens == 7 and req.num_confirmed_tokens == 0
+    assert req.token_ids[6:] == [PLACEHOLDER, PLACEHOLDER]
+    assert s.update(first, {"a": 40}) == [req]
+    assert req.token_ids[6:] == [40, PLACEHOLDER] and req.num_confirmed_tokens == 6
+    third = s.schedule()  # token 3 is the last (max_tokens=3) and still pending: not planned
+    assert [q.token_ids for q in third.seqs] == [[PLACEHOLDER]]
+    assert s.schedule().is_empty
+    s.update(second, {"a": 41})
+    s.update(third, {"a": 42})
+    assert req.status is RequestStatus.FINISHED_LENGTH and req.output_token_ids == [40, 41, 42]
+
+
+def test_run_ahead_stop_token_discards_the_step_already_planned():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 5, max_tokens=10))
+    first, second = s.schedule(), s.schedule()
+    req = s.requests["a"]
+    assert s.update(first, {"a": 2}) == [req]  # EOS: finished, blocks back at once
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.output_token_ids == [2]
+    assert "a" not in s.requests and s.block_manager.num_free_blocks == 16
+    assert s.update(second, {"a": 9}) == []  # the step planned behind it is dropped
+    assert req.output_token_ids == [2]
+    s.add(make("b", 3))
+    assert s.schedule().finished_req_ids == ["a"]  # the runner is told to forget it
+
+
+def test_preemption_drops_a_pending_token_and_recomputes_it():
+    s = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 8, max_tokens=10))
+    s.add(make("b", 8, max_tokens=10, first=100))
+    first = s.schedule()  # both prefill 8 tokens: all 4 blocks; both sample
+    second = s.schedule()  # a's next token needs a 5th block: b (newest) is preempted
+    assert [q.req_id for q in second.seqs] == ["a"] and second.preempted_req_ids == ["b"]
+    b = s.requests["b"]
+    assert b.status is RequestStatus.WAITING and b.token_ids == list(range(100, 108))
+    got = s.update(first, {"a": 50, "b": 51})
+    assert [r.request_id for r in got] == ["a"]  # b's token is dropped with its blocks
+    assert b.token_ids == list(range(100, 108)) and b.num_computed_tokens == 0

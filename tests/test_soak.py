@@ -130,7 +130,7 @@ async def test_failing_step_turns_every_live_stream_into_engine_dead_error(tiny_
     tasks_before = _running_tasks()
     num_requests = 30
     async with AsyncEngine.from_pretrained(tiny_model, max_model_len=256, num_kv_blocks=64, max_num_seqs=8) as engine:
-        real = engine._runner.execute
+        real = engine._runner.launch
         calls = {"n": 0}
         failed_at: list[float] = []
 
@@ -141,7 +141,7 @@ async def test_failing_step_turns_every_live_stream_into_engine_dead_error(tiny_
                 raise RuntimeError("injected device failure")
             return real(out)
 
-        engine._runner.execute = failing
+        engine._runner.launch = failing
         seen: dict[int, float] = {}
         other: list[BaseException] = []
 

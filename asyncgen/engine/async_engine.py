@@ -45,6 +45,7 @@ __all__ = ["AsyncEngine", "RequestStream"]
 log = logging.getLogger("asyncgen")
 
 Prompt = Union[str, Sequence[int]]
+_EMIT_SLICE = 64  # requests per slice of a step's output handed to streams between yields
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -184,12 +185,11 @@ class AsyncEngine:
             return
         if self._state is _State.STARTING:
             raise EngineStateError("aclose() while start() is still loading the model")
-        was_running = self._state is _State.RUNNING
         self._state = _State.CLOSED
         if self._core is not None:
             for request_id in list(self._core.groups):
                 self._core.abort(request_id)
-        if was_running:
+        if self._stopped is not None:  # the loop ran: let it finish (a dead one may still be unwinding)
             self._wake()
             with anyio.CancelScope(shield=True):
                 await self._stopped.wait()
@@ -227,36 +227,39 @@ class AsyncEngine:
             self._wakeup.set()
 
     async def _run(self) -> None:
-        """The engine loop. While the device runs step N+1, the loop turns step N's
-        tokens into text and stream chunks::
+        """The engine loop. Steps are planned one ahead: while the device runs step N,
+        step N+1 is already launched behind it, and the loop turns step N's tokens into
+        text and stream chunks::
 
-            schedule(N+1) needs only update(N): counters, stop tokens, lengths
-            ... submit(N+1) -> emit(N): detokenize, stop strings, chunks -> await(N+1) ...
+            launch(N+1) ... collect(N) -> update(N) -> schedule + launch(N+2) -> emit(N) ...
+
+        ``update`` confirms N's tokens (counters, stop tokens, lengths); ``emit`` does
+        the rest (detokenizing, stop strings, chunks) while N+1 runs. A request with a
+        penalty reads the previous step's tokens on the host, so while one is live the
+        loop launches a step only after collecting the previous one.
         """
         core = self._core
-        inflight = None  # (SchedulerOutput, Job) of the step on the device
+        inflight: deque = deque()  # (SchedulerOutput, launch Job), in launch order
         try:
             while self._state is _State.RUNNING:
-                if inflight is None:
-                    self._drain_pending_aborts()
-                    out = core.schedule() if core.scheduler.has_work else None
-                    if out is None or out.is_empty:
-                        if not self._wakeup.is_set():
-                            await self._wakeup.wait()
-                        self._wakeup = anyio.Event()
-                        continue
-                    inflight = (out, self._device.submit(self._runner.execute, out))
-                out, job = inflight
-                result = await job.result()
+                self._drain_pending_aborts()
+                self._launch_ahead(inflight)
+                if not inflight:
+                    if not self._wakeup.is_set():
+                        await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                out, launched = inflight[0]
+                result = await self._device.submit(self._collect, launched).result()
+                inflight.popleft()
                 reqs = core.update(out, result.sampled, result.logprobs)
                 self._drain_pending_aborts()
-                inflight = None
-                if core.scheduler.has_work:
-                    nxt = core.schedule()
-                    if not nxt.is_empty:
-                        inflight = (nxt, self._device.submit(self._runner.execute, nxt))
-                core.emit(reqs)
-                # Let the streams' consumers take their chunks.
+                self._launch_ahead(inflight)
+                # Emit in slices, yielding between them (and letting the streams' consumers
+                # take their chunks), so no stretch of engine work holds the host's loop long.
+                for i in range(0, len(reqs), _EMIT_SLICE):
+                    await anyio.lowlevel.checkpoint()
+                    core.emit(reqs[i : i + _EMIT_SLICE])
                 await anyio.lowlevel.checkpoint()
         except BaseException as e:
             if isinstance(e, anyio.get_cancelled_exc_class()):
@@ -264,13 +267,27 @@ class AsyncEngine:
                 raise
             self._die(EngineDeadError(f"a model step failed: {type(e).__name__}: {e}"), e)
         finally:
-            if inflight is not None:  # closing: let the device finish what it was given
+            if inflight:  # closing: let the device finish what it was given
                 with anyio.CancelScope(shield=True):
                     try:
-                        await inflight[1].result()
+                        await self._device.submit(self._collect, inflight[-1][1]).result()
                     except BaseException:
                         pass  # the engine is stopping; the step's result has no reader
             self._stopped.set()
+
+    def _launch_ahead(self, inflight: deque) -> None:
+        """Schedules and launches steps until two are in flight (one without run-ahead)."""
+        core = self._core
+        depth = 2 if core.scheduler.can_run_ahead else 1
+        while len(inflight) < depth and core.scheduler.has_work:
+            out = core.schedule()
+            if out.is_empty:
+                return
+            inflight.append((out, self._device.submit(self._runner.launch, out)))
+
+    def _collect(self, launched) -> Any:
+        """Device thread: the tokens of a step launched earlier (its launch error, if any)."""
+        return self._runner.collect(launched.outcome())
 
     def _die(self, error: EngineDeadError, cause: BaseException) -> None:
         error.__cause__ = cause

@@ -156,7 +156,7 @@ class EngineCore:
         reqs = self.scheduler.update(out, sampled)
         for req in reqs:
             seq = self._group_of[req.request_id].seqs[req.request_id]
-            seq.pending_ids.append(req.token_ids[-1])
+            seq.pending_ids.append(sampled[req.request_id])
             if logprobs and req.request_id in logprobs:
                 seq.pending_logprobs.append(logprobs[req.request_id])
         self.num_generation_tokens += len(reqs)

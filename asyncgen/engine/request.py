@@ -8,7 +8,13 @@ from typing import Optional
 
 from ..sampling_params import SamplingParams
 
-__all__ = ["Request", "RequestStatus"]
+__all__ = ["PLACEHOLDER", "Request", "RequestStatus"]
+
+# Stands in ``token_ids`` for a token that a step on the device is still sampling: the
+# scheduler may plan the next step before the current one's tokens reach the host (the
+# model runner feeds the device-side sample in its place); ``Scheduler.update`` writes
+# the real token over it.
+PLACEHOLDER = -1
 
 
 class RequestStatus(enum.Enum):
@@ -26,14 +32,16 @@ class RequestStatus(enum.Enum):
 class Request:
     """A single sequence (one of the ``n`` samples of a user request).
 
-    ``token_ids`` is the prompt followed by every generated token. The KV cache holds the
-    first ``num_computed_tokens`` of them; a step computes the next ones and, when it
-    reaches ``num_tokens``, samples one more. Preemption only resets
-    ``num_computed_tokens`` to 0: the tokens stay and are recomputed.
+    ``token_ids`` is the prompt followed by every generated token; the last one may be
+    :data:`PLACEHOLDER` while the step sampling it runs. ``num_computed_tokens`` counts
+    the tokens scheduled into the KV cache (steps planned, maybe still running) and
+    ``num_confirmed_tokens`` those whose step has finished. A step computes the tokens
+    after ``num_computed_tokens`` and, when it reaches ``num_tokens``, samples one more.
+    Preemption resets both counters to 0: the tokens stay and are recomputed.
     """
 
     __slots__ = (
-        "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_confirmed_tokens",
         "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
         "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time",
     )
@@ -53,6 +61,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_confirmed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[str | int] = None
         self.eos_token_ids = eos_token_ids
@@ -66,11 +75,20 @@ class Request:
 
     @property
     def prompt_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
+        """The prompt's KV is in the cache (its last step finished)."""
+        return self.num_confirmed_tokens >= self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def has_placeholder(self) -> bool:
+        return bool(self.token_ids) and self.token_ids[-1] == PLACEHOLDER
+
+    def drop_placeholders(self) -> None:
+        while self.token_ids and self.token_ids[-1] == PLACEHOLDER:
+            self.token_ids.pop()
 
     @property
     def num_output_tokens(self) -> int:

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
-from .request import Request, RequestStatus
+from .request import PLACEHOLDER, Request, RequestStatus
 
 __all__ = ["NewRequestData", "ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
@@ -29,6 +29,7 @@ class ScheduledSeq:
     start_pos: int
     block_ids: list[int]
     sample: bool  # the step reaches the sequence's last known token: sample the next one
+    epoch: int = 0  # the request's preemption count when scheduled (a later update skips a stale step)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,6 +75,15 @@ class Scheduler:
         self._unseen: dict[str, NewRequestData] = {}  # added, not yet sent to the runner
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_needing_history = 0  # live requests whose sampling reads earlier output tokens
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether the next step may be planned before the current one's tokens are known.
+
+        Penalties read every earlier output token on the host, so a request using one
+        makes the engine plan each step after the previous one's tokens arrived."""
+        return self.num_needing_history == 0
 
     # --- admission and removal --------------------------------------------------------------
     def add(self, req: Request, seed: Optional[int] = None) -> None:
@@ -81,6 +91,7 @@ class Scheduler:
             raise KeyError(f"duplicate sequence id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.num_needing_history += _needs_history(req.params)
         stop_ids = frozenset(req.params.stop_token_ids or ()) | (frozenset() if req.params.ignore_eos else req.eos_token_ids)
         self._unseen[req.request_id] = NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids)
 
@@ -93,8 +104,10 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        req.drop_placeholders()
         self.block_manager.free(req.request_id)
         del self.requests[req.request_id]
+        self.num_needing_history -= _needs_history(req.params)
         if self._unseen.pop(req.request_id, None) is None:  # the runner knows it: tell it to forget
             self._finished_ids.append(req.request_id)
 
@@ -116,6 +129,9 @@ class Scheduler:
         Invariant: every request has ``num_computed_tokens <= num_tokens``; a request is
         given the next ``num_tokens - num_computed_tokens`` tokens (a decode is the case
         where that is 1), cut to the token budget, which is how long prompts are chunked.
+        Scheduling advances ``num_computed_tokens`` at once and, for a sequence that
+        samples, appends a :data:`PLACEHOLDER`, so the next step can be planned while
+        this one runs; a sequence whose pending token will end it by length is left out.
         Running requests go first, in admission order; when the pool cannot hold a
         running request's next tokens, the most recently admitted running request is
         preempted (blocks freed, recomputed later) until it can. Waiting requests are
@@ -130,6 +146,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.has_placeholder and (
+                req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+            ):
+                i += 1  # its pending token is its last: update() will finish it
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             end = req.num_computed_tokens + n
             while not bm.can_allocate(req.request_id, end):
@@ -165,7 +186,7 @@ class Scheduler:
                 if req.num_computed_tokens == 0:
                     bm.record_query(req.num_tokens, len(cached) * bm.block_size)
                     req.num_cached_tokens = len(cached) * bm.block_size
-                req.num_computed_tokens = start
+                req.num_computed_tokens = req.num_confirmed_tokens = start
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 seqs.append(self._take(req, n, cached))
@@ -180,58 +201,71 @@ class Scheduler:
 
     def _take(self, req: Request, n: int, cached: list[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
-        table = self.block_manager.allocate(req.request_id, start + n, cached)
+        end = start + n
+        table = self.block_manager.allocate(req.request_id, end, cached)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        return ScheduledSeq(
-            req.request_id, req.token_ids[start : start + n], start, list(table), start + n == req.num_tokens
-        )
+        sample = end == req.num_tokens
+        seq = ScheduledSeq(req.request_id, req.token_ids[start:end], start, list(table), sample, req.num_preemptions)
+        req.num_computed_tokens = end
+        if sample:
+            req.token_ids.append(PLACEHOLDER)
+        return seq
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.drop_placeholders()  # the step sampling it is discarded: the token is recomputed
+        req.num_computed_tokens = req.num_confirmed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances the counters of every sequence the step computed and appends the
-        sampled tokens. Returns the requests that received a token (finished ones
-        included, with their status set). Sequences finished or preempted while the step
-        ran are skipped: their blocks and state are already gone or reset."""
+        """Confirms the tokens a finished step computed and writes its sampled tokens
+        over their placeholders. Returns the requests that received a token (finished
+        ones included, with their status set). Sequences finished or preempted since the
+        step was scheduled are skipped: their blocks and state are already gone or reset,
+        and a preempted sequence recomputes (and resamples) what it lost."""
         got: list[Request] = []
         for seq in out.seqs:
             req = self.requests.get(seq.req_id)
-            if req is None or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != seq.start_pos:
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != seq.epoch:
                 continue
-            req.num_computed_tokens += len(seq.token_ids)
-            self.block_manager.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            end = seq.start_pos + len(seq.token_ids)
+            if end > req.num_confirmed_tokens:
+                req.num_confirmed_tokens = end
+            self.block_manager.cache_full_blocks(req.request_id, req.token_ids, end)
             token = sampled.get(seq.req_id) if seq.sample else None
             if token is None:
                 continue
-            req.token_ids.append(token)
+            req.token_ids[end] = token  # over its placeholder
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             got.append(req)
-            status = self._check_stop(req, token)
+            status = self._check_stop(req, token, end + 1 - req.num_prompt_tokens)
             if status is not None:
                 self.finish(req, status)
         return got
 
-    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+    def _check_stop(self, req: Request, token: int, num_output: int) -> Optional[RequestStatus]:
+        """Whether ``token``, the ``num_output``-th output token of ``req``, ends it."""
         p = req.params
         # The sampler masks stop tokens until min_tokens were generated.
-        if req.num_output_tokens > p.min_tokens:
+        if num_output > p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if p.stop_token_ids and token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def iter_requests(self) -> Iterable[Request]:
         return self.requests.values()
+
+
+def _needs_history(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0

@@ -3,6 +3,13 @@
 Runs only on the device thread. It keeps no scheduling state, just each live sequence's
 sampling state (parameters, seeded generator, tokens for penalties), created when the
 sequence first appears in ``new_requests`` and dropped when it is listed as finished.
+
+A step is two calls: :meth:`ModelRunner.launch` enqueues the whole step on the device
+and returns at once; :meth:`ModelRunner.collect` waits for its tokens. The engine
+launches step N+1 before collecting step N, so the device never waits for the host.
+A sequence whose input token is still being sampled by the previous launch arrives as
+a :data:`~asyncgen.engine.request.PLACEHOLDER`: the runner feeds that launch's device-
+side sample in its place.
 """
 
 from __future__ import annotations
@@ -18,14 +25,15 @@ import torch
 
 from .._ops import get_ops
 from ..config import EngineConfig
+from ..engine.request import PLACEHOLDER
 from ..engine.scheduler import SchedulerOutput
 from ..model.config import ModelConfig
 from ..model.llama import AttentionMetadata, LlamaForCausalLM
 from ..model.loader import load_weights
 from ..outputs import TokenLogprob
-from .sampler import SamplingRow, sample
+from .sampler import PendingSample, SamplingRow, sample_async
 
-__all__ = ["ModelOutput", "ModelRunner", "resolve_device", "resolve_dtype"]
+__all__ = ["LaunchedStep", "ModelOutput", "ModelRunner", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +73,19 @@ class ModelOutput:
 
 
 @dataclasses.dataclass
+class LaunchedStep:
+    """A step enqueued on the device; :meth:`ModelRunner.collect` turns it into a
+    :class:`ModelOutput`."""
+
+    sampling_ids: list[str]
+    pending: Optional[PendingSample]
+
+
+@dataclasses.dataclass
 class _SeqState:
     params: object
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # as collected (penalties read it; they never run ahead)
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
 
@@ -89,6 +106,11 @@ class ModelRunner:
         self.ops_backend = self._pick_backend()
         self._graphs: dict[int, tuple] = {}
         self._graph_sizes: list[int] = []
+        # The previous launch's sampled tokens on the device, and each sequence's row.
+        self._last_tokens: Optional[torch.Tensor] = None
+        self._last_rows: dict[str, int] = {}
+        self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy]
+        self._staging_next = 0
 
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
@@ -207,6 +229,7 @@ class ModelRunner:
         self._graphs.clear()
         self._graph_inputs = None
         self.states.clear()
+        self._last_tokens, self._last_rows = None, {}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -262,10 +285,15 @@ class ModelRunner:
         return None
 
     # --- one step (device thread) ------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Runs one step: the sampled token of every sequence that samples (and its
-        logprobs where asked for)."""
+        """Runs one step and waits for it: the sampled token of every sequence that
+        samples (and its logprobs where asked for)."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Enqueues one step (inputs, forward pass, sampling) without waiting for the
+        device. Steps must be launched in the order they were scheduled."""
         for req_id in out.finished_req_ids:
             self.states.pop(req_id, None)
         for new in out.new_requests:
@@ -275,32 +303,55 @@ class ModelRunner:
                 gen.manual_seed(new.seed)
             self.states[new.req_id] = _SeqState(new.params, new.prompt_token_ids, [], new.stop_token_ids, gen)
         if not out.seqs:
-            return ModelOutput({}, {})
+            return LaunchedStep([], None)
 
         inputs = self._prepare(out)
         graph_bs = self._graph_for(len(out.seqs)) if inputs.is_decode and self._graphs else None
         if graph_bs is not None:
             logits = self._replay(graph_bs, inputs)
         else:
+            self._fill_placeholders(inputs.input_ids, inputs)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_idx])
         rows = []
-        for req_id in inputs.sampling_ids:
+        for req_id, end in zip(inputs.sampling_ids, inputs.sample_ends):
             st = self.states[req_id]
-            rows.append(SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator))
-        tokens, logprobs = sample(logits, rows)
+            generated = end - len(st.prompt_token_ids)  # output tokens before the one sampled now
+            if len(st.output_token_ids) > generated:  # a preempted sequence resamples a dropped token
+                del st.output_token_ids[generated:]
+            rows.append(SamplingRow(
+                st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated
+            ))
+        tokens, pending = sample_async(logits, rows)
+        self._last_tokens = tokens
+        self._last_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_ids)}
+        return LaunchedStep(inputs.sampling_ids, pending)
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        """Waits for a launched step's tokens (and logprobs) to reach the host."""
         result = ModelOutput({}, {})
-        for req_id, tok, lp in zip(inputs.sampling_ids, tokens, logprobs):
-            self.states[req_id].output_token_ids.append(tok)
+        if step.pending is None:
+            return result
+        tokens, logprobs = step.pending.result()
+        for req_id, tok, lp in zip(step.sampling_ids, tokens, logprobs):
+            st = self.states.get(req_id)
+            if st is not None:  # else: finished while the step ran; the scheduler drops the token
+                st.output_token_ids.append(tok)
             result.sampled[req_id] = tok
             if lp is not None:
                 result.logprobs[req_id] = lp
         return result
 
+    def _fill_placeholders(self, input_ids: torch.Tensor, inputs: "_StepInputs") -> None:
+        """Writes the previous launch's device-side samples over the placeholder inputs."""
+        if inputs.fill_dst is not None:
+            input_ids.index_copy_(0, inputs.fill_dst, self._last_tokens.index_select(0, inputs.fill_src))
+
     def _replay(self, b: int, inputs: "_StepInputs") -> torch.Tensor:
         g = self._graph_inputs
         n = inputs.input_ids.shape[0]
         g["input_ids"][:n].copy_(inputs.input_ids)
+        self._fill_placeholders(g["input_ids"], inputs)
         g["positions"][:n].copy_(inputs.positions)
         g["slot_mapping"][:n].copy_(inputs.meta.slot_mapping)
         g["slot_mapping"][n:b].fill_(-1)
@@ -339,21 +390,28 @@ class ModelRunner:
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(seqs) if s.sample]
         logits_idx = qsl[1:][sample_rows] - 1
+        # Inputs still being sampled by the previous launch (always a chunk's only token).
+        fill = [i for i, s in enumerate(seqs) if s.token_ids[0] == PLACEHOLDER]
+        fill_dst = qsl[:-1][fill]
+        try:
+            fill_src = np.fromiter((self._last_rows[seqs[i].req_id] for i in fill), dtype=np.int64, count=len(fill))
+        except KeyError as e:
+            raise RuntimeError(f"sequence {e.args[0]!r} has a pending token the previous step did not sample") from None
 
-        parts = (input_ids, positions, slot_mapping, seq_lens, qsl, logits_idx, tables.reshape(-1))
+        parts = (input_ids, positions, slot_mapping, seq_lens, qsl, logits_idx, fill_dst, fill_src, tables.reshape(-1))
         flat = np.concatenate(parts)
-        host = torch.from_numpy(flat)
         if self.device.type == "cuda":
-            staging = self._staging(flat.size)
+            staging, event = self._staging(flat.size)
             staging.numpy()[:] = flat
             dev = staging.to(self.device, non_blocking=True)
+            event.record()
         else:
-            dev = host
+            dev = torch.from_numpy(flat)
         views, off = [], 0
         for a in parts:
             views.append(dev[off : off + a.size])
             off += a.size
-        ids_t, pos_t, slot_t, seq_lens_t, qsl_t, logits_t, tables_t = views
+        ids_t, pos_t, slot_t, seq_lens_t, qsl_t, logits_t, fill_dst_t, fill_src_t, tables_t = views
         meta = AttentionMetadata(
             slot_mapping=slot_t,
             block_tables=tables_t.view(n, max_blocks).to(torch.int32),
@@ -362,15 +420,24 @@ class ModelRunner:
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return _StepInputs(ids_t, pos_t, meta, logits_t, [seqs[i].req_id for i in sample_rows], total == n)
+        return _StepInputs(
+            ids_t, pos_t, meta, logits_t, [seqs[i].req_id for i in sample_rows], seq_lens[sample_rows].tolist(),
+            total == n, fill_dst_t if fill else None, fill_src_t if fill else None,
+        )
 
-    def _staging(self, size: int) -> torch.Tensor:
-        """A pinned host buffer of at least ``size`` int64s, reused across steps (the
-        previous step's copy has finished: sampling synchronised on its result)."""
-        buf = getattr(self, "_pinned", None)
+    def _staging(self, size: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        """A pinned host buffer of at least ``size`` int64s and the event to record after
+        copying from it. Buffers rotate, and one is rewritten only after its last copy
+        finished, as steps are launched ahead of the device."""
+        if not self._staging_ring:
+            self._staging_ring = [[None, torch.cuda.Event()] for _ in range(3)]
+        slot = self._staging_ring[self._staging_next]
+        self._staging_next = (self._staging_next + 1) % len(self._staging_ring)
+        buf, event = slot
+        event.synchronize()  # returns at once unless the device is three steps behind
         if buf is None or buf.numel() < size:
-            buf = self._pinned = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
-        return buf[:size]
+            buf = slot[0] = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
+        return buf[:size], event
 
 
 @dataclasses.dataclass
@@ -380,4 +447,7 @@ class _StepInputs:
     meta: AttentionMetadata
     logits_idx: torch.Tensor  # [S] rows of the hidden states that sample
     sampling_ids: list[str]  # the S sequences that sample, in row order
+    sample_ends: list[int]  # ... and how many tokens each has before the sampled one
     is_decode: bool  # every sequence computes exactly one token
+    fill_dst: Optional[torch.Tensor] = None  # input rows to take from the previous launch's samples
+    fill_src: Optional[torch.Tensor] = None  # ... and which of its rows

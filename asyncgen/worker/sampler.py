@@ -6,6 +6,10 @@ greedy rows take the argmax here; the others are divided by their temperature, f
 by min_p, top_k and top_p, and sampled with the exponential-race form of the Gumbel-max
 trick (``argmax(p / E)``, ``E ~ Exp(1)``), drawing ``E`` from the row's own generator when
 it has a seed, so a seeded row gets the same tokens whatever else is in the batch.
+
+:func:`sample_async` only enqueues device work: nothing in it waits for the device, so
+the model runner can launch the next step before this one's tokens reach the host.
+:meth:`PendingSample.result` waits for them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from ..outputs import TokenLogprob
 from ..sampling_params import SamplingParams
 
-__all__ = ["SamplingRow", "sample"]
+__all__ = ["PendingSample", "SamplingRow", "sample", "sample_async"]
 
 
 @dataclasses.dataclass
@@ -28,6 +32,20 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
+    num_generated: Optional[int] = None  # output tokens so far (default: len(output_token_ids))
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_token_ids) if self.num_generated is None else self.num_generated
+
+
+def _dev(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the device (a pageable
+    host-to-device copy would synchronise the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
 
 
 def _token_mask(rows: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -40,7 +58,7 @@ def _token_mask(rows: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
     for i, r in enumerate(rows):
         if r:
             padded[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-    padded = padded.to(device)
+    padded = padded.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else padded
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
 
@@ -63,46 +81,87 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _logprobs(processed: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list[Optional[TokenLogprob]]:
-    """Log-probabilities of the sampled tokens (and top-k) for the rows that asked."""
+class PendingSample:
+    """A step's sampled tokens (and logprobs), on their way to the host."""
+
+    def __init__(self, tokens: torch.Tensor, rows: list[SamplingRow], lp: Optional[tuple]):
+        self._rows = rows
+        self._wanted = lp[0] if lp else []
+        parts = [tokens] + ([t for t in lp[1:] if t is not None] if lp else [])
+        self._has_top = bool(lp) and lp[2] is not None
+        self._event = None
+        if tokens.device.type == "cuda":
+            parts = [t.to("cpu", non_blocking=True) for t in parts]  # into pinned memory
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = parts
+
+    def result(self) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """Waits for the device; the tokens and each row's :class:`TokenLogprob` (or None)."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host[0].tolist()
+        logprobs: list[Optional[TokenLogprob]] = [None] * len(self._rows)
+        if self._wanted:
+            chosen_lp = self._host[1].tolist()
+            top_ids = self._host[2].tolist() if self._has_top else None
+            top_lp = self._host[3].tolist() if self._has_top else None
+            for j, i in enumerate(self._wanted):
+                kk = self._rows[i].params.logprobs
+                top = tuple(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else ()
+                logprobs[i] = TokenLogprob(tokens[i], chosen_lp[j], top)
+        return tokens, logprobs
+
+
+def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> Optional[tuple]:
+    """Device tensors for the rows that asked for logprobs: ``(rows, chosen [W], top ids
+    [W, k], top logprobs [W, k])`` (top ones None when no row wants any); None if no row asked."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    result: list[Optional[TokenLogprob]] = [None] * len(rows)
     if not wanted:
-        return result
-    idx = torch.tensor(wanted, device=processed.device)
-    lp = processed[idx].log_softmax(dim=-1)  # [W, vocab]
-    chosen = torch.tensor([tokens[i] for i in wanted], device=processed.device)
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        return None
+    idx = _dev(wanted, torch.int64, processed.device)
+    lp = processed.index_select(0, idx).log_softmax(dim=-1)  # [W, vocab]
+    chosen_lp = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)
     k = max(rows[i].params.logprobs for i in wanted)
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
-    top_lp = top_lp.tolist() if k > 0 else None
-    top_ids = top_ids.tolist() if k > 0 else None
-    for j, i in enumerate(wanted):
-        kk = rows[i].params.logprobs
-        top = tuple(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else ()
-        result[i] = TokenLogprob(tokens[i], chosen_lp[j], top)
-    return result
+    if k == 0:
+        return wanted, chosen_lp, None, None
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    return wanted, chosen_lp, top_ids, top_lp
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
     """One token per row of ``logits`` [N, vocab] (fp32; modified in place), and each
     row's :class:`TokenLogprob` where its params ask for logprobs (else None)."""
+    return sample_async(logits, rows)[1].result()
+
+
+@torch.inference_mode()
+def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, PendingSample]:
+    """Enqueues sampling: the tokens as a device tensor [N] (for the next step's inputs)
+    and the :class:`PendingSample` that brings them, and logprobs, to the host."""
+    tokens, processed = _sample_tokens(logits, rows)
+    return tokens, PendingSample(tokens, rows, _logprobs(processed, tokens, rows))
+
+
+def _sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled token ids [N] and the logits after penalties (for logprobs)."""
     n, vocab = logits.shape
     device = logits.device
 
     # Stop tokens may not end a sequence shorter than min_tokens.
     for i, r in enumerate(rows):
-        if r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids:
+        if r.params.min_tokens and r.num_output < r.params.min_tokens and r.stop_token_ids:
             ids = [t for t in r.stop_token_ids if t < vocab]
-            logits[i, ids] = float("-inf")
+            if ids:
+                logits[i].index_fill_(0, _dev(ids, torch.int64, device), float("-inf"))
 
     for i, r in enumerate(rows):
         if r.params.logit_bias:
             ids = [t for t in r.params.logit_bias if t < vocab]
             if ids:
-                bias = torch.tensor([r.params.logit_bias[t] for t in ids], dtype=logits.dtype)
-                logits[i, ids] += bias.to(device)
+                bias = _dev([r.params.logit_bias[t] for t in ids], logits.dtype, device)
+                logits[i].index_add_(0, _dev(ids, torch.int64, device), bias)
 
     rep = [r.params.repetition_penalty for r in rows]
     freq = [r.params.frequency_penalty for r in rows]
@@ -111,29 +170,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         out_counts = _token_mask([r.output_token_ids for r in rows], vocab, device)
         if any(x != 1.0 for x in rep):
             seen = (_token_mask([r.prompt_token_ids for r in rows], vocab, device) + out_counts) > 0
-            penalty = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1).expand_as(logits)
+            penalty = _dev(rep, logits.dtype, device).unsqueeze(1).expand_as(logits)
             scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, scaled, logits)
-        logits -= torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1) * out_counts
-        logits -= torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1) * (out_counts > 0)
+        logits -= _dev(freq, logits.dtype, device).unsqueeze(1) * out_counts
+        logits -= _dev(pres, logits.dtype, device).unsqueeze(1) * (out_counts > 0)
 
     processed = logits  # what logprobs are computed from; later steps make new tensors
     greedy = [r.params.temperature == 0.0 for r in rows]
     tokens = logits.argmax(dim=-1)
     if all(greedy):
-        tokens = tokens.tolist()
-        return tokens, _logprobs(processed, tokens, rows)
+        return tokens, processed
 
     # Only the sampling rows go through temperature, filters and the exponential race.
     idx = [i for i, g in enumerate(greedy) if not g]
     srows = [rows[i] for i in idx]
-    sub = logits[torch.tensor(idx, device=device)] if len(idx) < n else logits
-    temps = torch.tensor([r.params.temperature for r in srows], dtype=sub.dtype, device=device)
+    idx_t = _dev(idx, torch.int64, device) if len(idx) < n else None
+    sub = logits.index_select(0, idx_t) if idx_t is not None else logits
+    temps = _dev([r.params.temperature for r in srows], sub.dtype, device)
     sub = sub / temps.unsqueeze(1)
     min_p = [r.params.min_p for r in srows]
     if any(p > 0 for p in min_p):
         probs = sub.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, dtype=sub.dtype, device=device).unsqueeze(1)
+        threshold = probs.amax(dim=-1, keepdim=True) * _dev(min_p, sub.dtype, device).unsqueeze(1)
         sub = sub.masked_fill(probs < threshold, float("-inf"))
     top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in srows]
     top_p = [r.params.top_p for r in srows]
@@ -142,8 +201,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if use_k or use_p:
         sub = _apply_top_k_top_p(
             sub,
-            torch.tensor(top_k, device=device) if use_k else None,
-            torch.tensor(top_p, dtype=sub.dtype, device=device) if use_p else None,
+            _dev(top_k, torch.int64, device) if use_k else None,
+            _dev(top_p, sub.dtype, device) if use_p else None,
         )
     probs = sub.softmax(dim=-1)
     race = torch.empty_like(probs)
@@ -153,9 +212,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     for j in seeded:
         race[j].exponential_(generator=srows[j].generator)
     sampled = (probs / race).argmax(dim=-1)
-    if len(idx) < n:
-        tokens[torch.tensor(idx, device=device)] = sampled
+    if idx_t is not None:
+        tokens.index_copy_(0, idx_t, sampled)
     else:
         tokens = sampled
-    tokens = tokens.tolist()
-    return tokens, _logprobs(processed, tokens, rows)
+    return tokens, processed
