@@ -218,9 +218,18 @@ async def run_once(args: argparse.Namespace, enable_prefix_caching: Optional[boo
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
         vocab = [i for i in range(engine.vocab_size) if i not in special]
         specs = build_workload(args, vocab, engine.max_model_len)
-        # Warm-up (first-call allocations, CUDA graph capture): a request not in the workload.
+        # Warm-up (first-call allocations, kernels compiled on first use): a burst of 32
+        # requests with the workload's prompt lengths and random tokens (never a prefix
+        # of the workload's prompts), 4 output tokens each, all at once.
         warm_rng = random.Random(args.seed + 1)
-        await engine.generate([warm_rng.choice(vocab) for _ in range(16)], SamplingParams(max_tokens=4, ignore_eos=True))
+        warm = [
+            [warm_rng.choice(vocab) for _ in range(lognormal_length(
+                warm_rng, args.prompt_len_mean, args.prompt_len_sigma, 1, min(args.max_prompt_len, engine.max_model_len - 8)))]
+            for _ in range(32 if not args.quick else 2)
+        ]
+        async with anyio.create_task_group() as tg:
+            for prompt in warm:
+                tg.start_soon(engine.generate, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
         result = await run_workload(engine, specs, args.temperature)
         result["engine"] = {"model_name": engine.model_name, "max_model_len": engine.max_model_len, **kw}
         result["config"] = {k: getattr(engine.config, k) for k in type(engine.config).model_fields}

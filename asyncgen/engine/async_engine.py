@@ -237,24 +237,29 @@ class AsyncEngine:
         the rest (detokenizing, stop strings, chunks) while N+1 runs. A request with a
         penalty reads the previous step's tokens on the host, so while one is live the
         loop launches a step only after collecting the previous one.
+
+        The loop awaits each launch before going on: the device thread's Python then
+        never competes with the loop's for the GIL (every torch call releases it, and
+        taking it back from a busy thread can cost a whole switch interval). Host work
+        stays serial, and the device still never waits as long as one step's host work
+        is shorter than one step on the device.
         """
         core = self._core
-        inflight: deque = deque()  # (SchedulerOutput, launch Job), in launch order
+        inflight: deque = deque()  # (SchedulerOutput, LaunchedStep), in launch order
         try:
             while self._state is _State.RUNNING:
                 self._drain_pending_aborts()
-                self._launch_ahead(inflight)
+                await self._launch_ahead(inflight)
                 if not inflight:
                     if not self._wakeup.is_set():
                         await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
-                out, launched = inflight[0]
-                result = await self._device.submit(self._collect, launched).result()
-                inflight.popleft()
+                out, launched = inflight.popleft()
+                result = await self._device.run(self._runner.collect, launched)
                 reqs = core.update(out, result.sampled, result.logprobs)
                 self._drain_pending_aborts()
-                self._launch_ahead(inflight)
+                await self._launch_ahead(inflight)
                 # Emit in slices, yielding between them (and letting the streams' consumers
                 # take their chunks), so no stretch of engine work holds the host's loop long.
                 for i in range(0, len(reqs), _EMIT_SLICE):
@@ -270,12 +275,12 @@ class AsyncEngine:
             if inflight:  # closing: let the device finish what it was given
                 with anyio.CancelScope(shield=True):
                     try:
-                        await self._device.submit(self._collect, inflight[-1][1]).result()
+                        await self._device.run(self._runner.collect, inflight[-1][1])
                     except BaseException:
                         pass  # the engine is stopping; the step's result has no reader
             self._stopped.set()
 
-    def _launch_ahead(self, inflight: deque) -> None:
+    async def _launch_ahead(self, inflight: deque) -> None:
         """Schedules and launches steps until two are in flight (one without run-ahead)."""
         core = self._core
         depth = 2 if core.scheduler.can_run_ahead else 1
@@ -283,11 +288,8 @@ class AsyncEngine:
             out = core.schedule()
             if out.is_empty:
                 return
-            inflight.append((out, self._device.submit(self._runner.launch, out)))
-
-    def _collect(self, launched) -> Any:
-        """Device thread: the tokens of a step launched earlier (its launch error, if any)."""
-        return self._runner.collect(launched.outcome())
+            # The wait is shielded (Job.result): a launch always completes and is recorded.
+            inflight.append((out, await self._device.submit(self._runner.launch, out).result()))
 
     def _die(self, error: EngineDeadError, cause: BaseException) -> None:
         error.__cause__ = cause

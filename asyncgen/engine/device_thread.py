@@ -104,13 +104,6 @@ class Job:
         except RuntimeError:
             pass  # the loop is gone; nobody is waiting any more
 
-    def outcome(self) -> Any:
-        """The result (or raises the exception) of a job that has run: for a later job
-        on the device thread, which runs jobs in order."""
-        if "error" in self._box:
-            raise self._box["error"]
-        return self._box["result"]
-
     async def result(self) -> Any:
         """The call's result (or its exception). The wait is shielded from cancellation:
         a job, once submitted, completes before this returns, so device work in flight is

@@ -37,6 +37,10 @@ __all__ = ["LaunchedStep", "ModelOutput", "ModelRunner", "resolve_device", "reso
 
 log = logging.getLogger(__name__)
 
+# Prompt (and mixed) steps of up to this many tokens replay a CUDA graph; longer ones
+# keep the device busy long enough to hide their kernel launches.
+_MAX_PROMPT_GRAPH_TOKENS = 512
+
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -228,6 +232,7 @@ class ModelRunner:
         self.model = None
         self._graphs.clear()
         self._graph_inputs = None
+        self._prompt_graphs, self._prompt_inputs, self._prompt_graph_sizes = {}, None, []
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
         if self.device.type == "cuda":
@@ -277,6 +282,93 @@ class ModelRunner:
         self._graph_sizes = sizes
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
+        self._capture_prompt_graphs(pool)
+
+    def _capture_prompt_graphs(self, pool) -> None:
+        """Captures steps that compute prompt tokens (alone or with decodes) at a ladder of
+        token counts up to ``_MAX_PROMPT_GRAPH_TOKENS``.
+
+        Launching a step's few hundred kernels one by one costs about as much host time as
+        a short step costs on the device, so a short prompt chunk over a cached prefix
+        would otherwise wait on Python. A step of ``T`` tokens from ``B`` sequences replays
+        the smallest captured size ``P >= T`` with room for ``P`` sequences: the ``P - T``
+        extra tokens form one padding sequence (no cached context, slot -1: nothing is
+        written), and the sequences after it have no tokens, so their programs exit.
+        """
+        limit = min(_MAX_PROMPT_GRAPH_TOKENS, self.cfg.max_num_batched_tokens)
+        sizes = [t for t in (16, 32, 64, 128, 256, 512) if t <= limit]
+        if not sizes:
+            return
+        t0 = time.perf_counter()
+        top = sizes[-1]
+        max_blocks = -(-self.max_model_len // self.block_size)
+        dev = self.device
+        g = self._prompt_inputs = {
+            "input_ids": torch.zeros(top, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(top, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((top,), -1, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros(top, max_blocks, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(top, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.zeros(top + 1, dtype=torch.int32, device=dev),
+            "logits_idx": torch.zeros(top, dtype=torch.int64, device=dev),
+        }
+        self._prompt_graphs = {}
+        for t in reversed(sizes):
+            # A valid step to warm up and capture with: one sequence of t tokens, no context.
+            g["seq_lens"].zero_()
+            g["seq_lens"][0] = t
+            g["query_start_loc"].fill_(t)
+            g["query_start_loc"][0] = 0
+            meta = AttentionMetadata(
+                g["slot_mapping"][:t], g["block_tables"][:t], g["seq_lens"][:t], g["query_start_loc"][: t + 1],
+                max_query_len=t, max_seq_len=self.max_model_len,
+            )
+            with torch.inference_mode():
+                def step():
+                    hidden = self.model(g["input_ids"][:t], g["positions"][:t], meta)
+                    return self.model.compute_logits(hidden[g["logits_idx"][:t]])
+
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = step()
+                pool = graph.pool()
+            self._prompt_graphs[t] = (graph, logits)
+        self._prompt_graph_sizes = sizes
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for prompt steps of up to %s tokens in %.1f s", sizes, time.perf_counter() - t0)
+
+    def _replay_prompt(self, t: int, inputs: "_StepInputs") -> torch.Tensor:
+        g = self._prompt_inputs
+        m = inputs.meta
+        n_tok = inputs.input_ids.shape[0]
+        n_seq = m.seq_lens.shape[0]
+        width = m.block_tables.shape[1]
+        g["input_ids"][:n_tok].copy_(inputs.input_ids)
+        self._fill_placeholders(g["input_ids"], inputs)
+        g["input_ids"][n_tok:t].zero_()
+        g["positions"][:n_tok].copy_(inputs.positions)
+        g["positions"][n_tok:t].zero_()
+        g["slot_mapping"][:n_tok].copy_(m.slot_mapping)
+        g["slot_mapping"][n_tok:t].fill_(-1)
+        g["block_tables"][:n_seq, :width].copy_(m.block_tables)
+        g["seq_lens"][:n_seq].copy_(m.seq_lens)
+        g["seq_lens"][n_seq:t].zero_()
+        g["seq_lens"][n_seq : n_seq + 1].fill_(t - n_tok)  # the padding sequence (maybe empty)
+        g["query_start_loc"][: n_seq + 1].copy_(m.query_start_loc)
+        g["query_start_loc"][n_seq + 1 : t + 1].fill_(t)
+        g["logits_idx"][: inputs.logits_idx.shape[0]].copy_(inputs.logits_idx)
+        graph, logits = self._prompt_graphs[t]
+        graph.replay()
+        return logits[: inputs.logits_idx.shape[0]]
+
+    def _prompt_graph_for(self, num_tokens: int, num_seqs: int):
+        for t in getattr(self, "_prompt_graph_sizes", ()):
+            if t >= num_tokens and t > num_seqs:
+                return t
+        return None
 
     def _graph_for(self, batch: int):
         for b in self._graph_sizes:
@@ -307,8 +399,11 @@ class ModelRunner:
 
         inputs = self._prepare(out)
         graph_bs = self._graph_for(len(out.seqs)) if inputs.is_decode and self._graphs else None
+        prompt_t = None if inputs.is_decode else self._prompt_graph_for(inputs.input_ids.shape[0], len(out.seqs))
         if graph_bs is not None:
             logits = self._replay(graph_bs, inputs)
+        elif prompt_t is not None:
+            logits = self._replay_prompt(prompt_t, inputs)
         else:
             self._fill_placeholders(inputs.input_ids, inputs)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
