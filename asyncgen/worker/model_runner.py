@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 # Prompt (and mixed) steps of up to this many tokens replay a CUDA graph; longer ones
 # keep the device busy long enough to hide their kernel launches.
-_MAX_PROMPT_GRAPH_TOKENS = 512
+_MAX_PROMPT_GRAPH_TOKENS = 2048
+_PROMPT_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -291,16 +292,18 @@ class ModelRunner:
         Launching a step's few hundred kernels one by one costs about as much host time as
         a short step costs on the device, so a short prompt chunk over a cached prefix
         would otherwise wait on Python. A step of ``T`` tokens from ``B`` sequences replays
-        the smallest captured size ``P >= T`` with room for ``P`` sequences: the ``P - T``
-        extra tokens form one padding sequence (no cached context, slot -1: nothing is
-        written), and the sequences after it have no tokens, so their programs exit.
+        the smallest captured size ``P >= T`` with room for ``min(P, max_num_seqs + 1)``
+        sequences: the ``P - T`` extra tokens form one padding sequence (no cached
+        context, slot -1: nothing is written), and the sequences after it have no tokens,
+        so their programs exit. Logits are computed for one row per sequence slot.
         """
         limit = min(_MAX_PROMPT_GRAPH_TOKENS, self.cfg.max_num_batched_tokens)
-        sizes = [t for t in (16, 32, 64, 128, 256, 512) if t <= limit]
+        sizes = [t for t in _PROMPT_GRAPH_SIZES if t <= limit]
         if not sizes:
             return
         t0 = time.perf_counter()
         top = sizes[-1]
+        self._prompt_seq_slots = {t: min(t, self.cfg.max_num_seqs + 1) for t in sizes}
         max_blocks = -(-self.max_model_len // self.block_size)
         dev = self.device
         g = self._prompt_inputs = {
@@ -314,19 +317,20 @@ class ModelRunner:
         }
         self._prompt_graphs = {}
         for t in reversed(sizes):
+            b = self._prompt_seq_slots[t]
             # A valid step to warm up and capture with: one sequence of t tokens, no context.
             g["seq_lens"].zero_()
             g["seq_lens"][0] = t
             g["query_start_loc"].fill_(t)
             g["query_start_loc"][0] = 0
             meta = AttentionMetadata(
-                g["slot_mapping"][:t], g["block_tables"][:t], g["seq_lens"][:t], g["query_start_loc"][: t + 1],
+                g["slot_mapping"][:t], g["block_tables"][:b], g["seq_lens"][:b], g["query_start_loc"][: b + 1],
                 max_query_len=t, max_seq_len=self.max_model_len,
             )
             with torch.inference_mode():
                 def step():
                     hidden = self.model(g["input_ids"][:t], g["positions"][:t], meta)
-                    return self.model.compute_logits(hidden[g["logits_idx"][:t]])
+                    return self.model.compute_logits(hidden[g["logits_idx"][:b]])
 
                 for _ in range(2):
                     step()
@@ -354,19 +358,22 @@ class ModelRunner:
         g["slot_mapping"][:n_tok].copy_(m.slot_mapping)
         g["slot_mapping"][n_tok:t].fill_(-1)
         g["block_tables"][:n_seq, :width].copy_(m.block_tables)
+        b = self._prompt_seq_slots[t]
+        n_sample = inputs.logits_idx.shape[0]
         g["seq_lens"][:n_seq].copy_(m.seq_lens)
-        g["seq_lens"][n_seq:t].zero_()
+        g["seq_lens"][n_seq:b].zero_()
         g["seq_lens"][n_seq : n_seq + 1].fill_(t - n_tok)  # the padding sequence (maybe empty)
         g["query_start_loc"][: n_seq + 1].copy_(m.query_start_loc)
-        g["query_start_loc"][n_seq + 1 : t + 1].fill_(t)
-        g["logits_idx"][: inputs.logits_idx.shape[0]].copy_(inputs.logits_idx)
+        g["query_start_loc"][n_seq + 1 : b + 1].fill_(t)
+        g["logits_idx"][:n_sample].copy_(inputs.logits_idx)
+        g["logits_idx"][n_sample:b].zero_()  # rows left from a larger step would be out of range
         graph, logits = self._prompt_graphs[t]
         graph.replay()
         return logits[: inputs.logits_idx.shape[0]]
 
     def _prompt_graph_for(self, num_tokens: int, num_seqs: int):
         for t in getattr(self, "_prompt_graph_sizes", ()):
-            if t >= num_tokens and t > num_seqs:
+            if t >= num_tokens and self._prompt_seq_slots[t] > num_seqs:
                 return t
         return None
 

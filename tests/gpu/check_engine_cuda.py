@@ -3,7 +3,9 @@
 A Llama-shaped model with random weights (fp32 in both, so the comparison is exact up
 to kernel rounding), 12 prompts of very different lengths submitted at once, in three
 settings: plenty of KV blocks; a pool so small that requests are preempted; a token
-budget smaller than the longest prompt (chunked prefill). Each kernel backend that
+budget smaller than the longest prompt (chunked prefill); requests arriving one by
+one while others decode (mixed steps of every size, each replaying a prompt-step CUDA
+graph smaller or larger than the one before); no CUDA graphs. Each kernel backend that
 imports is checked. Exits non-zero on any mismatch.
 
     python tests/gpu/check_engine_cuda.py --tokenizer DIR
@@ -52,13 +54,14 @@ def hf_greedy(model, prompts):
     return outs
 
 
-async def engine_greedy(path, prompts, backend, **kwargs):
+async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, **kwargs):
     from asyncgen import AsyncEngine, SamplingParams
 
     results = [None] * len(prompts)
     async with AsyncEngine.from_pretrained(path, device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=16, ops_backend=backend, **kwargs) as engine:
 
         async def one(i):
+            await anyio.sleep(i * stagger_s)
             out = await engine.generate(prompts[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
             results[i] = list(out.token_ids)
 
@@ -93,6 +96,7 @@ def main() -> int:
                 "preemption": dict(num_kv_blocks=40),
                 "chunked": dict(num_kv_blocks=1024, max_num_batched_tokens=64),
                 "eager": dict(num_kv_blocks=1024, enforce_eager=True),
+                "staggered": dict(num_kv_blocks=1024, stagger_s=0.03),
             }
             for backend in backends:
                 for name, kw in settings.items():
