@@ -425,16 +425,18 @@ def _general_config(
     head_dim: int, group_pad: int, max_query_len: int | None, dtype: torch.dtype
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the general kernel. Query tiles of 128
-    rows when queries may be long, 64 for batches of short chunks (less padding per
-    sequence); smaller tiles for head_dim 256 and fp32 to stay within registers and
-    shared memory."""
-    long_queries = max_query_len is None or max_query_len >= 128
+    rows when queries may be long; 64, then 32 for shorter ones: less padding per
+    sequence, and a short chunk over a long cached context (a prefix-cache hit) is
+    spread over more programs. Smaller tiles for head_dim 256 and fp32 to stay within
+    registers and shared memory."""
     if dtype == torch.float32:
         block_m, block_n = 64, 32
     elif head_dim > 128:
         block_m, block_n = 64, 32
+    elif max_query_len is None or max_query_len >= 512:
+        block_m, block_n = 128, 64
     else:
-        block_m, block_n = (128 if long_queries else 64), 64
+        block_m, block_n = (64 if max_query_len >= 256 else 32), 64
     block_m = max(block_m, group_pad)
     num_warps = 8 if block_m >= 128 or head_dim > 128 else 4
     return block_m, block_n, num_warps, 2

@@ -75,6 +75,7 @@ async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, **kwargs
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--head-dims", default="64,128", help="comma-separated head dims to check (default 64,128)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -85,7 +86,7 @@ def main() -> int:
     lengths = [1, 3, 7, 16, 17, 33, 64, 100, 129, 150, 200, 257]
     prompts = [torch.randint(0, 32000, (n,), generator=gen).tolist() for n in lengths]
     failures = 0
-    for head_dim in (64, 128):
+    for head_dim in [int(h) for h in args.head_dims.split(",")]:
         with tempfile.TemporaryDirectory() as d:
             model = build(Path(d), Path(args.tokenizer), head_dim)
             ref = hf_greedy(model, prompts)

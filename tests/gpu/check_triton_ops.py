@@ -244,7 +244,7 @@ def sweep_attention(ops, batch, scale, window, out, hints, name):
     if decode:  # (BLOCK_N, num_warps, num_stages)
         configs = [(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
     else:  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-        configs = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+        configs = [(bm, bn, w, s) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
     try:
         for cfg in configs:
             if decode:
