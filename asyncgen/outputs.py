@@ -76,6 +76,9 @@ class StreamChunk:
     usage: Optional[Usage] = None
     logprobs: Optional[tuple[TokenLogprob, ...]] = None  # one per token id, when asked for
     metrics: Optional[RequestMetrics] = None  # on the last chunk of each completion
+    # With ``prompt_logprobs``: on the first chunk of index 0, one entry per prompt token
+    # (None for the first, which nothing predicts).
+    prompt_logprobs: Optional[tuple[Optional[TokenLogprob], ...]] = None
 
     def __str__(self) -> str:
         return self.text
@@ -111,6 +114,8 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     usage: Usage
+    # With ``prompt_logprobs``: one entry per prompt token, None for the first.
+    prompt_logprobs: Optional[tuple[Optional[TokenLogprob], ...]] = None
 
     @property
     def text(self) -> str:

@@ -40,6 +40,7 @@ class SamplingParams(BaseModel):
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
     min_tokens: Annotated[int, Field(ge=0)] = 0
     logprobs: Optional[Annotated[int, Field(ge=0, le=_MAX_LOGPROBS)]] = None
+    prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=_MAX_LOGPROBS)]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 

@@ -257,7 +257,7 @@ class AsyncEngine:
                     continue
                 out, launched = inflight.popleft()
                 result = await self._device.run(self._runner.collect, launched)
-                reqs = core.update(out, result.sampled, result.logprobs)
+                reqs = core.update(out, result.sampled, result.logprobs, result.prompt_logprobs)
                 self._drain_pending_aborts()
                 await self._launch_ahead(inflight)
                 # Emit in slices, yielding between them (and letting the streams' consumers
@@ -369,8 +369,11 @@ class AsyncEngine:
         lps: list[list] = [[] for _ in range(n)]
         metrics: list[Any] = [None] * n
         usage = None
+        prompt_lps = None
         async with stream:
             async for chunk in stream:
+                if chunk.prompt_logprobs is not None:
+                    prompt_lps = chunk.prompt_logprobs
                 texts[chunk.index].append(chunk.text)
                 ids[chunk.index].extend(chunk.token_ids)
                 if chunk.logprobs:
@@ -390,7 +393,7 @@ class AsyncEngine:
             for i in range(n)
         )
         g = stream.group
-        return RequestOutput(g.request_id, g.prompt, tuple(g.prompt_token_ids), outputs, usage)
+        return RequestOutput(g.request_id, g.prompt, tuple(g.prompt_token_ids), outputs, usage, prompt_lps)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request now (its stream ends with finish_reason "abort"); False if no

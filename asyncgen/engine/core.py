@@ -54,6 +54,12 @@ class RequestGroup:
         self.wake_each_chunk = True
         self.num_unfinished = params.n
         self.num_completion_tokens = 0
+        # With prompt_logprobs: one slot per prompt token (the first stays None), filled
+        # as chunks are computed, sent once on index 0's first chunk.
+        self.prompt_logprobs: Optional[list] = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
+        self.prompt_logprobs_sent = False
         self.arrival_time = time.monotonic()
 
     @property
@@ -140,11 +146,17 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def process(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None) -> None:
+    def process(
+        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None,
+        prompt_logprobs: Optional[dict] = None,
+    ) -> None:
         """``update`` then ``emit``: a whole step's results applied at once."""
-        self.emit(self.update(out, sampled, logprobs))
+        self.emit(self.update(out, sampled, logprobs, prompt_logprobs))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None,
+        prompt_logprobs: Optional[dict] = None,
+    ) -> list[Request]:
         """The part of applying a step that the next ``schedule()`` depends on: counters,
         appended tokens, stop tokens and length limits. Returns the requests that got a
         token, for ``emit``."""
@@ -153,6 +165,12 @@ class EngineCore:
         self._recent.append((now, len(sampled)))
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
             self._recent.popleft()
+        if prompt_logprobs:
+            for seq_id, items in prompt_logprobs.items():
+                group = self._group_of.get(seq_id)
+                if group is not None and group.prompt_logprobs is not None:
+                    for pos, lp in items:
+                        group.prompt_logprobs[pos] = lp
         reqs = self.scheduler.update(out, sampled)
         for req in reqs:
             seq = self._group_of[req.request_id].seqs[req.request_id]
@@ -208,11 +226,16 @@ class EngineCore:
             if group.finished:
                 usage = Usage(len(group.prompt_token_ids), group.num_completion_tokens)
                 self._forget(group)
+        prompt_lps = None
+        if group.prompt_logprobs is not None and not group.prompt_logprobs_sent and seq.req.index == 0:
+            if all(lp is not None for lp in group.prompt_logprobs[1:]):  # else aborted before they were done
+                prompt_lps = tuple(group.prompt_logprobs)
+                group.prompt_logprobs_sent = True
         chunk = StreamChunk(
             group.request_id, seq.req.index, text, tuple(seq.pending_ids), reason,
             seq.req.stop_reason if reason == "stop" else None, usage,
             tuple(seq.pending_logprobs) if seq.req.params.logprobs is not None else None,
-            metrics,
+            metrics, prompt_lps,
         )
         seq.pending_ids = []
         seq.pending_logprobs = []

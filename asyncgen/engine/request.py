@@ -83,6 +83,11 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The first sample of a request with ``prompt_logprobs`` reports them."""
+        return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
     def has_placeholder(self) -> bool:
         return bool(self.token_ids) and self.token_ids[-1] == PLACEHOLDER
 

@@ -30,6 +30,7 @@ class ScheduledSeq:
     block_ids: list[int]
     sample: bool  # the step reaches the sequence's last known token: sample the next one
     epoch: int = 0  # the request's preemption count when scheduled (a later update skips a stale step)
+    prompt_logprobs: bool = False  # report the logprob of each prompt token this chunk predicts
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,7 +177,8 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 cached: list[int] = []
-                if req.num_computed_tokens == 0:
+                if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs:
+                    # (Prompt logprobs need every prompt position computed, cached or not.)
                     cached = bm.match_prefix(req.token_ids)
                 start = len(cached) * bm.block_size if cached else req.num_computed_tokens
                 n = min(req.num_tokens - start, budget)
@@ -206,7 +208,10 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         sample = end == req.num_tokens
-        seq = ScheduledSeq(req.request_id, req.token_ids[start:end], start, list(table), sample, req.num_preemptions)
+        seq = ScheduledSeq(
+            req.request_id, req.token_ids[start:end], start, list(table), sample, req.num_preemptions,
+            req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1,
+        )
         req.num_computed_tokens = end
         if sample:
             req.token_ids.append(PLACEHOLDER)

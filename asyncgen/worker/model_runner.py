@@ -71,10 +71,13 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 @dataclasses.dataclass
 class ModelOutput:
-    """What a step returns to the engine: sampled tokens and, where asked, logprobs."""
+    """What a step returns to the engine: sampled tokens and, where asked, logprobs
+    (``prompt_logprobs``: per sequence, ``(position, TokenLogprob)`` of each prompt token
+    the step's chunk predicted)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprob]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -84,6 +87,9 @@ class LaunchedStep:
 
     sampling_ids: list[str]
     pending: Optional[PendingSample]
+    # (per-sequence (req_id, first position, count, k), [R] targets, [R] logprobs,
+    #  [R, k] top ids, [R, k] top logprobs) on the device, or None
+    prompt_logprobs: Optional[tuple] = None
 
 
 @dataclasses.dataclass
@@ -406,7 +412,10 @@ class ModelRunner:
 
         inputs = self._prepare(out)
         graph_bs = self._graph_for(len(out.seqs)) if inputs.is_decode and self._graphs else None
-        prompt_t = None if inputs.is_decode else self._prompt_graph_for(inputs.input_ids.shape[0], len(out.seqs))
+        prompt_t = None
+        if not inputs.is_decode and inputs.plp is None:  # (graphs compute only the sampled rows' logits)
+            prompt_t = self._prompt_graph_for(inputs.input_ids.shape[0], len(out.seqs))
+        plp = None
         if graph_bs is not None:
             logits = self._replay(graph_bs, inputs)
         elif prompt_t is not None:
@@ -415,6 +424,8 @@ class ModelRunner:
             self._fill_placeholders(inputs.input_ids, inputs)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_idx])
+            if inputs.plp is not None:
+                plp = self._prompt_logprobs(hidden, inputs.plp)
         rows = []
         for req_id, end in zip(inputs.sampling_ids, inputs.sample_ends):
             st = self.states[req_id]
@@ -424,10 +435,20 @@ class ModelRunner:
             rows.append(SamplingRow(
                 st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated
             ))
-        tokens, pending = sample_async(logits, rows)
+        tokens, pending = sample_async(logits, rows)  # (its event also covers plp's tensors)
         self._last_tokens = tokens
         self._last_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_ids)}
-        return LaunchedStep(inputs.sampling_ids, pending)
+        return LaunchedStep(inputs.sampling_ids, pending, plp)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plp: tuple) -> tuple:
+        """Log-probabilities of the prompt tokens this step's chunks predict (and each
+        position's top k), from fp32 logits of the hidden state before each of them."""
+        seqs, rows, targets = plp
+        lp = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+        chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
+        k = max(s[3] for s in seqs)
+        top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
+        return seqs, targets, chosen, top_ids, top_lp
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Waits for a launched step's tokens (and logprobs) to reach the host."""
@@ -435,6 +456,8 @@ class ModelRunner:
         if step.pending is None:
             return result
         tokens, logprobs = step.pending.result()
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = _prompt_logprobs_to_host(step.prompt_logprobs)
         for req_id, tok, lp in zip(step.sampling_ids, tokens, logprobs):
             st = self.states.get(req_id)
             if st is not None:  # else: finished while the step ran; the scheduler drops the token
@@ -492,6 +515,7 @@ class ModelRunner:
         slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
         sample_rows = [i for i, s in enumerate(seqs) if s.sample]
         logits_idx = qsl[1:][sample_rows] - 1
+        plp = self._prompt_logprob_rows(seqs, qsl)
         # Inputs still being sampled by the previous launch (always a chunk's only token).
         fill = [i for i, s in enumerate(seqs) if s.token_ids[0] == PLACEHOLDER]
         fill_dst = qsl[:-1][fill]
@@ -522,10 +546,37 @@ class ModelRunner:
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
+        if plp is not None:
+            rows_t, targets_t = torch.from_numpy(plp[1]), torch.from_numpy(plp[2])
+            if self.device.type == "cuda":  # pinned and asynchronous: no wait for the device
+                rows_t = rows_t.pin_memory().to(self.device, non_blocking=True)
+                targets_t = targets_t.pin_memory().to(self.device, non_blocking=True)
+            plp = (plp[0], rows_t, targets_t)
         return _StepInputs(
             ids_t, pos_t, meta, logits_t, [seqs[i].req_id for i in sample_rows], seq_lens[sample_rows].tolist(),
-            total == n, fill_dst_t if fill else None, fill_src_t if fill else None,
+            total == n, fill_dst_t if fill else None, fill_src_t if fill else None, plp,
         )
+
+    def _prompt_logprob_rows(self, seqs, qsl) -> Optional[tuple]:
+        """For chunks that report prompt logprobs: ``(per-sequence (req_id, first predicted
+        position, count, k), token rows [R], predicted prompt tokens [R])``, or None."""
+        entries, rows, targets = [], [], []
+        for i, s in enumerate(seqs):
+            if not s.prompt_logprobs:
+                continue
+            st = self.states[s.req_id]
+            prompt = st.prompt_token_ids
+            # Token at position p predicts position p + 1, while that is still in the prompt.
+            last = min(s.start_pos + len(s.token_ids), len(prompt) - 1)
+            count = last - s.start_pos
+            if count <= 0:
+                continue
+            entries.append((s.req_id, s.start_pos + 1, count, st.params.prompt_logprobs))
+            rows.extend(range(int(qsl[i]), int(qsl[i]) + count))
+            targets.extend(prompt[s.start_pos + 1 : last + 1])
+        if not entries:
+            return None
+        return entries, np.asarray(rows, dtype=np.int64), np.asarray(targets, dtype=np.int64)
 
     def _staging(self, size: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
         """A pinned host buffer of at least ``size`` int64s and the event to record after
@@ -553,3 +604,21 @@ class _StepInputs:
     is_decode: bool  # every sequence computes exactly one token
     fill_dst: Optional[torch.Tensor] = None  # input rows to take from the previous launch's samples
     fill_src: Optional[torch.Tensor] = None  # ... and which of its rows
+    plp: Optional[tuple] = None  # prompt-logprob rows (see ModelRunner._prompt_logprob_rows)
+
+
+def _prompt_logprobs_to_host(plp: tuple) -> dict[str, list[tuple[int, TokenLogprob]]]:
+    seqs, targets, chosen, top_ids, top_lp = plp
+    targets, chosen = targets.tolist(), chosen.tolist()
+    top_ids = top_ids.tolist() if top_ids is not None else None
+    top_lp = top_lp.tolist() if top_lp is not None else None
+    out: dict[str, list[tuple[int, TokenLogprob]]] = {}
+    r = 0
+    for req_id, first, count, k in seqs:
+        items = []
+        for j in range(count):
+            top = tuple(zip(top_ids[r][:k], top_lp[r][:k])) if k else ()
+            items.append((first + j, TokenLogprob(targets[r], chosen[r], top)))
+            r += 1
+        out[req_id] = items
+    return out
