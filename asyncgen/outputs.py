@@ -99,6 +99,8 @@ class CompletionOutput:
     stop_reason: Optional[str | int] = None
     logprobs: Optional[tuple[TokenLogprob, ...]] = None
     metrics: Optional[RequestMetrics] = None
+    # Sum of the sampled tokens' logprobs (with ``logprobs`` or ``best_of``), else None.
+    cumulative_logprob: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

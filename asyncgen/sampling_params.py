@@ -19,12 +19,15 @@ class SamplingParams(BaseModel):
     positive (multiplies negative) logits of every token seen in the prompt or output;
     ``presence_penalty`` and ``frequency_penalty`` subtract from logits of tokens in the
     output (OpenAI's definitions). ``max_tokens=None`` means "up to ``max_model_len``".
+    ``best_of`` (>= ``n``) samples that many sequences and returns the ``n`` with the
+    highest cumulative logprob (``generate()`` only: the choice is made at the end).
     Invalid values raise pydantic's ``ValidationError`` naming the field.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     n: Annotated[int, Field(ge=1, le=256)] = 1
+    best_of: Optional[Annotated[int, Field(ge=1, le=256)]] = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0
@@ -60,6 +63,17 @@ class SamplingParams(BaseModel):
         if v is not None and any(k < 0 for k in v):
             raise ValueError("logit_bias keys must be token ids >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _best_of_ge_n(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        return self
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
 
     @model_validator(mode="after")
     def _min_le_max(self):

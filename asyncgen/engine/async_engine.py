@@ -337,6 +337,15 @@ class AsyncEngine:
         iteration starts. Leaving the loop early, cancelling the consuming task or
         ``aclose()`` on the stream aborts it and frees its blocks at once.
         """
+        params = _coerce_params(params)
+        if params.num_sequences > params.n:
+            raise InvalidRequestError(
+                f"best_of={params.best_of} > n={params.n} cannot be streamed: the best {params.n} are only "
+                "known at the end; use generate()"
+            )
+        return self._open_stream(prompt, params, messages, request_id)
+
+    def _open_stream(self, prompt, params, messages, request_id) -> "RequestStream":
         self._check_running()
         params = _coerce_params(params)
         prompt_text, token_ids = self._tokenize(prompt, messages)
@@ -358,10 +367,12 @@ class AsyncEngine:
         messages: Optional[list[dict[str, Any]]] = None,
         request_id: Optional[str] = None,
     ) -> RequestOutput:
-        """Generates for one prompt and returns the whole :class:`RequestOutput`."""
-        stream = self.stream(prompt, params, messages=messages, request_id=request_id)
+        """Generates for one prompt and returns the whole :class:`RequestOutput`. With
+        ``best_of``, the ``n`` completions with the highest cumulative logprob, best first."""
+        stream = self._open_stream(prompt, params, messages, request_id)
         stream.group.wake_each_chunk = False
-        n = stream.group.params.n
+        want = stream.group.params
+        n = want.num_sequences
         texts: list[list[str]] = [[] for _ in range(n)]
         ids: list[list[int]] = [[] for _ in range(n)]
         reasons: list[Any] = [None] * n
@@ -384,13 +395,18 @@ class AsyncEngine:
                     metrics[chunk.index] = chunk.metrics
                 if chunk.usage is not None:
                     usage = chunk.usage
+        cumulative = [sum(lp.logprob for lp in lps[i]) if lps[i] else None for i in range(n)]
+        order = list(range(n))
+        if n > want.n:  # best_of: keep the n most likely, best first
+            order = sorted(order, key=lambda i: cumulative[i] if cumulative[i] is not None else float("-inf"),
+                           reverse=True)[: want.n]
         outputs = tuple(
             CompletionOutput(
-                i, "".join(texts[i]), tuple(ids[i]), reasons[i], stops[i],
-                tuple(lps[i]) if stream.group.params.logprobs is not None else None,
-                metrics[i],
+                rank, "".join(texts[i]), tuple(ids[i]), reasons[i], stops[i],
+                tuple(lps[i]) if want.logprobs is not None else None,
+                metrics[i], cumulative[i] if (want.logprobs is not None or n > want.n) else None,
             )
-            for i in range(n)
+            for rank, i in enumerate(order)
         )
         g = stream.group
         return RequestOutput(g.request_id, g.prompt, tuple(g.prompt_token_ids), outputs, usage, prompt_lps)

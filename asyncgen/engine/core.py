@@ -52,7 +52,7 @@ class RequestGroup:
         # generate() reads only the whole result: its task is woken once, at the end,
         # instead of once per token (hundreds of task switches per step saved at scale).
         self.wake_each_chunk = True
-        self.num_unfinished = params.n
+        self.num_unfinished = params.num_sequences
         self.num_completion_tokens = 0
         # With prompt_logprobs: one slot per prompt token (the first stays None), filled
         # as chunks are computed, sent once on index 0's first chunk.
@@ -99,9 +99,14 @@ class EngineCore:
     def add(self, group: RequestGroup, max_tokens: int) -> None:
         """Registers every sequence of ``group`` with the scheduler (atomic)."""
         p = group.params
+        count = p.num_sequences
+        if count > p.n and p.logprobs is None:
+            # best_of ranks the samples by cumulative logprob: each sequence reports its
+            # sampled tokens' logprobs (the output keeps them only if they were asked for).
+            p = p.model_copy(update={"logprobs": 0})
         leader = None
-        for i in range(p.n):
-            seq_id = group.request_id if p.n == 1 else f"{group.request_id}#{i}"
+        for i in range(count):
+            seq_id = group.request_id if count == 1 else f"{group.request_id}#{i}"
             seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
             if self.block_manager.enable_prefix_caching:
@@ -117,7 +122,7 @@ class EngineCore:
         group.arrival_time = time.monotonic()
         for seq in group.seqs.values():
             seq.req.arrival_time = group.arrival_time
-        self.num_prompt_tokens += len(group.prompt_token_ids) * p.n
+        self.num_prompt_tokens += len(group.prompt_token_ids) * count
 
     def abort(self, request_id: str) -> bool:
         """Ends every sequence of the request now and frees its blocks; its stream gets a
