@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 namespace asyncgen {
 
@@ -17,5 +18,15 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                             int64_t sliding_window, int64_t partition_size);
+
+// out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
+void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias);
+
+// out = x @ W (+ bias) for 1 to 8 rows of fp16 x, W given as 4-bit codes packed along K
+// (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].
+void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias);
 
 }  // namespace asyncgen

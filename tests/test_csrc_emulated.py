@@ -126,3 +126,47 @@ def test_store_kv_cache_matches_reference(emu, dtype, head_dim, slot_dtype):
     assert vectorized == (head_dim * case.key.element_size() % 16 == 0)
     assert torch.equal(case.k_cache, k_ref)
     assert torch.equal(case.v_cache, v_ref)
+
+
+# --- GEMV (csrc/gemv.cuh) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 45, 264, False), (3, 16, 1040, True), (8, 9, 64, True)])
+def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    weight = torch.randn(n, k + 8, generator=g).to(dtype)[:, :k]  # a row stride longer than K
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = torch.full((m, n + 3), float("nan"), dtype=dtype)[:, :n]
+    emu.dense_gemv(out, x, weight, b)
+    ref = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size",
+    [
+        (1, 72, 2048, 32),   # 8 packed rows per K lane, a group change every 4; a partial block of columns
+        (3, 32, 800, 32),    # 100 packed rows: the last K lanes get fewer rows, or none
+        (8, 40, 1024, 128),  # the most rows the kernel takes
+        (2, 36, 256, 256),   # one group (per-channel scales)
+    ],
+)
+def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size):
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(m + n + k)
+    groups = k // group_size
+    codes = torch.randint(0, 16, (k, n), generator=g)
+    qweight = qref.pack_rows(codes, 4)  # [K / 8, N]
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    x = torch.randn(m, k, generator=g).half()
+    bias = torch.randn(n, generator=g).half()
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, bias)
+    ref = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias)
+    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float() + bias.float()
+    assert relative_error(out, exact) < 2e-3
+    assert relative_error(ref, exact) < 2e-3

@@ -12,6 +12,10 @@ the argument on bad input):
 
 - ``store_kv_cache``: csrc when key and cache share a 2- or 4-byte dtype and each cache
   block is contiguous; Triton otherwise.
+- ``dense_gemv`` / ``quant_gemv_4bit``: csrc matrix-vector products for up to
+  :data:`GEMV_MAX_ROWS` rows (decode at small batch); the ``*_supported`` functions say
+  whether a call's tensors fit the kernels (the linear layers fall back otherwise), and
+  :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
 - ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
   bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
   lengths; Triton for everything else (prefill chunks, mixed batches, other shapes).
@@ -30,7 +34,10 @@ import torch
 
 from . import Ops
 
-__all__ = ["is_available", "ops"]
+__all__ = [
+    "GEMV_MAX_ROWS", "choose_dense_gemv", "dense_gemv", "dense_gemv_supported", "is_available", "ops",
+    "quant_gemv_4bit", "quant_gemv_4bit_supported",
+]
 
 BUILD_HINT = (
     "the csrc extension asyncgen._C is not built; on a machine with the CUDA toolkit (nvcc) "
@@ -67,7 +74,7 @@ def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)
     if register is None:  # torch < 2.4
         return
-    for name in ("store_kv_cache", "paged_attention_decode"):
+    for name in ("store_kv_cache", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -292,3 +299,163 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
         )
         and out.stride(2) == 1
     )
+
+
+# ----------------------------------------------------------------------------------------
+# GEMV (csrc/gemv.cuh)
+
+GEMV_MAX_ROWS = 8  # the most rows of x the csrc GEMV kernels take
+
+
+def _aligned_rows(t: torch.Tensor) -> bool:
+    """2-D, contiguous rows starting 16-byte aligned, each row 16-byte aligned."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`dense_gemv` takes these (else use ``F.linear``)."""
+    return (
+        _extension() is not None
+        and x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype in _DECODE_DTYPES
+        and weight.dtype == x.dtype
+        and weight.device == x.device
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+        and weight.shape[1] % 8 == 0
+        and _aligned_rows(x)
+        and _aligned_rows(weight)
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    )
+
+
+def dense_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 1 to :data:`GEMV_MAX_ROWS` rows of ``x`` [M, K]
+    (``weight`` [N, K]); fp32 accumulation. Raises ``ValueError`` where
+    :func:`dense_gemv_supported` is false."""
+    if not dense_gemv_supported(x, weight, bias):
+        raise ValueError(
+            f"dense_gemv takes 1-{GEMV_MAX_ROWS} rows of fp16/bf16 x [M, K] with K % 8 == 0 and weight [N, K] of "
+            f"x's dtype, both 16-byte aligned rows on one CUDA device; got x {tuple(x.shape)} {x.dtype}, "
+            f"weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias)
+    return out
+
+
+def quant_gemv_4bit_supported(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`quant_gemv_4bit` takes these: 4 bits, fp16, groups of consecutive
+    rows (no ``g_idx``), aligned rows; else the Triton kernels run."""
+    k = qweight.shape[0] * 8 if qweight.dim() == 2 else -1
+    size = group_size if group_size > 0 else k
+    return (
+        _extension() is not None
+        and bits == 4
+        and g_idx is None
+        and x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype == torch.float16
+        and scales.dtype == torch.float16
+        and zeros.dtype == torch.float16
+        and qweight.dtype == torch.int32
+        and x.shape[1] == k
+        and size % 8 == 0
+        and qweight.shape[1] % 4 == 0
+        and _aligned_rows(x)
+        and _aligned_rows(qweight)
+        and scales.stride(1) == 1
+        and zeros.stride(1) == 1
+        and (bias is None or (bias.dtype == torch.float16 and bias.is_contiguous()))
+        and (out is None or (out.dtype == torch.float16 and out.stride(1) == 1))
+    )
+
+
+def quant_gemv_4bit(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x[:, perm] @ W + bias`` for 1 to :data:`GEMV_MAX_ROWS` rows of fp16 ``x``, with
+    the arguments of :func:`asyncgen._ops.triton_quant_gemm.quant_gemm`. Raises
+    ``ValueError`` where :func:`quant_gemv_4bit_supported` is false."""
+    if perm is not None:
+        x = x.index_select(1, perm)
+    if not quant_gemv_4bit_supported(x, qweight, scales, zeros, bits, group_size, g_idx, bias, out):
+        raise ValueError(
+            f"quant_gemv_4bit takes 4-bit codes without g_idx, fp16 x/scales/zeros, 1-{GEMV_MAX_ROWS} rows, "
+            f"N % 4 == 0 and 16-byte aligned rows; got bits={bits}, g_idx={'set' if g_idx is not None else None}, "
+            f"x {tuple(x.shape)} {x.dtype}, qweight {tuple(qweight.shape)}, scales {scales.dtype}"
+        )
+    k = qweight.shape[0] * 8
+    if out is None:
+        out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
+    torch.ops.asyncgen_C.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias)
+    return out
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    """Median per-call device time of ``fn`` over a few batches of ``reps`` calls."""
+    fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, int]:
+    """For each distinct weight shape among ``layers`` (modules with a ``weight`` [N, K]
+    and a ``gemv_rows`` attribute), times :func:`dense_gemv` against ``F.linear`` at each
+    row count in ``rows`` and sets ``gemv_rows`` to the largest count up to which the
+    csrc kernel won every time (0: never). Returns {(N, K, dtype): gemv_rows}. Run before
+    CUDA graphs are captured; the result only changes which kernel computes, not what.
+    """
+    chosen: dict[tuple, int] = {}
+    for layer in layers:
+        w = layer.weight
+        key = (w.shape[0], w.shape[1], w.dtype)
+        if key not in chosen:
+            best = 0
+            for m in sorted(rows):
+                x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
+                if not dense_gemv_supported(x, w, layer.bias):
+                    break
+                ours = _time_ms(lambda: dense_gemv(x, w, layer.bias))
+                theirs = _time_ms(lambda: torch.nn.functional.linear(x, w, layer.bias))
+                if ours >= theirs:
+                    break
+                best = m
+            chosen[key] = best
+        layer.gemv_rows = chosen[key]
+    return chosen

@@ -64,6 +64,13 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.data[out_start : out_start + out_size].copy_(piece[:, in_start : in_start + in_size])
 
     def apply(self, layer, x):
+        rows = layer.gemv_rows
+        if rows and x.dim() >= 1 and x.numel() <= rows * x.shape[-1]:
+            from .._ops import cuda_backend
+
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.shape[0] >= 1 and cuda_backend.dense_gemv_supported(x2, layer.weight, layer.bias):
+                return cuda_backend.dense_gemv(x2, layer.weight, layer.bias).view(*x.shape[:-1], layer.out_features)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 
@@ -100,6 +107,9 @@ class LinearBase(nn.Module):
             self.offsets[k] = off
             off += v
         self.out_features = off
+        # Up to this many rows of input go to the csrc GEMV instead of F.linear (0: never);
+        # set per weight shape by asyncgen._ops.cuda_backend.choose_dense_gemv.
+        self.gemv_rows = 0
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, dtype, device)
         self.bias = (

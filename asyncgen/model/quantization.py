@@ -25,9 +25,12 @@ sorted by group. How each layer then computes:
 
 - ``"dense"`` (the CPU default): the weight is dequantized once, at load, into an
   ordinary ``[N, K]`` weight of the compute dtype; ``apply`` is ``F.linear``.
-- ``"triton"`` (the CUDA default): the weight stays packed (4 or 8 bits a weight) and
-  the Triton kernels dequantize tiles in registers: a GEMV for a few rows (decode), a
-  GEMM for prompt chunks and large batches.
+- ``"triton"`` (the CUDA default without the csrc extension): the weight stays packed
+  (4 or 8 bits a weight) and the Triton kernels dequantize tiles in registers: a GEMV
+  for a few rows (decode), a GEMM for prompt chunks and large batches.
+- ``"cuda"`` (the CUDA default where the csrc extension is built): as ``"triton"``, but
+  decode-sized inputs of 4-bit fp16 layers go to the csrc GEMV
+  (:func:`asyncgen._ops.cuda_backend.quant_gemv_4bit`).
 - ``"reference"``: packed, multiplied by the torch reference (tests).
 
 Act-order (``desc_act``) checkpoints: the rows of each module's weight are permuted once
@@ -64,9 +67,12 @@ from .linear import LinearBase, LinearMethod, check_shape
 __all__ = ["QuantConfig", "QuantLinearMethod", "QuantScheme", "encode_awq", "encode_gptq", "linear_method_factory"]
 
 METHODS = ("awq", "gptq")
-KERNELS = ("auto", "dense", "reference", "triton")
-# At most this many rows go to the GEMV kernel; more go to the GEMM.
+KERNELS = ("auto", "cuda", "dense", "reference", "triton")
+# At most this many rows go to the Triton GEMV kernel; more go to the GEMM.
 GEMV_MAX_ROWS = 4
+# With kernel "cuda": at most this many rows go to the csrc 4-bit GEMV where it takes the
+# layer (4 bits, fp16, groups of consecutive rows); the Triton kernels do the rest.
+CUDA_GEMV_MAX_ROWS = 4
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field p of an AWQ word holds column ORDER[p]
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> offset added to stored zeros
@@ -175,7 +181,8 @@ def _scheme(method: str, raw: dict[str, Any], base: dict[str, Any]) -> QuantSche
 def linear_method_factory(model_cfg, kernel: str = "auto") -> Callable[[str], Optional[LinearMethod]]:
     """``prefix -> LinearMethod | None`` for the model's quantization config.
 
-    ``kernel``: one of :data:`KERNELS`; "auto" is "triton" on CUDA and "dense" elsewhere.
+    ``kernel``: one of :data:`KERNELS`; "auto" is "cuda" on CUDA where the csrc extension
+    is built, "triton" on CUDA without it, and "dense" elsewhere.
     Raises :class:`UnsupportedModelError` naming what the config asks for that is not
     implemented.
     """
@@ -239,7 +246,11 @@ class QuantLinearMethod(LinearMethod):
         device = torch.device(device)
         kernel = self.kernel
         if kernel == "auto":
-            kernel = "triton" if device.type == "cuda" else "dense"
+            kernel = "dense"
+            if device.type == "cuda":
+                from .._ops import cuda_backend_available
+
+                kernel = "cuda" if cuda_backend_available() else "triton"
         layer.quant_kernel = kernel
         layer.quant_dtype = dtype
         layer.quant_device = device
@@ -387,6 +398,12 @@ class QuantLinearMethod(LinearMethod):
                 return y
             out.copy_(y)
             return out
+        if layer.quant_kernel == "cuda" and x.shape[0] <= CUDA_GEMV_MAX_ROWS:
+            from .._ops import cuda_backend
+
+            xp = x if seg.perm is None else x.index_select(1, seg.perm)
+            if cuda_backend.quant_gemv_4bit_supported(xp, qweight, scales, zeros, bits, size, seg.g_idx, bias, out):
+                return cuda_backend.quant_gemv_4bit(xp, qweight, scales, zeros, bits, size, seg.g_idx, None, bias, out=out)
         if x.shape[0] <= GEMV_MAX_ROWS:
             from .._ops.triton_quant_gemv import quant_gemv as kernel
         else:

@@ -134,6 +134,23 @@ class ModelRunner:
         return "cuda" if cuda_backend_available() else "triton"
 
     # --- start-up (device thread) ---------------------------------------------------------
+    def _choose_gemv(self) -> None:
+        """Times the csrc GEMV against cuBLAS for each unquantized linear weight shape at
+        decode-sized batches; each layer then uses whichever was faster (see
+        ``cuda_backend.choose_dense_gemv``)."""
+        from .._ops import cuda_backend
+        from ..model.linear import LinearBase
+
+        layers = [m for m in self.model.modules() if isinstance(m, LinearBase) and isinstance(
+            getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2 and m.weight.dtype == self.dtype]
+        if not layers:
+            return
+        t0 = time.perf_counter()
+        chosen = cuda_backend.choose_dense_gemv(layers)
+        table = ", ".join(f"{n}x{k}: {rows}" for (n, k, _), rows in chosen.items())
+        log.info("csrc GEMV up to this many rows per weight shape (else cuBLAS): %s (timed in %.2f s)",
+                 table, time.perf_counter() - t0)
+
     def load(self) -> int:
         """Builds the model, loads weights, sizes and allocates the KV pool.
 
@@ -147,6 +164,8 @@ class ModelRunner:
         )
         load_weights(self.model, self.path)
         self.model.eval()
+        if self.ops_backend == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+            self._choose_gemv()
         log.info(
             "loaded %s (%s, %s, ops=%s) in %.1f s",
             self.path, self.dtype, self.device, self.ops_backend, time.perf_counter() - t0,

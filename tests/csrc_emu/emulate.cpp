@@ -4,9 +4,12 @@
 #include "emu_runtime.h"
 
 #include "cache_kernels.cuh"
+#include "gemv.cuh"
 #include "paged_attention.cuh"
 
 using asyncgen::DecodeParams;
+using asyncgen::DenseGemvParams;
+using asyncgen::QuantGemvParams;
 using asyncgen::StoreKVParams;
 
 extern "C" {
@@ -37,6 +40,17 @@ int ag_store_kv_cache(const StoreKVParams* p, int element_size, int slot_is_int6
   }
 }
 
+// dtype as above. Returns 0 on success.
+int ag_dense_gemv(const DenseGemvParams* p, int dtype) {
+  const bool ok = dtype == 0 ? asyncgen::launch_dense_gemv<__half>(*p, nullptr)
+                             : asyncgen::launch_dense_gemv<__nv_bfloat16>(*p, nullptr);
+  return ok ? 0 : 1;
+}
+
+int ag_quant_gemv_4bit(const QuantGemvParams* p) { return asyncgen::launch_quant_gemv_4bit(*p, nullptr) ? 0 : 1; }
+
+int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
+int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }
 int ag_sizeof_store_params() { return sizeof(StoreKVParams); }
 

@@ -74,6 +74,41 @@ class StoreKVParams(ctypes.Structure):
     ]
 
 
+class DenseGemvParams(ctypes.Structure):
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out_stride", ctypes.c_int64),
+        ("x_stride", ctypes.c_int64),
+        ("weight_stride", ctypes.c_int64),
+        ("m", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+    ]
+
+
+class QuantGemvParams(ctypes.Structure):
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("qweight", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("zeros", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out_stride", ctypes.c_int64),
+        ("x_stride", ctypes.c_int64),
+        ("qweight_stride", ctypes.c_int64),
+        ("scales_stride", ctypes.c_int64),
+        ("zeros_stride", ctypes.c_int64),
+        ("m", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("group_size", ctypes.c_int),
+    ]
+
+
 def _cuda_include() -> Path | None:
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     nvcc = shutil.which("nvcc")
@@ -111,6 +146,10 @@ class Emulator:
         self.lib = lib
         assert lib.ag_sizeof_decode_params() == ctypes.sizeof(DecodeParams)
         assert lib.ag_sizeof_store_params() == ctypes.sizeof(StoreKVParams)
+        assert lib.ag_sizeof_dense_gemv_params() == ctypes.sizeof(DenseGemvParams)
+        assert lib.ag_sizeof_quant_gemv_params() == ctypes.sizeof(QuantGemvParams)
+        lib.ag_dense_gemv.argtypes = [ctypes.POINTER(DenseGemvParams), ctypes.c_int]
+        lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
 
@@ -161,3 +200,20 @@ class Emulator:
         rc = self.lib.ag_store_kv_cache(ctypes.byref(p), es, slot_mapping.dtype == torch.int64, aligned)
         assert rc == 0
         return aligned
+
+    def dense_gemv(self, out, x, weight, bias=None):
+        """out[m, n] = x[m] . weight[n] (+ bias[n]); the glue's layout requirements hold."""
+        p = DenseGemvParams(
+            _ptr(out), _ptr(x), _ptr(weight), _ptr(bias), out.stride(0), x.stride(0), weight.stride(0),
+            x.shape[0], weight.shape[0], weight.shape[1],
+        )
+        assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "too many rows"
+
+    def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None):
+        """out = x @ dequant(qweight) (+ bias), fp16, 4-bit codes packed along K."""
+        p = QuantGemvParams(
+            _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
+            out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
+            x.shape[0], qweight.shape[1], x.shape[1], group_size,
+        )
+        assert self.lib.ag_quant_gemv_4bit(ctypes.byref(p)) == 0, "too many rows"

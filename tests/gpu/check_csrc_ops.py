@@ -9,9 +9,12 @@ Correctness: torch.ops.asyncgen_C.{store_kv_cache, paged_attention_decode} and t
 cuda_backend launchers against asyncgen._ops.reference on random inputs (NaN in every
 cache slot no sequence owns, shuffled block ids, ragged lengths, partial last blocks,
 GQA 1/4/6/8/12, head_dim 64/128/256, fp16/bf16, split-K off/forced/automatic, sliding
-window, an empty padded sequence, CUDA-graph replay with new lengths). Timing: the decode
+window, an empty padded sequence, CUDA-graph replay with new lengths), and the GEMV ops
+(dense fp16/bf16 against ``F.linear``, 4-bit against dequantize-then-matmul, at 7B
+layer shapes and 1-8 rows). Timing: the decode
 kernel for a 7B shape at batch 1/64/256 and 1k-4k context, in GB/s of K/V read against
-~4.3 TB/s, next to the Triton decode kernel when asyncgen._ops.triton_backend imports.
+~4.3 TB/s, next to the Triton decode kernel when asyncgen._ops.triton_backend imports;
+the GEMVs at 7B decode shapes next to cuBLAS and the Triton 4-bit GEMV.
 Exits 1 on any mismatch, 2 when the extension is not built.
 """
 
@@ -254,6 +257,70 @@ def check_launcher() -> None:
     check("launcher mixed batch (triton fallback)", relative_error(out, ref) < 2e-2)
 
 
+GEMV_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]  # 7B: qkv, o, gate|up, down [N, K]
+
+
+def check_dense_gemv() -> None:
+    print("dense_gemv against F.linear (fp32 accumulation)")
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    for dtype in (torch.float16, torch.bfloat16):
+        for n, k in GEMV_SHAPES[:2] + [(100, 264)]:
+            w = torch.randn(n, k, generator=gen, device=DEVICE).to(dtype) * 0.02
+            bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype) if n == 100 else None
+            for m in (1, 3, 8):
+                x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+                out = cuda_backend.dense_gemv(x, w, bias)
+                ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+                err = relative_error(out, ref)
+                check(f"dense_gemv {n}x{k} M={m} {dtype}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
+    # In a CUDA graph, with new inputs at replay.
+    w = torch.randn(4096, 4096, generator=gen, device=DEVICE).half() * 0.02
+    x = torch.randn(2, 4096, generator=gen, device=DEVICE).half()
+    cuda_backend.dense_gemv(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cuda_backend.dense_gemv(x, w)
+    x.copy_(torch.randn(2, 4096, generator=gen, device=DEVICE).half())
+    graph.replay()
+    torch.cuda.synchronize()
+    check("dense_gemv graph replay", relative_error(y, x.float() @ w.float().t()) < 2e-3)
+    try:
+        cuda_backend.dense_gemv(torch.randn(9, 4096, device=DEVICE).half(), w)
+        check("dense_gemv refuses 9 rows", False, "no error")
+    except ValueError as e:
+        check("dense_gemv refuses 9 rows", "rows" in str(e), str(e))
+
+
+def check_quant_gemv() -> None:
+    print("quant_gemv_4bit against dequantize-then-matmul")
+    from asyncgen._ops import quant_reference as qref
+
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    for n, k in GEMV_SHAPES:
+        for group in (128, 32):
+            groups = k // group
+            codes = torch.randint(0, 16, (k, n), generator=gen, device=DEVICE)
+            qweight = qref.pack_rows(codes, 4)
+            scales = (torch.rand(groups, n, generator=gen, device=DEVICE) * 0.002 + 0.0005).half()
+            zeros = torch.randint(0, 16, (groups, n), generator=gen, device=DEVICE).half()
+            dense = qref.dequantize(qweight, scales, zeros, 4, group).float()
+            for m in (1, 4, 8):
+                x = torch.randn(m, k, generator=gen, device=DEVICE).half()
+                out = cuda_backend.quant_gemv_4bit(x, qweight, scales, zeros, 4, group)
+                err = relative_error(out, x.float() @ dense)
+                check(f"quant_gemv_4bit {n}x{k} g{group} M={m}", err < 2e-3, f"rel err {err:.2e}")
+            del codes, qweight, scales, zeros, dense
+    try:
+        x = torch.randn(1, 64, device=DEVICE).half()
+        cuda_backend.quant_gemv_4bit(x, torch.zeros(4, 8, dtype=torch.int32, device=DEVICE),
+                                     torch.ones(1, 8, device=DEVICE).half(), torch.zeros(1, 8, device=DEVICE).half(),
+                                     8, 64)
+        check("quant_gemv_4bit refuses 8 bits", False, "no error")
+    except ValueError as e:
+        check("quant_gemv_4bit refuses 8 bits", "bits=8" in str(e), str(e))
+
+
 def check_errors() -> None:
     print("argument checks")
     case = Case(seq_lens=[40, 3], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, fill_nan=False)
@@ -328,6 +395,39 @@ def run_benchmarks() -> list[tuple]:
     return rows
 
 
+def run_gemv_benchmarks() -> None:
+    """csrc GEMV against cuBLAS (dense) and the Triton 4-bit GEMV at 7B decode shapes."""
+    from asyncgen._ops import quant_reference as qref
+
+    try:
+        from asyncgen._ops.triton_quant_gemv import quant_gemv as triton_quant_gemv
+    except Exception as e:
+        print(f"(triton quant GEMV not timed: {e})")
+        triton_quant_gemv = None
+    print("\nGEMV timing (fp16; us; GB/s of weights read vs ~4.3 TB/s)")
+    print(f"{'N x K':<12} {'M':>2} | {'cuBLAS':>7} {'csrc':>7} {'GB/s':>6} | {'4bit triton':>11} {'4bit csrc':>9} {'GB/s':>6}")
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    for n, k in GEMV_SHAPES:
+        w = torch.randn(n, k, generator=gen, device=DEVICE).half() * 0.02
+        codes = torch.randint(0, 16, (k, n), generator=gen, device=DEVICE)
+        qweight = qref.pack_rows(codes, 4)
+        scales = (torch.rand(k // 128, n, generator=gen, device=DEVICE) * 0.002).half()
+        zeros = torch.randint(0, 16, (k // 128, n), generator=gen, device=DEVICE).half()
+        qbytes = qweight.numel() * 4 + scales.numel() * 4
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, generator=gen, device=DEVICE).half()
+            t_cublas = bench_us(lambda: torch.nn.functional.linear(x, w))
+            t_csrc = bench_us(lambda: cuda_backend.dense_gemv(x, w))
+            t_q = bench_us(lambda: cuda_backend.quant_gemv_4bit(x, qweight, scales, zeros, 4, 128))
+            t_tq = float("nan")
+            if triton_quant_gemv is not None and m <= 8:
+                t_tq = bench_us(lambda: triton_quant_gemv(x, qweight, scales, zeros, 4, 128))
+            print(f"{n}x{k:<6} {m:>2} | {t_cublas:>7.1f} {t_csrc:>7.1f} {w.numel() * 2 / t_csrc / 1e3:>6.0f} | "
+                  f"{t_tq:>11.1f} {t_q:>9.1f} {qbytes / t_q / 1e3:>6.0f}", flush=True)
+        del w, codes, qweight, scales, zeros
+        torch.cuda.empty_cache()
+
+
 def print_table(rows) -> None:
     print(f"\ndecode timing (head_dim 128, bf16), GB/s of K/V read vs ~{PEAK_GBPS / 1e3:.1f} TB/s")
     header = (f"{'shape':<7} {'batch':>5} {'ctx':>5} {'KV MB':>8} | {'csrc us':>8} {'GB/s':>6} {'%peak':>5} | "
@@ -355,7 +455,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
 
     for step in (check_store_kv_cache, lambda: check_decode(args.quick), check_cuda_graph, check_launcher,
-                 check_errors):
+                 check_dense_gemv, check_quant_gemv, check_errors):
         try:
             step()
         except Exception:
@@ -366,6 +466,8 @@ def main() -> int:
     rows = [] if args.no_bench else run_benchmarks()
     if rows:
         print_table(rows)
+    if not args.no_bench:
+        run_gemv_benchmarks()
     print(f"\n{num_checks} checks, {len(failures)} failed")
     for f in failures:
         print(f"  {f}")

@@ -26,7 +26,7 @@ import torch
 
 HBM_BYTES_PER_S = 4.3e12
 SHAPES = [(4096, 4096), (4096, 11008), (4096, 22016), (11008, 4096)]  # (K = in, N = out)
-BATCHES = [1, 16, 64, 256]
+BATCHES = [1, 4, 16, 64, 256]
 
 
 @dataclass
@@ -86,6 +86,11 @@ def check_kernels(shapes, batches) -> None:
     from asyncgen._ops.triton_quant_gemm import quant_gemm
     from asyncgen._ops.triton_quant_gemv import MAX_ROWS, quant_gemv
 
+    from asyncgen._ops import cuda_backend
+
+    csrc_gemv = cuda_backend.quant_gemv_4bit if cuda_backend.is_available() else None
+    if csrc_gemv is None:
+        print("  (csrc extension not built: its 4-bit GEMV is not checked)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     variants = [("4-bit g128", 4, 128, False), ("4-bit g128 act-order", 4, 128, True), ("8-bit g128", 8, 128, False)]
     for k, n in shapes:
@@ -100,6 +105,8 @@ def check_kernels(shapes, batches) -> None:
                 case = f"{k}x{n} M={m} {name}"
                 if m <= MAX_ROWS:
                     check_case("gemv", quant_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
+                if csrc_gemv is not None and bits == 4 and m <= cuda_backend.GEMV_MAX_ROWS:
+                    check_case("csrc", csrc_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
                 check_case("gemm", quant_gemm, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
             del qweight, scales, zeros, dense
             torch.cuda.empty_cache()
@@ -143,20 +150,19 @@ def sweep() -> None:
     import itertools
 
     from asyncgen._ops import triton_quant_gemm as tqg
-    from asyncgen._ops import triton_quant_gemv as tqv
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     print("\nsweep (4-bit, group 128): default vs best configuration")
-    for k, n in ((4096, 4096), (4096, 22016)):
+    m64 = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=st)
+           for bn, bk, sk, (w, st) in itertools.product((64, 128), (64, 128), (1, 2, 4), ((4, 3), (4, 4), (8, 3)))]
+    m16 = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=st)
+           for bn, sk, st in itertools.product((64, 128), (1, 4), (3, 4))]
+    for k, n in SHAPES:
         qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
-        for module, fn, m, space in (
-            (tqv, tqv.quant_gemv, 1, [dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_KW=16, SPLIT_K=sk, num_warps=w)
-                                      for bn, sk, w in itertools.product((32, 64, 128), (1, 4, 16), (4, 8))]),
-            (tqg, tqg.quant_gemm, 16, [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=st)
-                                       for bn, sk, st in itertools.product((64, 128), (1, 4), (3, 4))]),
-            (tqg, tqg.quant_gemm, 64, [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=3)
-                                       for bn, sk, w in itertools.product((64, 128), (1, 2), (4, 8))]),
-        ):
+        cases = [(tqg, tqg.quant_gemm, 64, m64)]
+        if (k, n) in ((4096, 4096), (4096, 22016)):
+            cases = [(tqg, tqg.quant_gemm, 16, m16), *cases]
+        for module, fn, m, space in cases:
             x = torch.randn(m, k, generator=gen, device="cuda").half()
             default = bench_us(lambda: fn(x, qweight, scales, zeros, 4, 128))
             original, best = module._config, (default, "default")

@@ -1,0 +1,131 @@
+// Torch glue for the GEMV kernels (gemv.cuh): argument checks and the launch on the
+// current stream. The Python launchers (asyncgen/_ops/cuda_backend.py) route only the
+// shapes these accept; the checks here name what is wrong for anything else.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <climits>
+
+#include "check.h"
+#include "gemv.cuh"
+#include "ops.h"
+
+namespace asyncgen {
+
+namespace {
+
+void check_rows(const at::Tensor& out, const at::Tensor& x, int64_t n, int64_t k) {
+  AG_CHECK_DIM(x, 2);
+  AG_CHECK_DIM(out, 2);
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "x must have 1 to ", kGemvMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.size(1) == k, "x must have ", k, " columns, got shape ", x.sizes());
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "out must have shape [", x.size(0), ", ", n, "], got ",
+              out.sizes());
+  AG_CHECK_LAST_DIM_CONTIGUOUS(x);
+  AG_CHECK_LAST_DIM_CONTIGUOUS(out);
+  TORCH_CHECK(is_aligned16(x) && x.stride(0) % 8 == 0, "x must be 16-byte aligned with a row stride that is a "
+              "multiple of 8, got strides ", x.strides());
+  TORCH_CHECK(k % 8 == 0, "the input size must be a multiple of 8, got ", k);
+  TORCH_CHECK(n <= INT_MAX && k <= INT_MAX, "too large: n=", n, ", k=", k);
+}
+
+void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n) {
+  if (!bias.has_value()) return;
+  AG_CHECK_CUDA((*bias), x);
+  AG_CHECK_DTYPE((*bias), x.scalar_type());
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be a contiguous [", n,
+              "], got shape ", bias->sizes());
+}
+
+}  // namespace
+
+void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias) {
+  AG_CHECK_DIM(weight, 2);
+  AG_CHECK_CUDA(x, weight);
+  AG_CHECK_CUDA(out, weight);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  check_rows(out, x, n, k);
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "x must be float16 or bfloat16, got ", x.scalar_type());
+  AG_CHECK_DTYPE(weight, x.scalar_type());
+  AG_CHECK_DTYPE(out, x.scalar_type());
+  AG_CHECK_LAST_DIM_CONTIGUOUS(weight);
+  TORCH_CHECK(is_aligned16(weight) && weight.stride(0) % 8 == 0, "weight must be 16-byte aligned with a row stride "
+              "that is a multiple of 8, got strides ", weight.strides());
+  check_bias(bias, x, n);
+
+  DenseGemvParams p{};
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.out_stride = out.stride(0);
+  p.x_stride = x.stride(0);
+  p.weight_stride = weight.stride(0);
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (x.scalar_type() == at::kHalf) {
+    launch_dense_gemv<__half>(p, stream);
+  } else {
+    launch_dense_gemv<__nv_bfloat16>(p, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias) {
+  AG_CHECK_DIM(qweight, 2);
+  AG_CHECK_CUDA(x, qweight);
+  AG_CHECK_CUDA(out, qweight);
+  AG_CHECK_CUDA(scales, qweight);
+  AG_CHECK_CUDA(zeros, qweight);
+  const int64_t n = qweight.size(1), k = qweight.size(0) * 8;
+  check_rows(out, x, n, k);
+  AG_CHECK_DTYPE(x, at::kHalf);
+  AG_CHECK_DTYPE(out, at::kHalf);
+  AG_CHECK_DTYPE(qweight, at::kInt);
+  AG_CHECK_DTYPE(scales, at::kHalf);
+  AG_CHECK_DTYPE(zeros, at::kHalf);
+  AG_CHECK_LAST_DIM_CONTIGUOUS(qweight);
+  TORCH_CHECK(n % 4 == 0 && is_aligned16(qweight) && qweight.stride(0) % 4 == 0,
+              "qweight must have a multiple of 4 columns, be 16-byte aligned and have a row stride that is a "
+              "multiple of 4, got shape ", qweight.sizes(), " strides ", qweight.strides());
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "group_size must be a positive multiple of 8, got ", group_size);
+  const int64_t groups = (k + group_size - 1) / group_size;
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == groups && t->size(1) == n && t->stride(1) == 1,
+                (t == &scales ? "scales" : "zeros"), " must be [", groups, ", ", n,
+                "] and contiguous in its last dim, got shape ", t->sizes(), " strides ", t->strides());
+  }
+  check_bias(bias, x, n);
+
+  QuantGemvParams p{};
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  p.qweight = qweight.data_ptr<int32_t>();
+  p.scales = scales.data_ptr();
+  p.zeros = zeros.data_ptr();
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.out_stride = out.stride(0);
+  p.x_stride = x.stride(0);
+  p.qweight_stride = qweight.stride(0);
+  p.scales_stride = scales.stride(0);
+  p.zeros_stride = zeros.stride(0);
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.group_size = static_cast<int>(group_size);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace asyncgen

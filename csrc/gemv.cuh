@@ -1,0 +1,288 @@
+// Matrix-vector products for decode at small batch (M <= 8 rows of activations): one
+// pass over the weights, which is the whole cost at this size.
+//
+// dense_gemv        y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])     W [N, K] fp16/bf16
+// quant_gemv_4bit   y[m, n] = sum_k x[m, k] * (code[k, n] - z[g, n]) * s[g, n] (+ bias[n])
+//                   g = k / group_size; codes packed along K, 8 to an int32 word:
+//                   qweight [K / 8, N], field i (bits 4i..4i+3) of word j = row 8j + i;
+//                   scales and zeros [G, N] fp16 (zeros unpacked, as floats).
+//
+// dense_gemv: a warp per output feature; each lane reads 16-byte vectors of the weight
+// row (8 elements) strided by the warp, several in flight at once, multiplies them with
+// the same 8 elements of each x row in fp32, and the warp reduces at the end. For a
+// 4096 x 4096 fp16 weight that is 4096 warps streaming 8 KiB each: enough work to keep
+// every SM's loads in flight, where a cuBLAS GEMM sized for M = 1 may launch only a few
+// dozen CTAs (measured on an H200: 28 us for o_proj against a 7.8 us bandwidth floor).
+//
+// quant_gemv_4bit: a block covers 32 output columns with 8 column threads x 32 K lanes.
+// A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows of K for each
+// of 4 adjacent columns; 8 such threads read one 128-byte line. Each K lane walks its own
+// contiguous range of packed rows (so it reloads a group's scales and zeros only when the
+// group changes), loading UNROLL rows before using any. Dequantization works on half2
+// pairs: OR-ing 0x6400 into the fp16 bit pattern of a 4-bit code c gives 1024 + c
+// exactly, (word >> 4j) & 0x000F000F holds codes j and j + 4 of a word in the two halves,
+// so one subtraction of (1024 + z) gives c - z exactly and one multiplication by s
+// rounds once to fp16: the same weight the torch reference dequantizes. The 8 products
+// with x of a word are added in a half2 (4 fused multiply-adds), then in fp32. K lanes
+// in a warp are reduced with shuffles, across warps in shared memory.
+//
+// Napkin math for Llama-2-7B at M = 1, 4-bit group 128: 3.3 GB of codes + 0.1 GB of
+// scales and zeros a token, ~0.8 ms at 4.3 TB/s; the ALU side is ~3 instructions per
+// weight (~0.6 ms of the CUDA cores), so the two overlap to roughly the memory time.
+#pragma once
+
+#include <cstring>
+
+#include "common.cuh"
+
+namespace asyncgen {
+
+constexpr int kGemvMaxRows = 8;
+constexpr int kGemvThreads = 256;
+
+struct DenseGemvParams {
+  void* out;           // [M, N]
+  const void* x;       // [M, K]
+  const void* weight;  // [N, K]
+  const void* bias;    // [N] or null
+  int64_t out_stride, x_stride, weight_stride;
+  int m, n, k;
+};
+
+struct QuantGemvParams {
+  void* out;              // [M, N] fp16
+  const void* x;          // [M, K] fp16
+  const int32_t* qweight;  // [K / 8, N]
+  const void* scales;     // [G, N] fp16
+  const void* zeros;      // [G, N] fp16
+  const void* bias;       // [N] fp16 or null
+  int64_t out_stride, x_stride, qweight_stride, scales_stride, zeros_stride;
+  int m, n, k, group_size;
+};
+
+// ---------------------------------------------------------------------------------------
+// dense
+
+constexpr int kDenseUnroll = 4;
+
+template <typename T, int ROWS>
+__global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGemvParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int row = blockIdx.x * (kGemvThreads / kWarpSize) + threadIdx.x / kWarpSize;  // output feature
+  if (row >= p.n) return;  // a whole warp leaves together
+  const T* w = static_cast<const T*>(p.weight) + static_cast<int64_t>(row) * p.weight_stride;
+  const T* x = static_cast<const T*>(p.x);
+  const int num_vecs = p.k / 8;
+  float acc[ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) acc[m] = 0.f;
+
+  for (int base = lane; base < num_vecs; base += kWarpSize * kDenseUnroll) {
+    uint4 raw[kDenseUnroll];
+#pragma unroll
+    for (int u = 0; u < kDenseUnroll; ++u) {
+      const int v = base + u * kWarpSize;
+      raw[u] = v < num_vecs ? load16(w + 8 * v) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kDenseUnroll; ++u) {
+      const int v = base + u * kWarpSize;
+      if (v >= num_vecs) break;
+      float wf[8];
+      Float8<T>::unpack(raw[u], wf);
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m) {
+        if (m < p.m) {
+          float xf[8];
+          Float8<T>::unpack(load16(x + m * p.x_stride + 8 * v), xf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[m] = fmaf(xf[i], wf[i], acc[m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) acc[m] = warp_sum(acc[m]);
+  if (lane == 0) {
+    const float b = p.bias != nullptr ? Float8<T>::to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
+    T* out = static_cast<T*>(p.out);
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+      if (m < p.m) out[m * p.out_stride + row] = Float8<T>::from_float(acc[m] + b);
+    }
+  }
+}
+
+template <typename T>
+bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
+  void (*kernel)(const DenseGemvParams) = nullptr;
+  if (p.m <= 1) {
+    kernel = dense_gemv_kernel<T, 1>;
+  } else if (p.m <= 2) {
+    kernel = dense_gemv_kernel<T, 2>;
+  } else if (p.m <= 4) {
+    kernel = dense_gemv_kernel<T, 4>;
+  } else if (p.m <= kGemvMaxRows) {
+    kernel = dense_gemv_kernel<T, 8>;
+  } else {
+    return false;
+  }
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kGemvThreads / kWarpSize)), dim3(kGemvThreads), 0, stream, p);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// 4-bit
+
+constexpr int kQuantColThreads = 8;                                  // x 4 columns each
+constexpr int kQuantCols = 4 * kQuantColThreads;                     // columns per block
+constexpr int kQuantKLanes = kGemvThreads / kQuantColThreads;        // 32
+constexpr int kQuantLanesPerWarp = kWarpSize / kQuantColThreads;     // 4
+constexpr int kQuantWarps = kGemvThreads / kWarpSize;                // 8
+constexpr int kQuantUnroll = 8;
+
+// fma on half2: the hardware instruction on the GPU; elsewhere (the CPU emulation) the
+// same product and sum in fp32, rounded once.
+AG_DEVICE __half2 hfma2(__half2 a, __half2 b, __half2 c) {
+#ifdef __CUDA_ARCH__
+  return __hfma2(a, b, c);
+#else
+  const float2 fa = __half22float2(a), fb = __half22float2(b), fc = __half22float2(c);
+  return __floats2half2_rn(fa.x * fb.x + fc.x, fa.y * fb.y + fc.y);
+#endif
+}
+
+AG_DEVICE __half2 bits_to_half2(uint32_t bits) {
+  __half2 h;
+  static_assert(sizeof(h) == sizeof(bits));
+  memcpy(&h, &bits, sizeof(bits));
+  return h;
+}
+
+template <int ROWS>
+__global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const QuantGemvParams p) {
+  __shared__ float partial[kQuantWarps][ROWS][kQuantCols];
+  const int col_thread = threadIdx.x % kQuantColThreads;
+  const int k_lane = threadIdx.x / kQuantColThreads;
+  const int col0 = blockIdx.x * kQuantCols + 4 * col_thread;  // this thread's 4 columns
+  const bool active = col0 < p.n;                             // n % 4 == 0 (checked by the glue)
+  const int num_rows = p.k / 8;                                // packed rows
+  const int rows_per_lane = ceil_div(num_rows, kQuantKLanes);
+  const int row_begin = k_lane * rows_per_lane;
+  const int row_end = active ? imin(row_begin + rows_per_lane, num_rows) : row_begin;
+  const __half* x = static_cast<const __half*>(p.x);
+  const __half* scales = static_cast<const __half*>(p.scales);
+  const __half* zeros = static_cast<const __half*>(p.zeros);
+
+  float acc[ROWS][4];
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[m][c] = 0.f;
+
+  const __half2 magic = bits_to_half2(0x64006400u);  // (1024, 1024)
+  int group = -1;
+  __half2 s2[4], z2[4];  // per column: (s, s) and (1024 + z, 1024 + z)
+  for (int base = row_begin; base < row_end; base += kQuantUnroll) {
+    uint4 words[kQuantUnroll];
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) {
+      const int r = base + u;
+      words[u] = r < row_end ? load16(p.qweight + static_cast<int64_t>(r) * p.qweight_stride + col0)
+                             : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) {
+      const int r = base + u;
+      if (r >= row_end) break;
+      const int g = (8 * r) / p.group_size;
+      if (g != group) {
+        group = g;
+        const __half* sp = scales + static_cast<int64_t>(g) * p.scales_stride + col0;
+        const __half* zp = zeros + static_cast<int64_t>(g) * p.zeros_stride + col0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          s2[c] = __half2half2(sp[c]);
+          z2[c] = __hadd2(__half2half2(zp[c]), magic);
+        }
+      }
+      // x pairs (k + j, k + j + 4), j = 0..3, of each row: the layout of the codes below.
+      __half2 xp[ROWS][4];
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m) {
+        if (m < p.m) {
+          const uint4 raw = load16(x + m * p.x_stride + 8 * r);
+          const __half* h = reinterpret_cast<const __half*>(&raw);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) xp[m][j] = __halves2half2(h[j], h[j + 4]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) xp[m][j] = __float2half2_rn(0.f);
+        }
+      }
+      const uint32_t wv[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        __half2 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const __half2 biased = bits_to_half2(((wv[c] >> (4 * j)) & 0x000F000Fu) | 0x64006400u);
+          w[j] = __hmul2(__hsub2(biased, z2[c]), s2[c]);  // (code - z) * s, rounded once
+        }
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m) {
+          __half2 sum = __float2half2_rn(0.f);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sum = hfma2(w[j], xp[m][j], sum);
+          const float2 f = __half22float2(sum);
+          acc[m][c] += f.x + f.y;
+        }
+      }
+    }
+  }
+
+  // Reduce over the 4 K lanes of a warp (lanes that differ in bits 3 and 4: xor masks
+  // 8 and 16), then over the warps.
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float v = warp_sum<kQuantColThreads>(acc[m][c]);
+      if (lane < kQuantColThreads) partial[warp][m][4 * lane + c] = v;
+    }
+  __syncthreads();
+  __half* out = static_cast<__half*>(p.out);
+  const __half* bias = static_cast<const __half*>(p.bias);
+  for (int i = threadIdx.x; i < ROWS * kQuantCols; i += kGemvThreads) {
+    const int m = i / kQuantCols;
+    const int col = i % kQuantCols;
+    const int n = blockIdx.x * kQuantCols + col;
+    if (m >= p.m || n >= p.n) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kQuantWarps; ++w) v += partial[w][m][col];
+    if (bias != nullptr) v += __half2float(bias[n]);
+    out[m * p.out_stride + n] = __float2half_rn(v);
+  }
+}
+
+inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream) {
+  void (*kernel)(const QuantGemvParams) = nullptr;
+  if (p.m <= 1) {
+    kernel = quant_gemv_4bit_kernel<1>;
+  } else if (p.m <= 2) {
+    kernel = quant_gemv_4bit_kernel<2>;
+  } else if (p.m <= 4) {
+    kernel = quant_gemv_4bit_kernel<4>;
+  } else if (p.m <= kGemvMaxRows) {
+    kernel = quant_gemv_4bit_kernel<8>;
+  } else {
+    return false;
+  }
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kQuantCols)), dim3(kGemvThreads), 0, stream, p);
+  return true;
+}
+
+}  // namespace asyncgen
