@@ -14,17 +14,18 @@
 // every SM's loads in flight, where a cuBLAS GEMM sized for M = 1 may launch only a few
 // dozen CTAs (measured on an H200: 28 us for o_proj against a 7.8 us bandwidth floor).
 //
-// quant_gemv_4bit: a block covers 32 output columns with 8 column threads x 32 K lanes.
-// A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows of K for each
-// of 4 adjacent columns; 8 such threads read one 128-byte line. Each K lane walks its own
-// contiguous range of packed rows (so it reloads a group's scales and zeros only when the
-// group changes), loading UNROLL rows before using any. Dequantization works on half2
-// pairs: OR-ing 0x6400 into the fp16 bit pattern of a 4-bit code c gives 1024 + c
-// exactly, (word >> 4j) & 0x000F000F holds codes j and j + 4 of a word in the two halves,
-// so one subtraction of (1024 + z) gives c - z exactly and one multiplication by s
-// rounds once to fp16: the same weight the torch reference dequantizes. The 8 products
-// with x of a word are added in a half2 (4 fused multiply-adds), then in fp32. K lanes
-// in a warp are reduced with shuffles, across warps in shared memory.
+// quant_gemv_4bit: a block covers 4 * AG_QGEMV_COL_THREADS output columns, its other
+// threads split K. A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows
+// of K for each of 4 adjacent columns; 8 such threads read one 128-byte line. Each K lane
+// walks its own contiguous range of packed rows (so it reloads a group's scale and zero
+// only when the group changes), with the next batch of rows loading while it computes
+// the current one. Dequantization works on half2 pairs: OR-ing 0x6400 into the fp16 bit
+// pattern of a 4-bit code c gives 1024 + c exactly, and (word >> 4j) & 0x000F000F holds
+// codes j and j + 4 of a word in the two halves, so one subtraction of (1024 + z) gives
+// c - z exactly for two weights. The products with x of a word's 8 codes are added in a
+// half2 (4 fused multiply-adds), then scaled by the group's scale into an fp32
+// accumulator: sum_k x_k (c_k - z) s = s * sum_k x_k (c_k - z). K lanes in a warp are
+// reduced with shuffles, across warps in shared memory.
 //
 // Napkin math for Llama-2-7B at M = 1, 4-bit group 128: 3.3 GB of codes + 0.1 GB of
 // scales and zeros a token, ~0.8 ms at 4.3 TB/s; the ALU side is ~3 instructions per
@@ -134,12 +135,20 @@ bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------
 // 4-bit
 
-constexpr int kQuantColThreads = 8;                                  // x 4 columns each
-constexpr int kQuantCols = 4 * kQuantColThreads;                     // columns per block
-constexpr int kQuantKLanes = kGemvThreads / kQuantColThreads;        // 32
-constexpr int kQuantLanesPerWarp = kWarpSize / kQuantColThreads;     // 4
-constexpr int kQuantWarps = kGemvThreads / kWarpSize;                // 8
-constexpr int kQuantUnroll = 8;
+// The block's shape and the depth of the load pipeline; the defaults were picked by timing
+// variants on an H200 (benchmarks/gemv_variants.py compiles them with these macros set).
+#ifndef AG_QGEMV_COL_THREADS
+#define AG_QGEMV_COL_THREADS 8
+#endif
+#ifndef AG_QGEMV_UNROLL
+#define AG_QGEMV_UNROLL 8
+#endif
+constexpr int kQuantColThreads = AG_QGEMV_COL_THREADS;           // x 4 columns each
+constexpr int kQuantCols = 4 * kQuantColThreads;                 // columns per block
+constexpr int kQuantKLanes = kGemvThreads / kQuantColThreads;    // K lanes per block
+constexpr int kQuantWarps = kGemvThreads / kWarpSize;
+constexpr int kQuantUnroll = AG_QGEMV_UNROLL;                    // packed rows per load batch
+static_assert(kQuantColThreads >= 1 && kQuantColThreads <= kWarpSize && kWarpSize % kQuantColThreads == 0);
 
 // fma on half2: the hardware instruction on the GPU; elsewhere (the CPU emulation) the
 // same product and sum in fp32, rounded once.
@@ -157,6 +166,16 @@ AG_DEVICE __half2 bits_to_half2(uint32_t bits) {
   static_assert(sizeof(h) == sizeof(bits));
   memcpy(&h, &bits, sizeof(bits));
   return h;
+}
+
+// Loads packed rows base .. base + kQuantUnroll - 1 (those below row_end) of 4 columns.
+AG_DEVICE void load_rows(uint4 (&words)[kQuantUnroll], const QuantGemvParams& p, int base, int row_end, int col0) {
+#pragma unroll
+  for (int u = 0; u < kQuantUnroll; ++u) {
+    const int r = base + u;
+    words[u] = r < row_end ? load16(p.qweight + static_cast<int64_t>(r) * p.qweight_stride + col0)
+                           : make_uint4(0, 0, 0, 0);
+  }
 }
 
 template <int ROWS>
@@ -182,15 +201,13 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const Qua
 
   const __half2 magic = bits_to_half2(0x64006400u);  // (1024, 1024)
   int group = -1;
-  __half2 s2[4], z2[4];  // per column: (s, s) and (1024 + z, 1024 + z)
+  float s[4];     // per column: the group's scale
+  __half2 z2[4];  // per column: (1024 + z, 1024 + z)
+  // Two batches of rows in registers: the next one is loading while this one computes.
+  uint4 words[kQuantUnroll], next[kQuantUnroll];
+  load_rows(words, p, row_begin, row_end, col0);
   for (int base = row_begin; base < row_end; base += kQuantUnroll) {
-    uint4 words[kQuantUnroll];
-#pragma unroll
-    for (int u = 0; u < kQuantUnroll; ++u) {
-      const int r = base + u;
-      words[u] = r < row_end ? load16(p.qweight + static_cast<int64_t>(r) * p.qweight_stride + col0)
-                             : make_uint4(0, 0, 0, 0);
-    }
+    if (base + kQuantUnroll < row_end) load_rows(next, p, base + kQuantUnroll, row_end, col0);
 #pragma unroll
     for (int u = 0; u < kQuantUnroll; ++u) {
       const int r = base + u;
@@ -202,7 +219,7 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const Qua
         const __half* zp = zeros + static_cast<int64_t>(g) * p.zeros_stride + col0;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          s2[c] = __half2half2(sp[c]);
+          s[c] = __half2float(sp[c]);
           z2[c] = __hadd2(__half2half2(zp[c]), magic);
         }
       }
@@ -223,26 +240,27 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const Qua
       const uint32_t wv[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        __half2 w[4];
+        __half2 d[4];  // code - z, exact
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const __half2 biased = bits_to_half2(((wv[c] >> (4 * j)) & 0x000F000Fu) | 0x64006400u);
-          w[j] = __hmul2(__hsub2(biased, z2[c]), s2[c]);  // (code - z) * s, rounded once
+          d[j] = __hsub2(bits_to_half2(((wv[c] >> (4 * j)) & 0x000F000Fu) | 0x64006400u), z2[c]);
         }
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
           __half2 sum = __float2half2_rn(0.f);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) sum = hfma2(w[j], xp[m][j], sum);
+          for (int j = 0; j < 4; ++j) sum = hfma2(d[j], xp[m][j], sum);
           const float2 f = __half22float2(sum);
-          acc[m][c] += f.x + f.y;
+          acc[m][c] = fmaf(s[c], f.x + f.y, acc[m][c]);
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) words[u] = next[u];
   }
 
-  // Reduce over the 4 K lanes of a warp (lanes that differ in bits 3 and 4: xor masks
-  // 8 and 16), then over the warps.
+  // Reduce over the K lanes of a warp (lanes that differ in the bits above the column
+  // thread's), then over the warps.
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
 #pragma unroll

@@ -113,6 +113,19 @@ def test_gemm_matches_reference(case, dtype):
     assert_matches(got, want, dtype, x, args)
 
 
+@pytest.mark.parametrize("case", [GEMM_CASES[1], GEMM_CASES[2], GEMM_CASES[4], GEMM_CASES[6]])
+def test_gemm_unpacking_each_word_once_matches_reference(monkeypatch, case):
+    # The configuration that loads each packed word once per tile (taken where a tile
+    # lies in one group) against the reference.
+    from asyncgen._ops import triton_quant_gemm as tqg
+
+    default = tqg._config
+    monkeypatch.setattr(tqg, "_config", lambda *a: {**default(*a), "UNPACK_ONCE": True})
+    m, k, n, bits, group, kind, bias = case
+    got, want, x, args = run_both(quant_gemm, m, k, n, bits, group, torch.float16, kind, bias, seed=3)
+    assert_matches(got, want, torch.float16, x, args)
+
+
 def test_gemm_at_one_row_equals_gemv():
     g1, want, _, _ = run_both(quant_gemm, 1, 256, 64, 4, 64, torch.float16, "permuted")
     g2, _, _, _ = run_both(quant_gemv, 1, 256, 64, 4, 64, torch.float16, "permuted")

@@ -82,6 +82,40 @@ def dequant_tile(
 
 
 @triton.jit
+def dequant_tile_unpacked_once(
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    rn,  # [BLOCK_N] columns of the tile
+    n_mask,
+    k0,  # first row of the tile, a multiple of BLOCK_K (so of the pack factor)
+    num_words,  # K // pack
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    group_size,
+    BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """:func:`dequant_tile` for a tile inside one group, loading each packed word once:
+    ``[BLOCK_K // pack, BLOCK_N]`` words, shifted into ``[BLOCK_K // pack, pack, BLOCK_N]``
+    codes, reshaped (in order) to the ``[BLOCK_K, BLOCK_N]`` tile."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    kw = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    mask = (kw < num_words)[:, None] & n_mask[None, :]
+    words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * stride_qk + rn[None, :], mask=mask, other=0)
+    shifts = tl.arange(0, PACK) * BITS
+    codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+    g = k0 // group_size
+    s = tl.load(scales_ptr + g * stride_sg + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    z = tl.load(zeros_ptr + g * stride_zg + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    w = (codes.to(tl.float32) - z) * s
+    return w.to(scales_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _quant_gemm_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [K // pack, N] int32
@@ -106,6 +140,7 @@ def _quant_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     GROUP_PER_TILE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    UNPACK_ONCE: tl.constexpr,  # with GROUP_PER_TILE: load each packed word once per tile
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,10 +172,16 @@ def _quant_gemm_kernel(
         else:
             cols = rk
         a = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = dequant_tile(
-            qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rk, rn, k_mask, n_mask, k0,
-            stride_qk, stride_sg, stride_zg, group_size, BITS, HAS_G_IDX, GROUP_PER_TILE,
-        )
+        if UNPACK_ONCE and GROUP_PER_TILE:
+            w = dequant_tile_unpacked_once(
+                qweight_ptr, scales_ptr, zeros_ptr, rn, n_mask, k0, K // (32 // BITS),
+                stride_qk, stride_sg, stride_zg, group_size, BITS, BLOCK_K, BLOCK_N,
+            )
+        else:
+            w = dequant_tile(
+                qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rk, rn, k_mask, n_mask, k0,
+                stride_qk, stride_sg, stride_zg, group_size, BITS, HAS_G_IDX, GROUP_PER_TILE,
+            )
         w = w.to(x_ptr.dtype.element_ty)
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -218,7 +259,10 @@ def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: t
     elif m <= 32:
         block_m, block_n, block_k, warps = 32, 64, 128, 4
     elif m <= 64:
-        block_m, block_n, block_k, warps = 64, 64, 64, 4
+        # Swept on an H200 at M = 64 over the 7B layer shapes (tests/gpu/check_quant_ops.py
+        # --sweep): 8 warps and a K split of up to 4 took 8-37 % off the 4-warp tiles.
+        block_n = 64 if n <= 4096 and k <= 4096 else 128
+        block_m, block_k, warps = 64, (128 if k > 8192 else 64), 8
     elif m <= 256:
         block_m, block_n, block_k, warps = 64, 128, 64, 4
     else:
@@ -230,8 +274,11 @@ def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: t
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     # Splitting K only pays while the weight read dominates (few rows).
     split = split_k(tiles, k, block_k, device) if m <= 64 else 1
+    if 32 < m <= 64:
+        split = min(split, 4)
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=3,
+        UNPACK_ONCE=False,
     )
 
 

@@ -153,13 +153,15 @@ def sweep() -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     print("\nsweep (4-bit, group 128): default vs best configuration")
-    m64 = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=st)
-           for bn, bk, sk, (w, st) in itertools.product((64, 128), (64, 128), (1, 2, 4), ((4, 3), (4, 4), (8, 3)))]
-    m16 = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=st)
-           for bn, sk, st in itertools.product((64, 128), (1, 4), (3, 4))]
+    m64 = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=st, UNPACK_ONCE=u)
+           for bn, bk, sk, (w, st), u in itertools.product((64, 128), (64, 128), (1, 2, 4), ((8, 3),), (False, True))]
+    m256 = [dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8, num_warps=w, num_stages=st, UNPACK_ONCE=u)
+            for bm, (w, st), u in itertools.product((64, 128), ((4, 3), (8, 3), (8, 4)), (False, True))]
+    m16 = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=st, UNPACK_ONCE=u)
+           for bn, sk, st, u in itertools.product((64, 128), (1, 4), (3, 4), (False, True))]
     for k, n in SHAPES:
         qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
-        cases = [(tqg, tqg.quant_gemm, 64, m64)]
+        cases = [(tqg, tqg.quant_gemm, 64, m64), (tqg, tqg.quant_gemm, 256, m256)]
         if (k, n) in ((4096, 4096), (4096, 22016)):
             cases = [(tqg, tqg.quant_gemm, 16, m16), *cases]
         for module, fn, m, space in cases:
@@ -195,6 +197,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, batches 1 and 64")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configurations")
+    ap.add_argument("--sweep-only", action="store_true", help="only time the alternative configurations")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -208,6 +211,9 @@ def main() -> int:
 
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    if args.sweep_only:
+        sweep()
+        return 0
     shapes = SHAPES[:2] if args.quick else SHAPES
     batches = [1, 64] if args.quick else BATCHES
     check_kernels(shapes, batches)

@@ -1,0 +1,159 @@
+"""Times variants of the csrc 4-bit GEMV (csrc/gemv.cuh) on a GPU, to pick its defaults.
+
+Each variant is the same kernel source compiled with other values of its tuning macros
+(``AG_QGEMV_COL_THREADS``: column threads per block, 4 columns each; ``AG_QGEMV_UNROLL``:
+packed rows per load batch), built side by side with ``torch.utils.cpp_extension``.
+Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
+shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
+out of L2 (as in a model, where each layer's weight is read once per step). The Triton
+4-bit GEMV and an fp16 cuBLAS ``F.linear`` are timed the same way for reference.
+
+    PYTHONPATH=. python3 benchmarks/gemv_variants.py [--variants 8x8,4x8,16x4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # (K, N): qkv, o, gate|up, down
+ROWS = (1, 4)
+L2_BYTES = 50 * 2**20
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include "gemv.cuh"
+
+void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size) {
+  asyncgen::QuantGemvParams p{};
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  p.qweight = qweight.data_ptr<int32_t>();
+  p.scales = scales.data_ptr();
+  p.zeros = zeros.data_ptr();
+  p.bias = nullptr;
+  p.out_stride = out.stride(0);
+  p.x_stride = x.stride(0);
+  p.qweight_stride = qweight.stride(0);
+  p.scales_stride = scales.stride(0);
+  p.zeros_stride = zeros.stride(0);
+  p.m = x.size(0);
+  p.n = qweight.size(1);
+  p.k = x.size(1);
+  p.group_size = group_size;
+  TORCH_CHECK(asyncgen::launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream()), "too many rows");
+}
+"""
+
+
+def build(variant: str):
+    from torch.utils.cpp_extension import load_inline
+
+    cols, unroll = (int(v) for v in variant.split("x"))
+    return load_inline(
+        name=f"ag_qgemv_{cols}x{unroll}",
+        cpp_sources="void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, "
+                    "at::Tensor zeros, int64_t group_size);",
+        cuda_sources=SOURCE,
+        functions=["run"],
+        extra_include_paths=[str(CSRC)],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", f"-DAG_QGEMV_COL_THREADS={cols}",
+                           f"-DAG_QGEMV_UNROLL={unroll}"],
+        verbose=False,
+    )
+
+
+def _build_in_child(variant: str) -> str:
+    build(variant)
+    return variant
+
+
+def graph_us(calls) -> float:
+    """Per-call time of ``calls`` (a list of thunks) replayed as one CUDA graph."""
+    for c in calls[:3]:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="8x8,8x4,4x8,4x4,16x4", help="COL_THREADSxUNROLL,...")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    with ProcessPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
+        list(pool.map(_build_in_child, variants))  # compile in parallel, before CUDA starts here
+    modules = {v: build(v) for v in variants}
+
+    from asyncgen._ops import quant_reference as qref
+    from asyncgen._ops.triton_quant_gemv import quant_gemv as triton_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2; GB/s of weights read")
+    header = f"{'K x N':<12} {'M':>2} {'fp16 cuBLAS':>11} {'triton':>8} " + " ".join(f"{v:>8}" for v in variants)
+    print(header)
+    failures = 0
+    results: dict[str, float] = {v: 0.0 for v in variants}
+    for k, n in SHAPES:
+        groups = k // 128
+        qbytes = k * n // 2 + groups * n * 4
+        copies = max(2, -(-3 * L2_BYTES // qbytes))
+        weights = []
+        for _ in range(copies):
+            codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda")
+            weights.append((qref.pack_rows(codes, 4),
+                            (torch.rand(groups, n, generator=gen, device="cuda") * 0.002 + 0.0005).half(),
+                            torch.randint(0, 16, (groups, n), generator=gen, device="cuda").half()))
+        dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
+        dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+            q, s, z = weights[0]
+            want = x.float() @ qref.dequantize(q, s, z, 4, 128).float()
+            row = []
+            t = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+            row.append(f"{t:>11.1f}")
+            t = graph_us([lambda w=w: triton_gemv(x, *w, 4, 128, out=out) for w in weights])
+            row.append(f"{t:>8.1f}")
+            for v, mod in modules.items():
+                mod.run(out, x, q, s, z, 128)
+                err = ((out.float() - want).abs().max() / want.abs().max()).item()
+                if not err < 2e-3:
+                    failures += 1
+                    print(f"  FAIL {v} {k}x{n} M={m}: rel err {err:.2e}")
+                t = graph_us([lambda w=w, mod=mod: mod.run(out, x, *w, 128) for w in weights])
+                results[v] += t
+                row.append(f"{t:>8.1f}")
+            print(f"{k}x{n:<6} {m:>2} " + " ".join(row), flush=True)
+        del weights, dense
+        torch.cuda.empty_cache()
+    best = min(results, key=results.get)
+    print("total us over the shapes and row counts: " + ", ".join(f"{v} {t:.1f}" for v, t in results.items()))
+    print(f"fastest: {best} (COL_THREADS x UNROLL)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
