@@ -2,13 +2,14 @@
 
 Each variant is the same kernel source compiled with other values of its tuning macros
 (``AG_QGEMV_COL_THREADS``: column threads per block, 4 columns each; ``AG_QGEMV_UNROLL``:
-packed rows per load batch), built side by side with ``torch.utils.cpp_extension``.
+packed rows per load batch; ``AG_QGEMV_LOAD``: 0 plain loads, 1 the read-only path, 2
+streaming loads), built side by side with ``torch.utils.cpp_extension``.
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
 shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
 out of L2 (as in a model, where each layer's weight is read once per step). The Triton
 4-bit GEMV and an fp16 cuBLAS ``F.linear`` are timed the same way for reference.
 
-    PYTHONPATH=. python3 benchmarks/gemv_variants.py [--variants 8x8,4x8,16x4]
+    PYTHONPATH=. python3 benchmarks/gemv_variants.py [--variants 4x4x0,8x4x1,...]
 """
 
 from __future__ import annotations
@@ -56,16 +57,16 @@ void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at
 def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
-    cols, unroll = (int(v) for v in variant.split("x"))
+    cols, unroll, load = (int(v) for v in variant.split("x"))
     return load_inline(
-        name=f"ag_qgemv_{cols}x{unroll}",
+        name=f"ag_qgemv_{cols}x{unroll}x{load}",
         cpp_sources="void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, "
                     "at::Tensor zeros, int64_t group_size);",
         cuda_sources=SOURCE,
         functions=["run"],
         extra_include_paths=[str(CSRC)],
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", f"-DAG_QGEMV_COL_THREADS={cols}",
-                           f"-DAG_QGEMV_UNROLL={unroll}"],
+                           f"-DAG_QGEMV_UNROLL={unroll}", f"-DAG_QGEMV_LOAD={load}"],
         verbose=False,
     )
 
@@ -99,7 +100,8 @@ def graph_us(calls) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="8x8,8x4,4x8,4x4,16x4", help="COL_THREADSxUNROLL,...")
+    ap.add_argument("--variants", default="4x4x0,4x4x1,4x4x2,4x8x1,8x4x1,2x4x1,4x2x1",
+                    help="COL_THREADSxUNROLLxLOAD,...")
     args = ap.parse_args()
     variants = args.variants.split(",")
     with ProcessPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
@@ -151,7 +153,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     best = min(results, key=results.get)
     print("total us over the shapes and row counts: " + ", ".join(f"{v} {t:.1f}" for v, t in results.items()))
-    print(f"fastest: {best} (COL_THREADS x UNROLL)")
+    print(f"fastest: {best} (COL_THREADS x UNROLL x LOAD)")
     return 1 if failures else 0
 
 

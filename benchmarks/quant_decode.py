@@ -186,7 +186,11 @@ def main() -> int:
     quick = args.quick or args.device == "cpu"
     prompt_len, single_tokens, batch, batch_tokens = (32, 32, 8, 16) if quick else (32, 256, 64, 128)
     if args.measure:
+        import logging
+
         import anyio
+
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
 
         res = anyio.run(measure, args.measure, args.device, prompt_len, single_tokens, batch, batch_tokens)
         print("RESULT " + json.dumps(res), flush=True)
@@ -218,6 +222,9 @@ def main() -> int:
                 print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
                 print(f"{name}: the measuring process failed (exit {proc.returncode})", file=sys.stderr)
                 return 1
+            for line in proc.stderr.splitlines():  # the engine's choices at start
+                if "csrc GEMV" in line or "KV cache" in line or "CUDA graphs" in line:
+                    print(f"{name}: {line}", flush=True)
             results[name] = {**json.loads(lines[-1][len("RESULT "):]), "linear_bytes": linear_bytes}
             print(f"{name}: {results[name]}", flush=True)
             shutil.rmtree(work / name, ignore_errors=True)

@@ -138,10 +138,13 @@ bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
 // The block's shape and the depth of the load pipeline; the defaults were picked by timing
 // variants on an H200 (benchmarks/gemv_variants.py compiles them with these macros set).
 #ifndef AG_QGEMV_COL_THREADS
-#define AG_QGEMV_COL_THREADS 8
+#define AG_QGEMV_COL_THREADS 4
 #endif
 #ifndef AG_QGEMV_UNROLL
-#define AG_QGEMV_UNROLL 8
+#define AG_QGEMV_UNROLL 4
+#endif
+#ifndef AG_QGEMV_LOAD  // how the packed weights are read: 0 plain, 1 read-only path, 2 streaming
+#define AG_QGEMV_LOAD 0
 #endif
 constexpr int kQuantColThreads = AG_QGEMV_COL_THREADS;           // x 4 columns each
 constexpr int kQuantCols = 4 * kQuantColThreads;                 // columns per block
@@ -168,12 +171,22 @@ AG_DEVICE __half2 bits_to_half2(uint32_t bits) {
   return h;
 }
 
+AG_DEVICE uint4 load_weights16(const int32_t* ptr) {
+#if defined(__CUDA_ARCH__) && AG_QGEMV_LOAD == 1
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+#elif defined(__CUDA_ARCH__) && AG_QGEMV_LOAD == 2
+  return __ldcs(reinterpret_cast<const uint4*>(ptr));
+#else
+  return load16(ptr);
+#endif
+}
+
 // Loads packed rows base .. base + kQuantUnroll - 1 (those below row_end) of 4 columns.
 AG_DEVICE void load_rows(uint4 (&words)[kQuantUnroll], const QuantGemvParams& p, int base, int row_end, int col0) {
 #pragma unroll
   for (int u = 0; u < kQuantUnroll; ++u) {
     const int r = base + u;
-    words[u] = r < row_end ? load16(p.qweight + static_cast<int64_t>(r) * p.qweight_stride + col0)
+    words[u] = r < row_end ? load_weights16(p.qweight + static_cast<int64_t>(r) * p.qweight_stride + col0)
                            : make_uint4(0, 0, 0, 0);
   }
 }
@@ -200,7 +213,9 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const Qua
     for (int c = 0; c < 4; ++c) acc[m][c] = 0.f;
 
   const __half2 magic = bits_to_half2(0x64006400u);  // (1024, 1024)
+  const int rows_per_group = p.group_size / 8;
   int group = -1;
+  int group_end = row_begin;  // first packed row past the loaded group
   float s[4];     // per column: the group's scale
   __half2 z2[4];  // per column: (1024 + z, 1024 + z)
   // Two batches of rows in registers: the next one is loading while this one computes.
@@ -212,9 +227,10 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const Qua
     for (int u = 0; u < kQuantUnroll; ++u) {
       const int r = base + u;
       if (r >= row_end) break;
-      const int g = (8 * r) / p.group_size;
-      if (g != group) {
+      if (r >= group_end) {  // entering a new group (always at the first row)
+        const int g = group < 0 ? r / rows_per_group : group + 1;
         group = g;
+        group_end = (g + 1) * rows_per_group;
         const __half* sp = scales + static_cast<int64_t>(g) * p.scales_stride + col0;
         const __half* zp = zeros + static_cast<int64_t>(g) * p.zeros_stride + col0;
 #pragma unroll

@@ -114,13 +114,14 @@ def test_gemm_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("case", [GEMM_CASES[1], GEMM_CASES[2], GEMM_CASES[4], GEMM_CASES[6]])
-def test_gemm_unpacking_each_word_once_matches_reference(monkeypatch, case):
-    # The configuration that loads each packed word once per tile (taken where a tile
-    # lies in one group) against the reference.
+def test_gemm_loading_each_row_of_words_matches_reference(monkeypatch, case):
+    # The default unpacks each packed word once per tile where the tile lies in one
+    # group; the other configuration (a load per weight row, as with per-row groups)
+    # on the same cases.
     from asyncgen._ops import triton_quant_gemm as tqg
 
     default = tqg._config
-    monkeypatch.setattr(tqg, "_config", lambda *a: {**default(*a), "UNPACK_ONCE": True})
+    monkeypatch.setattr(tqg, "_config", lambda *a: {**default(*a), "UNPACK_ONCE": False})
     m, k, n, bits, group, kind, bias = case
     got, want, x, args = run_both(quant_gemm, m, k, n, bits, group, torch.float16, kind, bias, seed=3)
     assert_matches(got, want, torch.float16, x, args)

@@ -418,19 +418,20 @@ def quant_gemv_4bit(
     return out
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    """Median per-call device time of ``fn`` over a few batches of ``reps`` calls."""
-    fn()
-    times = []
-    for _ in range(5):
+def _time_ms(fn, items) -> float:
+    """Per-call device time of ``fn(item)`` over ``items``, best of a few passes."""
+    for item in items[:2]:
+        fn(item)
+    best = float("inf")
+    for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            fn()
+        for item in items:
+            fn(item)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[len(times) // 2]
+        best = min(best, start.elapsed_time(end) / len(items))
+    return best
 
 
 @torch.inference_mode()
@@ -438,24 +439,28 @@ def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, int]:
     """For each distinct weight shape among ``layers`` (modules with a ``weight`` [N, K]
     and a ``gemv_rows`` attribute), times :func:`dense_gemv` against ``F.linear`` at each
     row count in ``rows`` and sets ``gemv_rows`` to the largest count up to which the
-    csrc kernel won every time (0: never). Returns {(N, K, dtype): gemv_rows}. Run before
-    CUDA graphs are captured; the result only changes which kernel computes, not what.
+    csrc kernel won every time (0: never). Each timing runs through all the layers of
+    that shape in turn, so the weights come from memory as in a forward pass rather than
+    from L2. Run before CUDA graphs are captured; the result only changes which kernel
+    computes, not what.
     """
-    chosen: dict[tuple, int] = {}
+    by_shape: dict[tuple, list] = {}
     for layer in layers:
         w = layer.weight
-        key = (w.shape[0], w.shape[1], w.dtype)
-        if key not in chosen:
-            best = 0
-            for m in sorted(rows):
-                x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
-                if not dense_gemv_supported(x, w, layer.bias):
-                    break
-                ours = _time_ms(lambda: dense_gemv(x, w, layer.bias))
-                theirs = _time_ms(lambda: torch.nn.functional.linear(x, w, layer.bias))
-                if ours >= theirs:
-                    break
-                best = m
-            chosen[key] = best
-        layer.gemv_rows = chosen[key]
+        by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(layer)
+    chosen: dict[tuple, int] = {}
+    for key, group in by_shape.items():
+        best = 0
+        for m in sorted(rows):
+            x = torch.randn(m, key[1], dtype=key[2], device=group[0].weight.device)
+            if not all(dense_gemv_supported(x, g.weight, g.bias) for g in group):
+                break
+            ours = _time_ms(lambda g: dense_gemv(x, g.weight, g.bias), group)
+            theirs = _time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
+            if ours >= theirs:
+                break
+            best = m
+        chosen[key] = best
+        for layer in group:
+            layer.gemv_rows = best
     return chosen

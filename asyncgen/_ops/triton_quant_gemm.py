@@ -253,20 +253,22 @@ def split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> int:
 
 
 def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: torch.device) -> dict:
-    """Launch configuration by the number of rows (decode batch or prompt chunk)."""
-    if m <= 16:
-        block_m, block_n, block_k, warps = 16, 64, 128, 4
-    elif m <= 32:
-        block_m, block_n, block_k, warps = 32, 64, 128, 4
+    """Launch configuration by the number of rows (decode batch or prompt chunk).
+
+    From timing the alternatives on an H200 at the 7B layer shapes
+    (``tests/gpu/check_quant_ops.py --sweep``, docs/BENCHMARKS.md): unpacking each word
+    once per tile won at almost every shape (up to 2.6x at M = 256), and 8 warps with a
+    K split of at most 2-4 at M = 64.
+    """
+    wide = n > 4096 or k > 8192
+    if m <= 32:
+        block_m, block_n, block_k, warps, stages = (16 if m <= 16 else 32), (128 if wide else 64), 128, 4, 4
     elif m <= 64:
-        # Swept on an H200 at M = 64 over the 7B layer shapes (tests/gpu/check_quant_ops.py
-        # --sweep): 8 warps and a K split of up to 4 took 8-37 % off the 4-warp tiles.
-        block_n = 64 if n <= 4096 and k <= 4096 else 128
-        block_m, block_k, warps = 64, (128 if k > 8192 else 64), 8
+        block_m, block_n, block_k, warps, stages = 64, (128 if k > 8192 else 64), 128, 8, 3
     elif m <= 256:
-        block_m, block_n, block_k, warps = 64, 128, 64, 4
+        block_m, block_n, block_k, warps, stages = (128 if n > 8192 else 64), 128, 64, 8, 3
     else:
-        block_m, block_n, block_k, warps = 128, 128, 64, 8
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     # Prefer a tile that stays inside one group (one scale row per tile) when one fits.
     if g_idx is None and group_size < k:
         while block_k > 16 and group_size % block_k:
@@ -275,10 +277,10 @@ def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: t
     # Splitting K only pays while the weight read dominates (few rows).
     split = split_k(tiles, k, block_k, device) if m <= 64 else 1
     if 32 < m <= 64:
-        split = min(split, 4)
+        split = min(split, 4 if k > 8192 else 2)
     return dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=3,
-        UNPACK_ONCE=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8, num_warps=warps,
+        num_stages=stages, UNPACK_ONCE=True,
     )
 
 
