@@ -144,7 +144,7 @@ bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
 #define AG_QGEMV_UNROLL 4
 #endif
 #ifndef AG_QGEMV_LOAD  // how the packed weights are read: 0 plain, 1 read-only path, 2 streaming
-#define AG_QGEMV_LOAD 0
+#define AG_QGEMV_LOAD 2
 #endif
 constexpr int kQuantColThreads = AG_QGEMV_COL_THREADS;           // x 4 columns each
 constexpr int kQuantCols = 4 * kQuantColThreads;                 // columns per block

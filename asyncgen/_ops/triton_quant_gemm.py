@@ -308,6 +308,10 @@ def quant_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    if perm is not None and x.is_cuda:
+        # Gathering x's columns once (a small copy) measured far faster on an H200 than
+        # gathering them inside every tile (act-order GEMM at M = 64: ~8x).
+        x, perm = x.index_select(1, perm), None
     cfg = _config(m, n, k, bits, group_size, g_idx, x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     split = cfg["SPLIT_K"]
