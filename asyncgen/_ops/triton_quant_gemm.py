@@ -309,8 +309,8 @@ def quant_gemm(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     if perm is not None and x.is_cuda:
-        # Gathering x's columns once (a small copy) measured far faster on an H200 than
-        # gathering them inside every tile (act-order GEMM at M = 64: ~8x).
+        # Gathering x's columns once (a small copy) instead of inside every tile: on an
+        # H200, act-order 4096x11008 at M = 64 took 139 us against 415-465 us.
         x, perm = x.index_select(1, perm), None
     cfg = _config(m, n, k, bits, group_size, g_idx, x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])

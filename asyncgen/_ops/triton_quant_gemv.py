@@ -154,10 +154,6 @@ def quant_gemv(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    if perm is not None and x.is_cuda:
-        # Gathering x's columns once (a small copy) measured far faster on an H200 than
-        # gathering them inside every tile (act-order GEMM at M = 64: ~8x).
-        x, perm = x.index_select(1, perm), None
     cfg = _config(m, n, k, bits, group_size, g_idx, x.device)
     block_k = cfg["BLOCK_KW"] * (32 // bits)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
