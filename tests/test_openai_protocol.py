@@ -187,8 +187,7 @@ def test_labels_and_neutral_values_are_accepted():
         ({"logprobs": 6}, "logprobs"),
         ({"suffix": "end"}, "suffix"),
         ({"n": 3, "best_of": 2}, "best_of"),
-        ({"best_of": 4, "n": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"best_of": 4, "n": 2, "stream": True}, "best_of"),  # cannot be streamed
         ({"prompt": [[1, 2], [3, "a"]]}, "prompt[1][1]"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
     ],

@@ -517,6 +517,11 @@ class RequestStream(AsyncIterator[StreamChunk]):
     def request_id(self) -> str:
         return self.group.request_id
 
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids, as the model sees them (chat template applied)."""
+        return tuple(self.group.prompt_token_ids)
+
     def _notify(self) -> None:
         if self._event is not None:
             self._event.set()

@@ -27,6 +27,12 @@ Mapping notes:
   vLLM's OpenAI server does.
 * Several prompts in one completions request run concurrently; when streamed, their
   chunks are taken from each prompt in turn.
+* Completions ``echo`` with ``logprobs=k`` also asks for the prompt's logprobs: the
+  echoed tokens come first in ``logprobs`` (the first with ``None``, as nothing predicts
+  it). When streamed, the echo chunk waits for the prompt's first chunk, which carries
+  them.
+* Completions ``best_of > n`` samples ``best_of`` completions per prompt and returns the
+  ``n`` with the highest cumulative logprob (``engine.generate``); it cannot be streamed.
 """
 
 from __future__ import annotations
@@ -103,6 +109,11 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
         max_tokens=max_tokens,
         logprobs=logprobs,
     )
+    if not chat:
+        if request.best_of is not None and request.best_of > (request.n or 1):
+            kwargs["best_of"] = request.best_of
+        if request.echo and request.logprobs is not None:
+            kwargs["prompt_logprobs"] = request.logprobs  # echoed tokens carry their logprobs
     for name in _EXTENSION_FIELDS:
         value = getattr(request, name)
         if value is not None:
@@ -310,7 +321,7 @@ class OpenAIAdapter:
         created = int(time.time())
         if req.stream:
             return AsyncStream(self._chat_chunks(stream, req, rid, created))
-        outs, usage = await self._collect([stream], params.n, "messages")
+        outs, usage, _ = await self._collect([stream], params.n, "messages")
         choices = []
         for i, out in enumerate(outs):
             logprobs = ChoiceLogprobs(content=self._chat_logprobs(out.logprobs)) if req.logprobs else None
@@ -367,6 +378,8 @@ class OpenAIAdapter:
         if not prompts:
             raise BadRequestError("'prompt' must not be empty.", param="prompt", code="invalid_value")
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if params.num_sequences > params.n:  # best_of: whole results only (streaming refused)
+            return await self._best_of_completion(req, params, prompts, rid)
         streams = []
         try:
             for k, prompt in enumerate(prompts):
@@ -379,14 +392,57 @@ class OpenAIAdapter:
         created = int(time.time())
         if req.stream:
             return AsyncStream(self._completion_chunks(streams, req, params.n, echoes, rid, created))
-        outs, usage = await self._collect(streams, params.n, "prompt")
+        prompt_ids = [s.prompt_token_ids for s in streams]
+        outs, usage, prompt_lps = await self._collect(streams, params.n, "prompt")
         choices = []
         for index, out in enumerate(outs):
-            echo = echoes[index // params.n]
-            logprobs = self._completion_logprobs(out.logprobs, len(echo)) if req.logprobs is not None else None
+            k = index // params.n
+            echo = echoes[k]
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._completion_logprobs(out.logprobs, len(echo))
+                if req.echo:
+                    logprobs = _joined(self._prompt_logprobs(prompt_ids[k], prompt_lps[k]), logprobs)
             text = echo + "".join(out.texts)
             choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
         return Completion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+
+    async def _best_of_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
+        """``best_of > n``: each prompt through ``engine.generate``, which samples
+        ``best_of`` completions and keeps the ``n`` with the highest cumulative logprob."""
+        results: list[Any] = [None] * len(prompts)
+        errors: list[BaseException] = []
+
+        async def one(k: int, prompt) -> None:
+            request_id = rid if len(prompts) == 1 else f"{rid}-{k}"
+            try:
+                results[k] = await self.engine.generate(prompt, params, request_id=request_id)
+            except (AsyncGenError, ValidationError) as e:
+                errors.append(e)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for k, prompt in enumerate(prompts):
+                tg.start_soon(one, k, prompt)
+        if errors:
+            raise from_exception(errors[0], prompt_param="prompt") from errors[0]
+        created = int(time.time())
+        choices = []
+        for k, (prompt, res) in enumerate(zip(prompts, results)):
+            echo = self._echo(prompt) if req.echo else ""
+            for out in res.outputs:
+                logprobs = None
+                if req.logprobs is not None:
+                    lps = out.logprobs or ()
+                    if lps and out.finish_reason == "stop" and not isinstance(out.stop_reason, str):
+                        lps = lps[:-1]  # the stop token is not part of the text
+                    logprobs = self._completion_logprobs(lps, len(echo))
+                    if req.echo:
+                        logprobs = _joined(self._prompt_logprobs(res.prompt_token_ids, res.prompt_logprobs), logprobs)
+                choices.append(CompletionChoice(index=k * params.n + out.index, text=echo + out.text,
+                                                logprobs=logprobs, finish_reason=out.finish_reason))
+        return Completion(id=rid, created=created, model=req.model, choices=choices,
+                          usage=_usage([r.usage for r in results]))
 
     async def _completion_chunks(self, streams, req: CompletionRequest, n: int, echoes, rid: str, created: int):
         model = req.model
@@ -396,20 +452,45 @@ class OpenAIAdapter:
             return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usages: list[Usage] = []
+        # With echo and logprobs, a prompt's echo waits for its prompt logprobs, which come
+        # with its first chunk; chunks read before that one are held back until then.
+        echo_logprobs = bool(req.echo) and req.logprobs is not None
+        pending_echo = set(range(len(streams))) if echo_logprobs else set()
+        held: dict[int, list] = {k: [] for k in pending_echo}
         try:
-            if req.echo:
+            if req.echo and not echo_logprobs:
                 for index in range(n * len(streams)):
                     yield chunk([CompletionChoice(index=index, text=echoes[index // n])])
             # Chunks of several prompts are read from each in turn. The engine runs all of
             # them concurrently whoever is reading; this only orders the reading.
             active = list(enumerate(streams))
-            while active:
-                k, stream = active.pop(0)
-                try:
-                    c = await stream.__anext__()
-                except StopAsyncIteration:
-                    continue
-                active.append((k, stream))
+            ready: list[tuple[int, Any]] = []
+            while active or ready:
+                if ready:
+                    k, c = ready.pop(0)
+                else:
+                    k, stream = active.pop(0)
+                    try:
+                        c = await stream.__anext__()
+                    except StopAsyncIteration:
+                        if k in pending_echo:  # ended before its prompt logprobs (aborted)
+                            pending_echo.discard(k)
+                            for i in range(n):
+                                yield chunk([CompletionChoice(index=k * n + i, text=echoes[k])])
+                            ready.extend((k, h) for h in held.pop(k))
+                        continue
+                    active.append((k, stream))
+                    if k in pending_echo:
+                        if c.prompt_logprobs is None:
+                            held[k].append(c)
+                            continue
+                        pending_echo.discard(k)
+                        lps = self._prompt_logprobs(streams[k].prompt_token_ids, c.prompt_logprobs)
+                        for i in range(n):
+                            yield chunk([CompletionChoice(index=k * n + i, text=echoes[k], logprobs=lps)])
+                        ready.extend((k, h) for h in held.pop(k))
+                        ready.append((k, c))
+                        continue
                 index = k * n + c.index
                 lps = _visible_logprobs(c)
                 logprobs = None
@@ -444,6 +525,30 @@ class OpenAIAdapter:
             offset += len(token)
         return out
 
+    def _prompt_logprobs(self, token_ids, lps) -> CompletionLogprobs:
+        """The echoed prompt's tokens with their logprobs (None for the first token, which
+        nothing predicts); text offsets from 0."""
+        text = self._text_of()
+        out = CompletionLogprobs()
+        offset = 0
+        for i, token_id in enumerate(token_ids):
+            token = text(token_id)[0]
+            lp = lps[i] if lps is not None and i < len(lps) else None
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                top: dict[str, float] = {}
+                for t, v in lp.top:
+                    s = text(t)[0]
+                    top[s] = max(v, top.get(s, v))
+                out.token_logprobs.append(lp.logprob)
+                out.top_logprobs.append(top)
+            offset += len(token)
+        return out
+
     def _echo(self, prompt) -> str:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
@@ -454,16 +559,20 @@ class OpenAIAdapter:
         except (AsyncGenError, ValidationError) as e:
             raise from_exception(e, prompt_param=prompt_param) from e
 
-    async def _collect(self, streams, n: int, prompt_param: str) -> tuple[list["_Output"], CompletionUsage]:
-        """Runs every stream to the end; their outputs, ``n`` per stream, and the total usage."""
+    async def _collect(self, streams, n: int, prompt_param: str) -> tuple[list["_Output"], CompletionUsage, list]:
+        """Runs every stream to the end; their outputs, ``n`` per stream, the total usage,
+        and each stream's prompt logprobs (None where not asked for)."""
         outs = [_Output() for _ in range(n * len(streams))]
         usages: list[Usage] = []
+        prompt_lps: list = [None] * len(streams)
 
         errors: list[AsyncGenError] = []
 
         async def drain(k: int, stream) -> None:
             try:
                 async for c in stream:
+                    if c.prompt_logprobs is not None:
+                        prompt_lps[k] = c.prompt_logprobs
                     out = outs[k * n + c.index]
                     out.texts.append(c.text)
                     lps = _visible_logprobs(c)
@@ -486,7 +595,7 @@ class OpenAIAdapter:
                 await stream.aclose()
         if errors:
             raise from_exception(errors[0], prompt_param=prompt_param) from errors[0]
-        return outs, _usage(usages)
+        return outs, _usage(usages), prompt_lps
 
     def _text_of(self) -> _TokenText:
         if self._token_text is None:
@@ -501,6 +610,15 @@ class _Output:
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: Optional[str] = None
+
+
+def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + second.text_offset,
+    )
 
 
 def _usage(usages: list[Usage]) -> CompletionUsage:

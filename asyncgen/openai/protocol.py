@@ -303,10 +303,11 @@ class CompletionRequest(_SamplingExtensions):
     def check_supported(self) -> None:
         if self.suffix:
             _unsupported("suffix", "suffix (fill-in-the-middle)")
-        if self.best_of is not None and self.best_of > (self.n or 1):
-            _unsupported("best_of", "best_of greater than n")
-        if self.echo and self.logprobs is not None:
-            _unsupported("echo", "echo together with logprobs (prompt log-probabilities)")
+        if self.stream and self.best_of is not None and self.best_of > (self.n or 1):
+            raise BadRequestError(
+                "Invalid value for 'best_of': best_of greater than n cannot be streamed (the best completions "
+                "are known only at the end).", param="best_of",
+            )
 
     @property
     def include_usage(self) -> bool:
