@@ -1,0 +1,128 @@
+"""Which kernel computes a linear layer at decode size, checked on the CPU.
+
+The csrc GEMVs only run on a GPU (their arithmetic is tested on the CPU emulator in
+test_csrc_emulated.py and on an H200 by tests/gpu/check_csrc_ops.py). Here the csrc
+entry points are replaced by the torch reference, recording their calls, so that what
+the layers send them (rows, act-order permutation, column slices of fused layers, bias)
+and what they do with the result is checked against the dense path.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton fallbacks run interpreted (see test_quant_kernels.py)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from asyncgen._ops import cuda_backend  # noqa: E402
+from asyncgen._ops import quant_reference as qref  # noqa: E402
+from asyncgen.model.linear import LinearBase, RowLinear  # noqa: E402
+
+
+@pytest.fixture
+def fake_csrc(monkeypatch):
+    calls = []
+
+    def quant_supported(x, qweight, scales, zeros, bits, group_size, g_idx=None, bias=None, out=None):
+        return bits == 4 and g_idx is None and x.shape[0] <= cuda_backend.GEMV_MAX_ROWS
+
+    def quant_gemv(x, qweight, scales, zeros, bits, group_size, g_idx=None, perm=None, bias=None, *, out=None):
+        assert perm is None  # the layer gathers act-order columns itself
+        calls.append(("quant", x.shape[0]))
+        y = qref.quant_matmul(x, qweight, scales, zeros, bits, group_size, g_idx, None, bias)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def dense_supported(x, weight, bias=None):
+        return x.dim() == 2 and 1 <= x.shape[0] <= cuda_backend.GEMV_MAX_ROWS
+
+    def dense_gemv(x, weight, bias=None, out=None):
+        calls.append(("dense", x.shape[0]))
+        return torch.nn.functional.linear(x, weight, bias)
+
+    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_supported", quant_supported)
+    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit", quant_gemv)
+    monkeypatch.setattr(cuda_backend, "dense_gemv_supported", dense_supported)
+    monkeypatch.setattr(cuda_backend, "dense_gemv", dense_gemv)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "variant, csrc_takes",
+    [
+        ("gptq-4b-g32-act-per-part", True),   # act order, a different g_idx per fused part
+        ("awq-g64", True),
+        ("gptq-4b-g64-act-unequal", False),   # unequal groups: per-row g_idx, Triton
+        ("gptq-8b-g64-act-asym", False),      # 8 bits: Triton
+    ],
+)
+def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc, variant, csrc_takes):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton fallback runs on the CPU only under TRITON_INTERPRET=1")
+    from test_quant_formats import VARIANTS, load_model, write_checkpoint
+
+    from asyncgen.model.quantization import CUDA_GEMV_MAX_ROWS
+
+    write_checkpoint(tmp_path / variant, VARIANTS[variant])
+    dense = load_model(tmp_path / variant, "dense")
+    routed = load_model(tmp_path / variant, "cuda")
+    layers = [m for m in routed.layers[0].modules() if isinstance(m, LinearBase)]
+    ref = [m for m in dense.layers[0].modules() if isinstance(m, LinearBase)]
+    gen = torch.Generator().manual_seed(0)
+    for lt, ld in zip(layers, ref):
+        for rows in (1, CUDA_GEMV_MAX_ROWS, CUDA_GEMV_MAX_ROWS + 2):
+            fake_csrc.clear()
+            x = torch.randn(rows, ld.in_features, generator=gen)
+            torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
+            expected = csrc_takes and rows <= CUDA_GEMV_MAX_ROWS
+            assert bool(fake_csrc) == expected, (lt.prefix, rows, fake_csrc)
+            assert all(call == ("quant", rows) for call in fake_csrc)
+
+
+def test_dense_layers_use_the_gemv_up_to_their_chosen_rows(fake_csrc):
+    layer = RowLinear("o_proj", 64, 48, True, torch.float32, "cpu")
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(2, 3, 64)  # 6 rows in a leading shape
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(layer(x), want) and fake_csrc == []  # gemv_rows 0: never
+    layer.gemv_rows = 8
+    got = layer(x)
+    assert got.shape == (2, 3, 48) and torch.allclose(got, want) and fake_csrc == [("dense", 6)]
+    layer.gemv_rows = 4
+    fake_csrc.clear()
+    assert torch.allclose(layer(x), want) and fake_csrc == []
+    assert torch.allclose(layer(x[0, :1]), want[0, :1]) and fake_csrc == [("dense", 1)]
+
+
+def test_choose_dense_gemv_keeps_the_rows_where_it_won(fake_csrc, monkeypatch):
+    # Fake timings (ours, cuBLAS) by (N, rows): the GEMV wins for the 16x64 weights at 1
+    # and 2 rows, then loses; it never wins for the 32x64 one.
+    timings = {(16, 1): (1.0, 2.0), (16, 2): (1.0, 2.0), (16, 4): (3.0, 2.0), (32, 1): (2.0, 1.0)}
+    measured, state = [], {}
+
+    def fake_time(fn, items):
+        before = len(fake_csrc)
+        fn(items[0])
+        ours = len(fake_csrc) > before  # the GEMV is timed first, then F.linear
+        if ours:
+            state["rows"] = fake_csrc[-1][1]
+        n = items[0].weight.shape[0]
+        measured.append((n, state["rows"], len(items), ours))
+        return timings[(n, state["rows"])][0 if ours else 1]
+
+    monkeypatch.setattr(cuda_backend, "_time_ms", fake_time)
+    layers = [RowLinear(f"l{i}", 64, n, False, torch.float32, "cpu") for i, n in enumerate((16, 16, 32, 16))]
+    chosen = cuda_backend.choose_dense_gemv(layers, rows=(1, 2, 4, 8))
+    assert chosen == {(16, 64, torch.float32): 2, (32, 64, torch.float32): 0}
+    assert [layer.gemv_rows for layer in layers] == [2, 2, 0, 2]
+    # Each timing ran over every layer of its shape, both kernels, up to the first loss.
+    assert measured == [
+        (16, 1, 3, True), (16, 1, 3, False), (16, 2, 3, True), (16, 2, 3, False), (16, 4, 3, True), (16, 4, 3, False),
+        (32, 1, 1, True), (32, 1, 1, False),
+    ]
