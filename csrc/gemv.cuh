@@ -135,23 +135,17 @@ bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------
 // 4-bit
 
-// The block's shape and the depth of the load pipeline; the defaults were picked by timing
-// variants on an H200 (benchmarks/gemv_variants.py compiles them with these macros set).
-#ifndef AG_QGEMV_COL_THREADS
-#define AG_QGEMV_COL_THREADS 4
-#endif
-#ifndef AG_QGEMV_UNROLL
-#define AG_QGEMV_UNROLL 4
-#endif
+// The block's shape: COL_THREADS column threads (4 columns each) by 256 / COL_THREADS K
+// lanes; UNROLL packed rows per load batch. Timed on an H200 (benchmarks/gemv_variants.py,
+// which compiles variants with AG_QGEMV_COL_THREADS / AG_QGEMV_UNROLL set to force one):
+// 8 column threads were faster for wide layers (N >= 8192, q|k|v and gate|up of a 7B
+// model: 256+ blocks), 4 for narrow ones (o, down: more K lanes and blocks), 4 rows a
+// batch in both.
 #ifndef AG_QGEMV_LOAD  // how the packed weights are read: 0 plain, 1 read-only path, 2 streaming
 #define AG_QGEMV_LOAD 2
 #endif
-constexpr int kQuantColThreads = AG_QGEMV_COL_THREADS;           // x 4 columns each
-constexpr int kQuantCols = 4 * kQuantColThreads;                 // columns per block
-constexpr int kQuantKLanes = kGemvThreads / kQuantColThreads;    // K lanes per block
 constexpr int kQuantWarps = kGemvThreads / kWarpSize;
-constexpr int kQuantUnroll = AG_QGEMV_UNROLL;                    // packed rows per load batch
-static_assert(kQuantColThreads >= 1 && kQuantColThreads <= kWarpSize && kWarpSize % kQuantColThreads == 0);
+constexpr int kQuantWideN = 8192;  // from this many columns on, the wide block shape
 
 // fma on half2: the hardware instruction on the GPU; elsewhere (the CPU emulation) the
 // same product and sum in fp32, rounded once.
@@ -181,18 +175,24 @@ AG_DEVICE uint4 load_weights16(const int32_t* ptr) {
 #endif
 }
 
-// Loads packed rows base .. base + kQuantUnroll - 1 (those below row_end) of 4 columns.
-AG_DEVICE void load_rows(uint4 (&words)[kQuantUnroll], const QuantGemvParams& p, int base, int row_end, int col0) {
+// Loads packed rows base .. base + UNROLL - 1 (those below row_end) of 4 columns.
+template <int UNROLL>
+AG_DEVICE void load_rows(uint4 (&words)[UNROLL], const QuantGemvParams& p, int base, int row_end, int col0) {
 #pragma unroll
-  for (int u = 0; u < kQuantUnroll; ++u) {
+  for (int u = 0; u < UNROLL; ++u) {
     const int r = base + u;
     words[u] = r < row_end ? load_weights16(p.qweight + static_cast<int64_t>(r) * p.qweight_stride + col0)
                            : make_uint4(0, 0, 0, 0);
   }
 }
 
-template <int ROWS>
+template <int ROWS, int COL_THREADS, int UNROLL>
 __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const QuantGemvParams p) {
+  static_assert(COL_THREADS >= 1 && COL_THREADS <= kWarpSize && kWarpSize % COL_THREADS == 0);
+  constexpr int kQuantColThreads = COL_THREADS;
+  constexpr int kQuantCols = 4 * COL_THREADS;                 // columns per block
+  constexpr int kQuantKLanes = kGemvThreads / COL_THREADS;    // K lanes per block
+  constexpr int kQuantUnroll = UNROLL;
   __shared__ float partial[kQuantWarps][ROWS][kQuantCols];
   const int col_thread = threadIdx.x % kQuantColThreads;
   const int k_lane = threadIdx.x / kQuantColThreads;
@@ -302,21 +302,31 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_4bit_kernel(const Qua
   }
 }
 
-inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream) {
+template <int COL_THREADS, int UNROLL>
+bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream) {
   void (*kernel)(const QuantGemvParams) = nullptr;
   if (p.m <= 1) {
-    kernel = quant_gemv_4bit_kernel<1>;
+    kernel = quant_gemv_4bit_kernel<1, COL_THREADS, UNROLL>;
   } else if (p.m <= 2) {
-    kernel = quant_gemv_4bit_kernel<2>;
+    kernel = quant_gemv_4bit_kernel<2, COL_THREADS, UNROLL>;
   } else if (p.m <= 4) {
-    kernel = quant_gemv_4bit_kernel<4>;
+    kernel = quant_gemv_4bit_kernel<4, COL_THREADS, UNROLL>;
   } else if (p.m <= kGemvMaxRows) {
-    kernel = quant_gemv_4bit_kernel<8>;
+    kernel = quant_gemv_4bit_kernel<8, COL_THREADS, UNROLL>;
   } else {
     return false;
   }
-  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kQuantCols)), dim3(kGemvThreads), 0, stream, p);
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, 4 * COL_THREADS)), dim3(kGemvThreads), 0, stream, p);
   return true;
+}
+
+inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream) {
+#if defined(AG_QGEMV_COL_THREADS) && defined(AG_QGEMV_UNROLL)
+  return launch_quant_gemv_4bit_shaped<AG_QGEMV_COL_THREADS, AG_QGEMV_UNROLL>(p, stream);
+#else
+  return p.n >= kQuantWideN ? launch_quant_gemv_4bit_shaped<8, 4>(p, stream)
+                            : launch_quant_gemv_4bit_shaped<4, 4>(p, stream);
+#endif
 }
 
 }  // namespace asyncgen

@@ -151,6 +151,7 @@ def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype):
         (3, 32, 800, 32),    # 100 packed rows: the last K lanes get fewer rows, or none
         (8, 40, 1024, 128),  # the most rows the kernel takes
         (2, 36, 256, 256),   # one group (per-channel scales)
+        (1, 8196, 128, 64),  # a wide layer: the other block shape, a partial last block
     ],
 )
 def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size):
