@@ -25,29 +25,32 @@ from asyncgen.model.linear import LinearBase, RowLinear  # noqa: E402
 def fake_csrc(monkeypatch):
     calls = []
 
-    def quant_supported(x, qweight, scales, zeros, bits, group_size, g_idx=None, bias=None, out=None):
-        return bits == 4 and g_idx is None and x.shape[0] <= cuda_backend.GEMV_MAX_ROWS
+    def quant_weight_ok(qweight, scales, zeros, bits, group_size, g_idx=None, bias=None):
+        return bits == 4 and g_idx is None
 
-    def quant_gemv(x, qweight, scales, zeros, bits, group_size, g_idx=None, perm=None, bias=None, *, out=None):
-        assert perm is None  # the layer gathers act-order columns itself
+    def input_ok(x, dtype, k):
+        return x.dim() == 2 and 1 <= x.shape[0] <= cuda_backend.GEMV_MAX_ROWS and x.shape[1] == k
+
+    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None):
         calls.append(("quant", x.shape[0]))
-        y = qref.quant_matmul(x, qweight, scales, zeros, bits, group_size, g_idx, None, bias)
+        y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
         if out is None:
             return y
         out.copy_(y)
         return out
 
     def dense_supported(x, weight, bias=None):
-        return x.dim() == 2 and 1 <= x.shape[0] <= cuda_backend.GEMV_MAX_ROWS
+        return input_ok(x, weight.dtype, weight.shape[1])
 
-    def dense_gemv(x, weight, bias=None, out=None):
+    def launch_dense(x, weight, bias=None, out=None):
         calls.append(("dense", x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
-    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_supported", quant_supported)
-    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit", quant_gemv)
+    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_weight_ok", quant_weight_ok)
+    monkeypatch.setattr(cuda_backend, "gemv_input_ok", input_ok)
+    monkeypatch.setattr(cuda_backend, "launch_quant_gemv_4bit", launch_quant)
     monkeypatch.setattr(cuda_backend, "dense_gemv_supported", dense_supported)
-    monkeypatch.setattr(cuda_backend, "dense_gemv", dense_gemv)
+    monkeypatch.setattr(cuda_backend, "launch_dense_gemv", launch_dense)
     return calls
 
 

@@ -14,7 +14,9 @@ the argument on bad input):
   block is contiguous; Triton otherwise.
 - ``dense_gemv`` / ``quant_gemv_4bit``: csrc matrix-vector products for up to
   :data:`GEMV_MAX_ROWS` rows (decode at small batch); the ``*_supported`` functions say
-  whether a call's tensors fit the kernels (the linear layers fall back otherwise), and
+  whether a call's tensors fit the kernels (the linear layers fall back otherwise). The
+  layers check their weight once (``*_weight_ok``), each input with
+  :func:`gemv_input_ok`, and call the ``launch_*`` forms, which skip the Python checks.
   :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
 - ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
   bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
@@ -35,8 +37,9 @@ import torch
 from . import Ops
 
 __all__ = [
-    "GEMV_MAX_ROWS", "choose_dense_gemv", "dense_gemv", "dense_gemv_supported", "is_available", "ops",
-    "quant_gemv_4bit", "quant_gemv_4bit_supported",
+    "GEMV_MAX_ROWS", "choose_dense_gemv", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
+    "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
+    "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -312,22 +315,39 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
+def gemv_input_ok(x: torch.Tensor, dtype: torch.dtype, k: int) -> bool:
+    """Whether ``x`` is an input the csrc GEMVs take: [1..GEMV_MAX_ROWS, k] of ``dtype``
+    on CUDA with 16-byte aligned rows. The per-call half of the ``*_supported`` checks;
+    the layers check their weights once."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and x.shape[1] == k
+        and x.dtype == dtype
+        and _aligned_rows(x)
+    )
+
+
+def dense_gemv_weight_ok(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`dense_gemv` takes this weight (and bias), for any input it takes."""
+    return (
+        _extension() is not None
+        and weight.is_cuda
+        and weight.dtype in _DECODE_DTYPES
+        and weight.dim() == 2
+        and weight.shape[1] % 8 == 0
+        and _aligned_rows(weight)
+        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+    )
+
+
 def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`dense_gemv` takes these (else use ``F.linear``)."""
     return (
-        _extension() is not None
-        and x.is_cuda
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
-        and x.dtype in _DECODE_DTYPES
-        and weight.dtype == x.dtype
-        and weight.device == x.device
-        and weight.dim() == 2
-        and weight.shape[1] == x.shape[1]
-        and weight.shape[1] % 8 == 0
-        and _aligned_rows(x)
-        and _aligned_rows(weight)
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        dense_gemv_weight_ok(weight, bias)
+        and gemv_input_ok(x, weight.dtype, weight.shape[1])
+        and x.device == weight.device
     )
 
 
@@ -343,10 +363,49 @@ def dense_gemv(
             f"x's dtype, both 16-byte aligned rows on one CUDA device; got x {tuple(x.shape)} {x.dtype}, "
             f"weight {tuple(weight.shape)} {weight.dtype}"
         )
+    return launch_dense_gemv(x, weight, bias, out)
+
+
+def launch_dense_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`dense_gemv` without the Python checks, for callers that checked the weight
+    once (:func:`dense_gemv_weight_ok`) and each input (:func:`gemv_input_ok`). The op
+    still validates its arguments in C++."""
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias)
     return out
+
+
+def quant_gemv_4bit_weight_ok(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`quant_gemv_4bit` takes this packed weight: 4 bits, fp16 scales and
+    zeros, groups of consecutive rows (no ``g_idx``), N % 4 == 0, aligned rows."""
+    k = qweight.shape[0] * 8 if qweight.dim() == 2 else -1
+    size = group_size if group_size > 0 else k
+    return (
+        _extension() is not None
+        and bits == 4
+        and g_idx is None
+        and qweight.is_cuda
+        and qweight.dtype == torch.int32
+        and scales.dtype == torch.float16
+        and zeros.dtype == torch.float16
+        and size % 8 == 0
+        and qweight.shape[1] % 4 == 0
+        and _aligned_rows(qweight)
+        and scales.stride(1) == 1
+        and zeros.stride(1) == 1
+        and (bias is None or (bias.dtype == torch.float16 and bias.is_contiguous()))
+    )
 
 
 def quant_gemv_4bit_supported(
@@ -360,29 +419,11 @@ def quant_gemv_4bit_supported(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> bool:
-    """Whether :func:`quant_gemv_4bit` takes these: 4 bits, fp16, groups of consecutive
-    rows (no ``g_idx``), aligned rows; else the Triton kernels run."""
-    k = qweight.shape[0] * 8 if qweight.dim() == 2 else -1
-    size = group_size if group_size > 0 else k
+    """Whether :func:`quant_gemv_4bit` takes these: :func:`quant_gemv_4bit_weight_ok`,
+    and fp16 ``x`` (and ``out``) fitting :func:`gemv_input_ok`; else the Triton kernels run."""
     return (
-        _extension() is not None
-        and bits == 4
-        and g_idx is None
-        and x.is_cuda
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
-        and x.dtype == torch.float16
-        and scales.dtype == torch.float16
-        and zeros.dtype == torch.float16
-        and qweight.dtype == torch.int32
-        and x.shape[1] == k
-        and size % 8 == 0
-        and qweight.shape[1] % 4 == 0
-        and _aligned_rows(x)
-        and _aligned_rows(qweight)
-        and scales.stride(1) == 1
-        and zeros.stride(1) == 1
-        and (bias is None or (bias.dtype == torch.float16 and bias.is_contiguous()))
+        quant_gemv_4bit_weight_ok(qweight, scales, zeros, bits, group_size, g_idx, bias)
+        and gemv_input_ok(x, torch.float16, qweight.shape[0] * 8)
         and (out is None or (out.dtype == torch.float16 and out.stride(1) == 1))
     )
 
@@ -403,14 +444,31 @@ def quant_gemv_4bit(
     """``x[:, perm] @ W + bias`` for 1 to :data:`GEMV_MAX_ROWS` rows of fp16 ``x``, with
     the arguments of :func:`asyncgen._ops.triton_quant_gemm.quant_gemm`. Raises
     ``ValueError`` where :func:`quant_gemv_4bit_supported` is false."""
-    if perm is not None:
-        x = x.index_select(1, perm)
     if not quant_gemv_4bit_supported(x, qweight, scales, zeros, bits, group_size, g_idx, bias, out):
         raise ValueError(
             f"quant_gemv_4bit takes 4-bit codes without g_idx, fp16 x/scales/zeros, 1-{GEMV_MAX_ROWS} rows, "
             f"N % 4 == 0 and 16-byte aligned rows; got bits={bits}, g_idx={'set' if g_idx is not None else None}, "
             f"x {tuple(x.shape)} {x.dtype}, qweight {tuple(qweight.shape)}, scales {scales.dtype}"
         )
+    return launch_quant_gemv_4bit(x, qweight, scales, zeros, group_size, perm, bias, out=out)
+
+
+def launch_quant_gemv_4bit(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_gemv_4bit` without the Python checks, for callers that checked the
+    weight once (:func:`quant_gemv_4bit_weight_ok`) and each input (:func:`gemv_input_ok`).
+    Gathers ``x[:, perm]`` first when given. The op still validates its arguments in C++."""
+    if perm is not None:
+        x = x.index_select(1, perm)
     k = qweight.shape[0] * 8
     if out is None:
         out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)

@@ -64,13 +64,14 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.data[out_start : out_start + out_size].copy_(piece[:, in_start : in_start + in_size])
 
     def apply(self, layer, x):
-        rows = layer.gemv_rows
+        rows = layer.gemv_rows  # > 0 only where choose_dense_gemv checked the weight
         if rows and x.dim() >= 1 and x.numel() <= rows * x.shape[-1]:
             from .._ops import cuda_backend
 
             x2 = x.reshape(-1, x.shape[-1])
-            if x2.shape[0] >= 1 and cuda_backend.dense_gemv_supported(x2, layer.weight, layer.bias):
-                return cuda_backend.dense_gemv(x2, layer.weight, layer.bias).view(*x.shape[:-1], layer.out_features)
+            if cuda_backend.gemv_input_ok(x2, layer.weight.dtype, layer.in_features):
+                y = cuda_backend.launch_dense_gemv(x2, layer.weight, layer.bias)
+                return y.view(*x.shape[:-1], layer.out_features)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
 

@@ -212,6 +212,7 @@ class _Segment:
     end: int
     perm: Optional[torch.Tensor]  # [K] int64: weight row k multiplies input column perm[k]
     g_idx: Optional[torch.Tensor]  # [K] int32 group of each (permuted) row; None: k // group_size
+    csrc_gemv: bool = False  # the csrc 4-bit GEMV takes these columns (kernel "cuda")
 
 
 @dataclasses.dataclass
@@ -369,6 +370,21 @@ class QuantLinearMethod(LinearMethod):
         layer.register_buffer("scales", torch.cat([p.scales for p in parts], dim=1).contiguous(), persistent=False)
         zeros = torch.cat([p.zeros for p in parts], dim=1).to(scales_dtype).contiguous()
         layer.register_buffer("zeros", zeros, persistent=False)  # [G, N]
+        if layer.quant_kernel == "cuda":
+            from .._ops import cuda_backend
+
+            for seg in layer.quant_segments:
+                weight, bias = self._columns(layer, seg)
+                seg.csrc_gemv = cuda_backend.quant_gemv_4bit_weight_ok(*weight, bits, size, seg.g_idx, bias)
+
+    @staticmethod
+    def _columns(layer: LinearBase, seg: _Segment) -> tuple[tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
+        """((qweight, scales, zeros), bias) of the segment's output columns."""
+        if len(layer.quant_segments) == 1:
+            return (layer.qweight, layer.scales, layer.zeros), layer.bias
+        cols = slice(seg.start, seg.end)
+        bias = layer.bias[cols] if layer.bias is not None else None
+        return (layer.qweight[:, cols], layer.scales[:, cols], layer.zeros[:, cols]), bias
 
     # --- forward -------------------------------------------------------------------------------
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -383,11 +399,8 @@ class QuantLinearMethod(LinearMethod):
             return out.view(*lead, n)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         for seg in layer.quant_segments:
-            cols = slice(seg.start, seg.end)
-            bias = layer.bias[cols] if layer.bias is not None else None
-            self._matmul(
-                layer, x2, layer.qweight[:, cols], layer.scales[:, cols], layer.zeros[:, cols], seg, bias, out[:, cols]
-            )
+            (qweight, scales, zeros), bias = self._columns(layer, seg)
+            self._matmul(layer, x2, qweight, scales, zeros, seg, bias, out[:, seg.start : seg.end])
         return out.view(*lead, n)
 
     def _matmul(self, layer, x, qweight, scales, zeros, seg: _Segment, bias, out):
@@ -398,12 +411,11 @@ class QuantLinearMethod(LinearMethod):
                 return y
             out.copy_(y)
             return out
-        if layer.quant_kernel == "cuda" and x.shape[0] <= CUDA_GEMV_MAX_ROWS:
+        if seg.csrc_gemv and x.shape[0] <= CUDA_GEMV_MAX_ROWS:
             from .._ops import cuda_backend
 
-            xp = x if seg.perm is None else x.index_select(1, seg.perm)
-            if cuda_backend.quant_gemv_4bit_supported(xp, qweight, scales, zeros, bits, size, seg.g_idx, bias, out):
-                return cuda_backend.quant_gemv_4bit(xp, qweight, scales, zeros, bits, size, seg.g_idx, None, bias, out=out)
+            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8):
+                return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, size, seg.perm, bias, out=out)
         if x.shape[0] <= GEMV_MAX_ROWS:
             from .._ops.triton_quant_gemv import quant_gemv as kernel
         else:

@@ -45,7 +45,7 @@ import anyio
 from pydantic import ValidationError
 
 from ..errors import AsyncGenError
-from ..outputs import StreamChunk, TokenLogprob, Usage
+from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..sampling_params import SamplingParams
 from .errors import APIStatusError, BadRequestError, NotFoundError, from_exception, from_validation_error
 from .protocol import (
@@ -217,8 +217,9 @@ class _TokenText:
         return self._tok.decode([token_id]).encode()
 
 
-def _visible_logprobs(chunk: StreamChunk) -> Optional[tuple[TokenLogprob, ...]]:
-    """The chunk's logprobs without a final stop token (which is not part of the text)."""
+def _visible_logprobs(chunk: StreamChunk | CompletionOutput) -> Optional[tuple[TokenLogprob, ...]]:
+    """The chunk's (or completion's) logprobs without a final stop token (which is not
+    part of the text)."""
     lps = chunk.logprobs
     if lps is None:
         return None
@@ -433,10 +434,7 @@ class OpenAIAdapter:
             for out in res.outputs:
                 logprobs = None
                 if req.logprobs is not None:
-                    lps = out.logprobs or ()
-                    if lps and out.finish_reason == "stop" and not isinstance(out.stop_reason, str):
-                        lps = lps[:-1]  # the stop token is not part of the text
-                    logprobs = self._completion_logprobs(lps, len(echo))
+                    logprobs = self._completion_logprobs(_visible_logprobs(out) or (), len(echo))
                     if req.echo:
                         logprobs = _joined(self._prompt_logprobs(res.prompt_token_ids, res.prompt_logprobs), logprobs)
                 choices.append(CompletionChoice(index=k * params.n + out.index, text=echo + out.text,
@@ -514,13 +512,9 @@ class OpenAIAdapter:
         out = CompletionLogprobs()
         for lp in lps:
             token = text(lp.token_id)[0]
-            top: dict[str, float] = {}
-            for t, v in lp.top:
-                s = text(t)[0]
-                top[s] = max(v, top.get(s, v))
             out.tokens.append(token)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(top)
+            out.top_logprobs.append(_top_by_text(text, lp))
             out.text_offset.append(offset)
             offset += len(token)
         return out
@@ -536,16 +530,8 @@ class OpenAIAdapter:
             lp = lps[i] if lps is not None and i < len(lps) else None
             out.tokens.append(token)
             out.text_offset.append(offset)
-            if lp is None:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-            else:
-                top: dict[str, float] = {}
-                for t, v in lp.top:
-                    s = text(t)[0]
-                    top[s] = max(v, top.get(s, v))
-                out.token_logprobs.append(lp.logprob)
-                out.top_logprobs.append(top)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(None if lp is None else _top_by_text(text, lp))
             offset += len(token)
         return out
 
@@ -610,6 +596,16 @@ class _Output:
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: Optional[str] = None
+
+
+def _top_by_text(text: "_TokenText", lp: TokenLogprob) -> dict[str, float]:
+    """Completions' ``top_logprobs`` entry: token text -> logprob (the higher one where
+    two ids decode to the same text)."""
+    top: dict[str, float] = {}
+    for t, v in lp.top:
+        s = text(t)[0]
+        top[s] = max(v, top.get(s, v))
+    return top
 
 
 def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
