@@ -1,9 +1,11 @@
 """Times variants of the csrc 4-bit GEMV (csrc/gemv.cuh) on a GPU, to pick its defaults.
 
-Each variant is the same kernel source compiled with other values of its tuning macros
+Each variant is the same kernel source compiled with other values of its tuning macros,
+built side by side with ``torch.utils.cpp_extension``. ``CxUxL`` is the CUDA-core kernel
 (``AG_QGEMV_COL_THREADS``: column threads per block, 4 columns each; ``AG_QGEMV_UNROLL``:
 packed rows per load batch; ``AG_QGEMV_LOAD``: 0 plain loads, 1 the read-only path, 2
-streaming loads), built side by side with ``torch.utils.cpp_extension``.
+streaming loads); ``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
+block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane).
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
 shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
 out of L2 (as in a model, where each layer's weight is read once per step). The Triton
@@ -24,7 +26,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # (K, N): qkv, o, gate|up, down
-ROWS = (1, 4)
+ROWS = (1, 4, 8)
 L2_BYTES = 50 * 2**20
 
 # The variant is csrc/gemv.cu itself (the op's glue and checks) built with the macros
@@ -41,15 +43,20 @@ void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at
 def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
-    cols, unroll, load = (int(v) for v in variant.split("x"))
+    if variant.startswith("mma"):
+        warps, depth = (int(v) for v in variant[3:].split("x"))
+        macros = [f"-DAG_QGEMV_MMA_WARPS={warps}", f"-DAG_QGEMV_MMA_DEPTH={depth}"]
+    else:
+        cols, unroll, load = (int(v) for v in variant.split("x"))
+        macros = ["-DAG_QGEMV_MMA=0", f"-DAG_QGEMV_COL_THREADS={cols}", f"-DAG_QGEMV_UNROLL={unroll}",
+                  f"-DAG_QGEMV_LOAD={load}"]
     return load_inline(
-        name=f"ag_qgemv_{cols}x{unroll}x{load}",
+        name=f"ag_qgemv_{variant}",
         cpp_sources=BINDING,
         cuda_sources=(CSRC / "gemv.cu").read_text(),
         functions=["run"],
         extra_include_paths=[str(CSRC)],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", f"-DAG_QGEMV_COL_THREADS={cols}",
-                           f"-DAG_QGEMV_UNROLL={unroll}", f"-DAG_QGEMV_LOAD={load}"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90", *macros],
         verbose=False,
     )
 
@@ -83,8 +90,8 @@ def graph_us(calls) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="4x4x0,4x4x1,4x4x2,4x8x1,8x4x1,2x4x1,4x2x1",
-                    help="COL_THREADSxUNROLLxLOAD,...")
+    ap.add_argument("--variants", default="4x4x2,8x4x2,mma8x4,mma8x8,mma16x4,mma16x8",
+                    help="COL_THREADSxUNROLLxLOAD or mmaWARPSxDEPTH, comma-separated")
     args = ap.parse_args()
     variants = args.variants.split(",")
     with ProcessPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
@@ -136,7 +143,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     best = min(results, key=results.get)
     print("total us over the shapes and row counts: " + ", ".join(f"{v} {t:.1f}" for v, t in results.items()))
-    print(f"fastest: {best} (COL_THREADS x UNROLL x LOAD)")
+    print(f"fastest: {best}")
     return 1 if failures else 0
 
 

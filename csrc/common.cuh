@@ -97,6 +97,58 @@ AG_DEVICE float warp_sum(float v) {
   return v;
 }
 
+// ---------------------------------------------------------------------------------------
+// One m16n8k16 tensor-core product, D = A * B + D: fp16 A (16 x 16, row-major) and B
+// (16 x 8, column-major), fp32 D (16 x 8), each spread over the warp as PTX lays out
+// mma.sync fragments. With lane = 4 * g + c:
+//   a[0] = A[g][2c, 2c+1]      a[1] = A[g+8][2c, 2c+1]
+//   a[2] = A[g][2c+8, 2c+9]    a[3] = A[g+8][2c+8, 2c+9]    (two fp16 per register, low first)
+//   b[0] = B[2c, 2c+1][g]      b[1] = B[2c+8, 2c+9][g]
+//   d    = D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]
+// Off the GPU (the CPU emulation of the kernels) the same product is gathered from the
+// other lanes with shuffles and summed in fp32. Call from all 32 lanes of a warp.
+AG_DEVICE float half_bits_to_float(uint32_t bits) {
+  __half_raw raw;
+  raw.x = static_cast<unsigned short>(bits);
+  return __half2float(__half(raw));
+}
+
+AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // the launchers route to tensor-core kernels only on sm_80 and newer
+#else
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int src = 0; src < 4; ++src) {  // the lanes holding k = 2 src, 2 src + 1, 2 src + 8, 2 src + 9
+    uint32_t ar[4], b0[2], b1[2];
+    for (int r = 0; r < 4; ++r) ar[r] = __shfl_sync(kFullMask, a[r], 4 * g + src);
+    for (int r = 0; r < 2; ++r) {
+      b0[r] = __shfl_sync(kFullMask, b[r], 4 * (2 * c) + src);
+      b1[r] = __shfl_sync(kFullMask, b[r], 4 * (2 * c + 1) + src);
+    }
+    for (int kh = 0; kh < 2; ++kh) {
+      for (int e = 0; e < 2; ++e) {
+        const float top = half_bits_to_float(ar[2 * kh] >> (16 * e));
+        const float bottom = half_bits_to_float(ar[2 * kh + 1] >> (16 * e));
+        const float x0 = half_bits_to_float(b0[kh] >> (16 * e));
+        const float x1 = half_bits_to_float(b1[kh] >> (16 * e));
+        sum[0] += top * x0;
+        sum[1] += top * x1;
+        sum[2] += bottom * x0;
+        sum[3] += bottom * x1;
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) d[i] += sum[i];
+#endif
+}
+
 // Whole-block reductions; `scratch` holds one float per warp. Every thread gets the
 // result. Contains __syncthreads(): call from all threads of the block.
 template <int NUM_WARPS>

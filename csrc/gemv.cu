@@ -1,6 +1,7 @@
 // Torch glue for the GEMV kernels (gemv.cuh): argument checks and the launch on the
 // current stream. The Python launchers (asyncgen/_ops/cuda_backend.py) route only the
 // shapes these accept; the checks here name what is wrong for anything else.
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -124,7 +125,8 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   p.group_size = static_cast<int>(group_size);
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream());
+  const bool tensor_cores = at::cuda::getCurrentDeviceProperties()->major >= 8;
+  launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -320,7 +320,225 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
   return true;
 }
 
-inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream) {
+// ---------------------------------------------------------------------------------------
+// 4-bit on tensor cores (sm_80+)
+//
+// The same product, with the multiply-adds done by mma.sync m16n8k16 (see mma_m16n8k16
+// in common.cuh for the fragment layouts): A is 16 weight columns by 16 of K, B is 16 of K
+// by the (up to 8) rows of x, D accumulates in fp32. The CUDA cores are left with the
+// dequantization: per packed word, one shift, four masks and four half2 operations give
+// its 8 codes minus the zero point, exactly, already paired the way A wants them.
+//
+// A block owns 32 columns; its warps split K into contiguous ranges of 32-row chunks. In a
+// chunk, lane 4g + c loads one 16-byte vector: packed row 4 * chunk + c (K rows
+// 32 chunk + 8c .. + 7) of columns 4g .. 4g + 3, so a warp reads four whole 128-byte lines.
+// Which K index sits where inside an mma is free, as long as A and B agree: lane 4g + c
+// feeds K rows 32 chunk + 8c + {0, 4, 1, 5} to the first k-step and {2, 6, 3, 7} to the
+// second, which are the pairs the half2 dequantization yields (codes j and j + 4 of a word
+// share a register), and it loads the same 8 elements of x row g as B. Output columns map
+// to A rows as 4g + 2t -> row g and 4g + 2t + 1 -> row g + 8 of tile t = 0, 1, so each lane's
+// D entries are the columns whose weights it loaded, and their scales are its own.
+//
+// The scale multiplies a group's sum once: each tile accumulates a group in fp32, then is
+// added to the total times the scale of its column. The next group's scales and zeros are
+// loaded when a group starts, and each lane keeps DEPTH chunks of loads in flight: a
+// chunk's registers are refilled with the chunk DEPTH ahead as soon as they are used.
+#ifndef AG_QGEMV_MMA  // 0 keeps every call on the CUDA-core kernel above
+#define AG_QGEMV_MMA 1
+#endif
+#ifndef AG_QGEMV_MMA_WARPS  // warps per block, splitting K
+#define AG_QGEMV_MMA_WARPS 8
+#endif
+#ifndef AG_QGEMV_MMA_DEPTH  // chunks in flight per lane
+#define AG_QGEMV_MMA_DEPTH 8
+#endif
+constexpr int kMmaCols = 32;   // output columns per block
+constexpr int kMmaChunk = 32;  // K rows per chunk: 4 packed rows
+
+struct MmaGroup {   // one group's dequantization constants for a lane's 4 columns
+  __half2 low[4];   // (1024 + z, 1024 + z): subtracted from codes read as 1024 + code
+  __half2 high[4];  // -(64 + z) for each half: added to codes read as (1024 + 16 code) / 16
+  float scale[4];
+};
+
+AG_DEVICE void load_group(uint2& zeros, uint2& scales, const QuantGemvParams& p, int group, int col0, bool active) {
+  if (active) {
+    zeros = *reinterpret_cast<const uint2*>(static_cast<const __half*>(p.zeros) + static_cast<int64_t>(group) * p.zeros_stride + col0);
+    scales = *reinterpret_cast<const uint2*>(static_cast<const __half*>(p.scales) + static_cast<int64_t>(group) * p.scales_stride + col0);
+  } else {
+    zeros = make_uint2(0, 0);
+    scales = make_uint2(0, 0);
+  }
+}
+
+AG_DEVICE MmaGroup make_group(uint2 zeros, uint2 scales) {
+  MmaGroup grp;
+  const __half* z = reinterpret_cast<const __half*>(&zeros);
+  const __half* s = reinterpret_cast<const __half*>(&scales);
+  const __half2 magic = bits_to_half2(0x64006400u);   // (1024, 1024)
+  const __half2 sixty_four = bits_to_half2(0x54005400u);  // (64, 64)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __half2 z2 = __half2half2(z[j]);
+    grp.low[j] = __hadd2(z2, magic);
+    grp.high[j] = __hneg2(__hadd2(z2, sixty_four));
+    grp.scale[j] = __half2float(s[j]);
+  }
+  return grp;
+}
+
+AG_DEVICE uint32_t half2_to_bits(__half2 h) {
+  uint32_t bits;
+  memcpy(&bits, &h, sizeof(bits));
+  return bits;
+}
+
+// The codes minus z of one packed word, as half2 pairs of codes (0, 4), (1, 5), (2, 6), (3, 7).
+AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, __half2 low, __half2 high) {
+  const __half2 sixteenth = bits_to_half2(0x2C002C00u);  // (1/16, 1/16)
+  const uint32_t shifted = word >> 8;
+  d[0] = half2_to_bits(__hsub2(bits_to_half2((word & 0x000F000Fu) | 0x64006400u), low));
+  d[1] = half2_to_bits(hfma2(bits_to_half2((word & 0x00F000F0u) | 0x64006400u), sixteenth, high));
+  d[2] = half2_to_bits(__hsub2(bits_to_half2((shifted & 0x000F000Fu) | 0x64006400u), low));
+  d[3] = half2_to_bits(hfma2(bits_to_half2((shifted & 0x00F000F0u) | 0x64006400u), sixteenth, high));
+}
+
+// One chunk: 4 packed words (a lane's 4 columns) against 8 elements of its x row.
+AG_DEVICE void mma_chunk(float (&acc)[2][4], const uint4& w, const uint4& x, const MmaGroup& grp) {
+  // B for k-step 0: elements (0, 4), (1, 5); k-step 1: (2, 6), (3, 7).
+  const uint32_t b[2][2] = {{(x.x & 0xFFFFu) | (x.z << 16), (x.x >> 16) | (x.z & 0xFFFF0000u)},
+                            {(x.y & 0xFFFFu) | (x.w << 16), (x.y >> 16) | (x.w & 0xFFFF0000u)}};
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  uint32_t d[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) dequant_word(d[j], words[j], grp.low[j], grp.high[j]);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
+                             d[2 * t + 1][2 * step + 1]};
+      mma_m16n8k16(acc[t], a, b[step]);
+    }
+}
+
+AG_DEVICE void flush_group(float (&total)[2][4], float (&acc)[2][4], const MmaGroup& grp) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      total[t][r] = fmaf(grp.scale[2 * t + r / 2], acc[t][r], total[t][r]);
+      acc[t][r] = 0.f;
+    }
+}
+
+template <int WARPS, int DEPTH>
+__global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(const QuantGemvParams p) {
+  __shared__ float partial[WARPS][kGemvMaxRows][kMmaCols];
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const int col0 = blockIdx.x * kMmaCols + 4 * g;  // this lane's 4 columns
+  const bool active = col0 < p.n;                   // n % 4 == 0 (checked by the glue)
+  const bool has_x = g < p.m;                       // lane 4g + c carries x row g
+  const __half* x = static_cast<const __half*>(p.x) + (has_x ? static_cast<int64_t>(g) * p.x_stride : 0) + 8 * c;
+  const int32_t* qweight = p.qweight + static_cast<int64_t>(c) * p.qweight_stride + col0;
+  const int chunks = p.k / kMmaChunk;
+  const int per_warp = ceil_div(chunks, WARPS);
+  const int begin = imin(warp * per_warp, chunks);
+  const int end = imin(begin + per_warp, chunks);  // warp-uniform: every lane of a warp runs the same chunks
+  const int chunks_per_group = p.group_size / kMmaChunk;
+
+  uint4 w[DEPTH], xs[DEPTH];
+  auto load_chunk = [&](int u, int chunk) {
+    const bool ok = chunk < end;
+    w[u] = ok && active ? load_weights16(qweight + static_cast<int64_t>(4 * chunk) * p.qweight_stride)
+                        : make_uint4(0, 0, 0, 0);
+    xs[u] = ok && has_x ? load16(x + kMmaChunk * chunk) : make_uint4(0, 0, 0, 0);
+  };
+#pragma unroll
+  for (int u = 0; u < DEPTH; ++u) load_chunk(u, begin + u);
+
+  float total[2][4], acc[2][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) total[t][r] = acc[t][r] = 0.f;
+  int group = begin / chunks_per_group;
+  int group_end = (group + 1) * chunks_per_group;  // first chunk past this group
+  MmaGroup grp;
+  uint2 next_zeros, next_scales;
+  {
+    uint2 zeros, scales;
+    load_group(zeros, scales, p, group, col0, active && begin < end);
+    load_group(next_zeros, next_scales, p, group + 1, col0, active && group_end < end);
+    grp = make_group(zeros, scales);
+  }
+  for (int base = begin; base < end; base += DEPTH) {
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u) {
+      const int chunk = base + u;
+      if (chunk < end) {
+        if (chunk >= group_end) {
+          flush_group(total, acc, grp);
+          ++group;
+          group_end += chunks_per_group;
+          grp = make_group(next_zeros, next_scales);
+          load_group(next_zeros, next_scales, p, group + 1, col0, active && group_end < end);
+        }
+        mma_chunk(acc, w[u], xs[u], grp);
+        load_chunk(u, chunk + DEPTH);
+      }
+    }
+  }
+  flush_group(total, acc, grp);
+
+  // D entry r of tile t: column 4g + 2t + r / 2, x row 2c + r % 2.
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int m = 2 * c + r % 2;
+      if (m < p.m) partial[warp][m][4 * g + 2 * t + r / 2] = total[t][r];
+    }
+  __syncthreads();
+  __half* out = static_cast<__half*>(p.out);
+  const __half* bias = static_cast<const __half*>(p.bias);
+  for (int i = threadIdx.x; i < p.m * kMmaCols; i += WARPS * kWarpSize) {
+    const int m = i / kMmaCols;
+    const int col = i % kMmaCols;
+    const int n = blockIdx.x * kMmaCols + col;
+    if (n >= p.n) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k) v += partial[k][m][col];
+    if (bias != nullptr) v += __half2float(bias[n]);
+    out[m * p.out_stride + n] = __float2half_rn(v);
+  }
+}
+
+// Whether the tensor-core kernel takes `p`: whole chunks and groups of them, and 8-byte
+// aligned scales and zeros (4 columns a load).
+inline bool quant_gemv_4bit_mma_ok(const QuantGemvParams& p) {
+  const auto aligned8 = [](const void* ptr, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(ptr) % 8 == 0 && stride % 4 == 0;
+  };
+  return p.m >= 1 && p.m <= kGemvMaxRows && p.k % kMmaChunk == 0 && p.group_size % kMmaChunk == 0 &&
+         p.k % p.group_size == 0 && aligned8(p.scales, p.scales_stride) && aligned8(p.zeros, p.zeros_stride);
+}
+
+template <int WARPS, int DEPTH>
+void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
+  void (*kernel)(const QuantGemvParams) = quant_gemv_4bit_mma_kernel<WARPS, DEPTH>;
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kMmaCols)), dim3(WARPS * kWarpSize), 0, stream, p);
+}
+
+// tensor_cores: the device has mma.sync for fp16 (sm_80+).
+inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores) {
+  if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {
+    launch_quant_gemv_4bit_mma<AG_QGEMV_MMA_WARPS, AG_QGEMV_MMA_DEPTH>(p, stream);
+    return true;
+  }
 #if defined(AG_QGEMV_COL_THREADS) && defined(AG_QGEMV_UNROLL)
   return launch_quant_gemv_4bit_shaped<AG_QGEMV_COL_THREADS, AG_QGEMV_UNROLL>(p, stream);
 #else

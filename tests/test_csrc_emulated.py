@@ -144,6 +144,7 @@ def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype):
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "mma"])
 @pytest.mark.parametrize(
     "m, n, k, group_size",
     [
@@ -152,9 +153,12 @@ def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype):
         (8, 40, 1024, 128),  # the most rows the kernel takes
         (2, 36, 256, 256),   # one group (per-channel scales)
         (1, 8196, 128, 64),  # a wide layer: the other block shape, a partial last block
+        (5, 64, 4096, 64),   # mma: 16 chunks a warp, groups of 2 chunks, the next group's constants ahead
+        (4, 52, 1088, 544),  # mma: 34 chunks over 8 warps (one idle), a group boundary inside a warp's range
+        (2, 36, 264, 264),   # K not a multiple of 32: the CUDA-core kernel even where tensor cores exist
     ],
 )
-def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size):
+def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size, tensor_cores):
     from asyncgen._ops import quant_reference as qref
 
     g = torch.Generator().manual_seed(m + n + k)
@@ -166,7 +170,8 @@ def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size):
     x = torch.randn(m, k, generator=g).half()
     bias = torch.randn(n, generator=g).half()
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
-    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, bias)
+    used_mma = emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, bias, tensor_cores=tensor_cores)
+    assert used_mma == (tensor_cores and k % 32 == 0 and group_size % 32 == 0)
     ref = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias)
     exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float() + bias.float()
     assert relative_error(out, exact) < 2e-3

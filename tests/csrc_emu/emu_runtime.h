@@ -170,19 +170,34 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   emu::wait(emu::g_run->warp_barriers[emu::linear_tid() / 32]);
 }
 
-template <typename T>
-T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+namespace emu {
+
+// Every lane of the warp deposits `value`, then reads the one deposited by `source(lane)`.
+template <typename T, typename Source>
+T shuffle(unsigned mask, T value, int width, Source source) {
   static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
   if (mask != 0xffffffffu || width != 32) std::abort();
-  emu::BlockRun& run = *emu::g_run;
-  const int tid = emu::linear_tid();
+  BlockRun& run = *g_run;
+  const int tid = linear_tid();
   const int warp = tid / 32;
   std::memcpy(&run.shuffle_slots[tid], &value, sizeof(T));
-  emu::wait(run.warp_barriers[warp]);
+  wait(run.warp_barriers[warp]);
   T result;
-  std::memcpy(&result, &run.shuffle_slots[warp * 32 + ((tid % 32) ^ lane_mask)], sizeof(T));
-  emu::wait(run.warp_barriers[warp]);
+  std::memcpy(&result, &run.shuffle_slots[warp * 32 + (source(tid % 32) & 31)], sizeof(T));
+  wait(run.warp_barriers[warp]);
   return result;
+}
+
+}  // namespace emu
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  return emu::shuffle(mask, value, width, [&](int lane) { return lane ^ lane_mask; });
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T value, int source_lane, int width = 32) {
+  return emu::shuffle(mask, value, width, [&](int) { return source_lane; });
 }
 
 inline float __expf(float x) { return std::exp(x); }

@@ -47,7 +47,13 @@ int ag_dense_gemv(const DenseGemvParams* p, int dtype) {
   return ok ? 0 : 1;
 }
 
-int ag_quant_gemv_4bit(const QuantGemvParams* p) { return asyncgen::launch_quant_gemv_4bit(*p, nullptr) ? 0 : 1; }
+// tensor_cores: 1 lets the launcher pick the mma kernel where it takes the shape, 0 keeps
+// the CUDA-core kernel. Returns 0 on success.
+int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
+  return asyncgen::launch_quant_gemv_4bit(*p, nullptr, tensor_cores != 0) ? 0 : 1;
+}
+
+int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
