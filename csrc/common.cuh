@@ -24,6 +24,11 @@
   kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #endif
 
+// The block's dynamic shared memory (the launch's smem bytes), 16-byte aligned.
+#ifndef AG_DYNAMIC_SMEM
+#define AG_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 namespace asyncgen {
 
 constexpr int kWarpSize = 32;

@@ -1,11 +1,11 @@
 // Torch glue for the GEMV kernels (gemv.cuh): argument checks and the launch on the
 // current stream. The Python launchers (asyncgen/_ops/cuda_backend.py) route only the
 // shapes these accept; the checks here name what is wrong for anything else.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <climits>
 
 #include "check.h"
@@ -16,10 +16,10 @@ namespace asyncgen {
 
 namespace {
 
-void check_rows(const at::Tensor& out, const at::Tensor& x, int64_t n, int64_t k) {
+void check_rows(const at::Tensor& out, const at::Tensor& x, int64_t n, int64_t k, int max_rows) {
   AG_CHECK_DIM(x, 2);
   AG_CHECK_DIM(out, 2);
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "x must have 1 to ", kGemvMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "x must have 1 to ", max_rows, " rows, got ", x.size(0));
   TORCH_CHECK(x.size(1) == k, "x must have ", k, " columns, got shape ", x.sizes());
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n, "out must have shape [", x.size(0), ", ", n, "], got ",
               out.sizes());
@@ -39,6 +39,18 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
               "], got shape ", bias->sizes());
 }
 
+// Whether the device has fp16 mma.sync (sm_80+); asked once per device.
+bool has_tensor_cores(int device) {
+  static std::atomic<int> major[64] = {};  // 0: not asked yet
+  if (device < 0 || device >= 64) return false;
+  int m = major[device].load(std::memory_order_relaxed);
+  if (m == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
+    major[device].store(m, std::memory_order_relaxed);
+  }
+  return m >= 8;
+}
+
 }  // namespace
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -47,7 +59,7 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   AG_CHECK_CUDA(x, weight);
   AG_CHECK_CUDA(out, weight);
   const int64_t n = weight.size(0), k = weight.size(1);
-  check_rows(out, x, n, k);
+  check_rows(out, x, n, k, kGemvMaxRows);
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "x must be float16 or bfloat16, got ", x.scalar_type());
   AG_CHECK_DTYPE(weight, x.scalar_type());
@@ -88,7 +100,7 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   AG_CHECK_CUDA(scales, qweight);
   AG_CHECK_CUDA(zeros, qweight);
   const int64_t n = qweight.size(1), k = qweight.size(0) * 8;
-  check_rows(out, x, n, k);
+  check_rows(out, x, n, k, kMmaMaxRows);
   AG_CHECK_DTYPE(x, at::kHalf);
   AG_CHECK_DTYPE(out, at::kHalf);
   AG_CHECK_DTYPE(qweight, at::kInt);
@@ -125,8 +137,11 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   p.group_size = static_cast<int>(group_size);
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const bool tensor_cores = at::cuda::getCurrentDeviceProperties()->major >= 8;
-  launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores);
+  const bool tensor_cores = has_tensor_cores(x.get_device());
+  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores), "x has ", p.m,
+              " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K and "
+              "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
+              " groups");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -321,13 +321,14 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 }
 
 // ---------------------------------------------------------------------------------------
-// 4-bit on tensor cores (sm_80+)
+// 4-bit on tensor cores (sm_80+), up to 64 rows
 //
 // The same product, with the multiply-adds done by mma.sync m16n8k16 (see mma_m16n8k16
 // in common.cuh for the fragment layouts): A is 16 weight columns by 16 of K, B is 16 of K
-// by the (up to 8) rows of x, D accumulates in fp32. The CUDA cores are left with the
-// dequantization: per packed word, one shift, four masks and four half2 operations give
-// its 8 codes minus the zero point, exactly, already paired the way A wants them.
+// by 8 rows of x (M_TILES such tiles for up to 8 * M_TILES rows), D accumulates in fp32.
+// The CUDA cores are left with the dequantization: per packed word, one shift, four masks
+// and four half2 operations give its 8 codes minus the zero point, exactly, already paired
+// the way A wants them.
 //
 // A block owns 32 columns; its warps split K into contiguous ranges of 32-row chunks. In a
 // chunk, lane 4g + c loads one 16-byte vector: packed row 4 * chunk + c (K rows
@@ -335,14 +336,19 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 // Which K index sits where inside an mma is free, as long as A and B agree: lane 4g + c
 // feeds K rows 32 chunk + 8c + {0, 4, 1, 5} to the first k-step and {2, 6, 3, 7} to the
 // second, which are the pairs the half2 dequantization yields (codes j and j + 4 of a word
-// share a register), and it loads the same 8 elements of x row g as B. Output columns map
-// to A rows as 4g + 2t -> row g and 4g + 2t + 1 -> row g + 8 of tile t = 0, 1, so each lane's
-// D entries are the columns whose weights it loaded, and their scales are its own.
+// share a register), and it loads the same 8 elements of x rows g, g + 8, ... as B. Output
+// columns map to A rows as 4g + 2t -> row g and 4g + 2t + 1 -> row g + 8 of tile t = 0, 1,
+// so each lane's D entries are the columns whose weights it loaded.
 //
-// The scale multiplies a group's sum once: each tile accumulates a group in fp32, then is
-// added to the total times the scale of its column. The next group's scales and zeros are
-// loaded when a group starts, and each lane keeps DEPTH chunks of loads in flight: a
-// chunk's registers are refilled with the chunk DEPTH ahead as soon as they are used.
+// Scales: with one tile of x rows, each tile accumulates a group in fp32 and is added to
+// the total times its column's scale when the group ends; with more, the dequantized
+// weights are multiplied by the scale in fp16 (as the dequantize-then-matmul reference
+// rounds them) and accumulate directly, which saves the second set of accumulators. The
+// block's scales and zeros are staged in shared memory first (loaded while the first
+// weights are in flight), so a new group costs two shared loads. Each lane keeps DEPTH
+// chunks of weights in flight, refilling a chunk's registers with the chunk DEPTH ahead
+// as soon as they are used; x (in L2: the previous kernel wrote it) runs DEPTH chunks
+// ahead with one tile of rows, one chunk ahead with more.
 #ifndef AG_QGEMV_MMA  // 0 keeps every call on the CUDA-core kernel above
 #define AG_QGEMV_MMA 1
 #endif
@@ -352,36 +358,30 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 #ifndef AG_QGEMV_MMA_DEPTH  // chunks in flight per lane
 #define AG_QGEMV_MMA_DEPTH 8
 #endif
-constexpr int kMmaCols = 32;   // output columns per block
-constexpr int kMmaChunk = 32;  // K rows per chunk: 4 packed rows
+constexpr int kMmaCols = 32;        // output columns per block
+constexpr int kMmaChunk = 32;       // K rows per chunk: 4 packed rows
+constexpr int kMmaMaxRows = 64;     // rows of x the tensor-core kernel takes
+constexpr int kMmaMaxSmem = 48 * 1024;  // the staged scales and zeros must fit the default limit
 
 struct MmaGroup {   // one group's dequantization constants for a lane's 4 columns
   __half2 low[4];   // (1024 + z, 1024 + z): subtracted from codes read as 1024 + code
   __half2 high[4];  // -(64 + z) for each half: added to codes read as (1024 + 16 code) / 16
+  __half2 scale2[4];
   float scale[4];
 };
-
-AG_DEVICE void load_group(uint2& zeros, uint2& scales, const QuantGemvParams& p, int group, int col0, bool active) {
-  if (active) {
-    zeros = *reinterpret_cast<const uint2*>(static_cast<const __half*>(p.zeros) + static_cast<int64_t>(group) * p.zeros_stride + col0);
-    scales = *reinterpret_cast<const uint2*>(static_cast<const __half*>(p.scales) + static_cast<int64_t>(group) * p.scales_stride + col0);
-  } else {
-    zeros = make_uint2(0, 0);
-    scales = make_uint2(0, 0);
-  }
-}
 
 AG_DEVICE MmaGroup make_group(uint2 zeros, uint2 scales) {
   MmaGroup grp;
   const __half* z = reinterpret_cast<const __half*>(&zeros);
   const __half* s = reinterpret_cast<const __half*>(&scales);
-  const __half2 magic = bits_to_half2(0x64006400u);   // (1024, 1024)
+  const __half2 magic = bits_to_half2(0x64006400u);       // (1024, 1024)
   const __half2 sixty_four = bits_to_half2(0x54005400u);  // (64, 64)
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const __half2 z2 = __half2half2(z[j]);
     grp.low[j] = __hadd2(z2, magic);
     grp.high[j] = __hneg2(__hadd2(z2, sixty_four));
+    grp.scale2[j] = __half2half2(s[j]);
     grp.scale[j] = __half2float(s[j]);
   }
   return grp;
@@ -393,55 +393,69 @@ AG_DEVICE uint32_t half2_to_bits(__half2 h) {
   return bits;
 }
 
-// The codes minus z of one packed word, as half2 pairs of codes (0, 4), (1, 5), (2, 6), (3, 7).
-AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, __half2 low, __half2 high) {
+// The codes minus z of one packed word (times the scale with SCALED), as half2 pairs of
+// codes (0, 4), (1, 5), (2, 6), (3, 7).
+template <bool SCALED>
+AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, const MmaGroup& grp, int j) {
   const __half2 sixteenth = bits_to_half2(0x2C002C00u);  // (1/16, 1/16)
   const uint32_t shifted = word >> 8;
-  d[0] = half2_to_bits(__hsub2(bits_to_half2((word & 0x000F000Fu) | 0x64006400u), low));
-  d[1] = half2_to_bits(hfma2(bits_to_half2((word & 0x00F000F0u) | 0x64006400u), sixteenth, high));
-  d[2] = half2_to_bits(__hsub2(bits_to_half2((shifted & 0x000F000Fu) | 0x64006400u), low));
-  d[3] = half2_to_bits(hfma2(bits_to_half2((shifted & 0x00F000F0u) | 0x64006400u), sixteenth, high));
+  __half2 h[4];
+  h[0] = __hsub2(bits_to_half2((word & 0x000F000Fu) | 0x64006400u), grp.low[j]);
+  h[1] = hfma2(bits_to_half2((word & 0x00F000F0u) | 0x64006400u), sixteenth, grp.high[j]);
+  h[2] = __hsub2(bits_to_half2((shifted & 0x000F000Fu) | 0x64006400u), grp.low[j]);
+  h[3] = hfma2(bits_to_half2((shifted & 0x00F000F0u) | 0x64006400u), sixteenth, grp.high[j]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = half2_to_bits(SCALED ? __hmul2(h[i], grp.scale2[j]) : h[i]);
 }
 
-// One chunk: 4 packed words (a lane's 4 columns) against 8 elements of its x row.
-AG_DEVICE void mma_chunk(float (&acc)[2][4], const uint4& w, const uint4& x, const MmaGroup& grp) {
-  // B for k-step 0: elements (0, 4), (1, 5); k-step 1: (2, 6), (3, 7).
-  const uint32_t b[2][2] = {{(x.x & 0xFFFFu) | (x.z << 16), (x.x >> 16) | (x.z & 0xFFFF0000u)},
-                            {(x.y & 0xFFFFu) | (x.w << 16), (x.y >> 16) | (x.w & 0xFFFF0000u)}};
+// One chunk: 4 packed words (a lane's 4 columns) against 8 elements of each of its x rows.
+template <int M_TILES, bool SCALED>
+AG_DEVICE void mma_chunk(float (&acc)[M_TILES][2][4], const uint4& w, const uint4 (&x)[M_TILES],
+                         const MmaGroup& grp) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   uint32_t d[4][4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) dequant_word(d[j], words[j], grp.low[j], grp.high[j]);
+  for (int j = 0; j < 4; ++j) dequant_word<SCALED>(d[j], words[j], grp, j);
 #pragma unroll
-  for (int t = 0; t < 2; ++t)
+  for (int step = 0; step < 2; ++step) {
+    uint32_t a[2][4];
 #pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
-                             d[2 * t + 1][2 * step + 1]};
-      mma_m16n8k16(acc[t], a, b[step]);
+    for (int t = 0; t < 2; ++t) {
+      a[t][0] = d[2 * t][2 * step];
+      a[t][1] = d[2 * t + 1][2 * step];
+      a[t][2] = d[2 * t][2 * step + 1];
+      a[t][3] = d[2 * t + 1][2 * step + 1];
     }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      // B for k-step 0: elements (0, 4), (1, 5) of the row; k-step 1: (2, 6), (3, 7).
+      const uint32_t lo = step == 0 ? x[mt].x : x[mt].y;
+      const uint32_t hi = step == 0 ? x[mt].z : x[mt].w;
+      const uint32_t b[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
+#pragma unroll
+      for (int t = 0; t < 2; ++t) mma_m16n8k16(acc[mt][t], a[t], b);
+    }
+  }
 }
 
-AG_DEVICE void flush_group(float (&total)[2][4], float (&acc)[2][4], const MmaGroup& grp) {
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      total[t][r] = fmaf(grp.scale[2 * t + r / 2], acc[t][r], total[t][r]);
-      acc[t][r] = 0.f;
-    }
+// Bytes of dynamic shared memory the kernel stages the scales and zeros in.
+inline int quant_gemv_mma_smem(const QuantGemvParams& p) {
+  return p.group_size > 0 ? (p.k / p.group_size) * 2 * kMmaCols * static_cast<int>(sizeof(__half)) : 0;
 }
 
-template <int WARPS, int DEPTH>
+template <int M_TILES, int WARPS, int DEPTH>
 __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(const QuantGemvParams p) {
-  __shared__ float partial[WARPS][kGemvMaxRows][kMmaCols];
+  constexpr bool kScaled = M_TILES > 1;
+  constexpr int kXDepth = M_TILES == 1 ? DEPTH : 1;
+  __shared__ float partial[WARPS][8][kMmaCols];
+  AG_DYNAMIC_SMEM(staged);  // per group: the block's 32 zeros, then its 32 scales (fp16)
+  __half* group_consts = reinterpret_cast<__half*>(staged);
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
   const int col0 = blockIdx.x * kMmaCols + 4 * g;  // this lane's 4 columns
   const bool active = col0 < p.n;                   // n % 4 == 0 (checked by the glue)
-  const bool has_x = g < p.m;                       // lane 4g + c carries x row g
-  const __half* x = static_cast<const __half*>(p.x) + (has_x ? static_cast<int64_t>(g) * p.x_stride : 0) + 8 * c;
+  const __half* x = static_cast<const __half*>(p.x) + 8 * c;
   const int32_t* qweight = p.qweight + static_cast<int64_t>(c) * p.qweight_stride + col0;
   const int chunks = p.k / kMmaChunk;
   const int per_warp = ceil_div(chunks, WARPS);
@@ -449,96 +463,145 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
   const int end = imin(begin + per_warp, chunks);  // warp-uniform: every lane of a warp runs the same chunks
   const int chunks_per_group = p.group_size / kMmaChunk;
 
-  uint4 w[DEPTH], xs[DEPTH];
-  auto load_chunk = [&](int u, int chunk) {
-    const bool ok = chunk < end;
-    w[u] = ok && active ? load_weights16(qweight + static_cast<int64_t>(4 * chunk) * p.qweight_stride)
-                        : make_uint4(0, 0, 0, 0);
-    xs[u] = ok && has_x ? load16(x + kMmaChunk * chunk) : make_uint4(0, 0, 0, 0);
+  uint4 w[DEPTH];
+  uint4 xs[kXDepth][M_TILES];
+  auto load_weights = [&](int u, int chunk) {
+    w[u] = chunk < end && active ? load_weights16(qweight + static_cast<int64_t>(4 * chunk) * p.qweight_stride)
+                                 : make_uint4(0, 0, 0, 0);
+  };
+  auto load_x = [&](int u, int chunk) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      const int m = 8 * mt + g;
+      xs[u][mt] = chunk < end && m < p.m ? load16(x + static_cast<int64_t>(m) * p.x_stride + kMmaChunk * chunk)
+                                         : make_uint4(0, 0, 0, 0);
+    }
   };
 #pragma unroll
-  for (int u = 0; u < DEPTH; ++u) load_chunk(u, begin + u);
+  for (int u = 0; u < DEPTH; ++u) load_weights(u, begin + u);
+#pragma unroll
+  for (int u = 0; u < kXDepth; ++u) load_x(u, begin + u);
 
-  float total[2][4], acc[2][4];
+  // Stage the scales and zeros, 4 columns (8 bytes) a load.
+  const int groups = p.k / p.group_size;
+  for (int i = threadIdx.x; i < groups * 16; i += WARPS * kWarpSize) {
+    const int grp = i / 16, part = i % 16, quad = part % 8;
+    const int col = blockIdx.x * kMmaCols + 4 * quad;
+    const __half* src = part < 8 ? static_cast<const __half*>(p.zeros) + static_cast<int64_t>(grp) * p.zeros_stride
+                                 : static_cast<const __half*>(p.scales) + static_cast<int64_t>(grp) * p.scales_stride;
+    *reinterpret_cast<uint2*>(group_consts + (2 * grp + part / 8) * kMmaCols + 4 * quad) =
+        col < p.n ? *reinterpret_cast<const uint2*>(src + col) : make_uint2(0, 0);
+  }
+  __syncthreads();
+  auto group_at = [&](int grp) {
+    return make_group(*reinterpret_cast<const uint2*>(group_consts + 2 * grp * kMmaCols + 4 * g),
+                      *reinterpret_cast<const uint2*>(group_consts + (2 * grp + 1) * kMmaCols + 4 * g));
+  };
+
+  float acc[M_TILES][2][4], total[2][4];
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) total[t][r] = acc[t][r] = 0.f;
+    for (int r = 0; r < 4; ++r) {
+      total[t][r] = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) acc[mt][t][r] = 0.f;
+    }
+  // With one tile: the group's sum times each column's scale, into the total.
+  auto flush = [&](const MmaGroup& grp) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        total[t][r] = fmaf(grp.scale[2 * t + r / 2], acc[0][t][r], total[t][r]);
+        acc[0][t][r] = 0.f;
+      }
+  };
   int group = begin / chunks_per_group;
   int group_end = (group + 1) * chunks_per_group;  // first chunk past this group
-  MmaGroup grp;
-  uint2 next_zeros, next_scales;
-  {
-    uint2 zeros, scales;
-    load_group(zeros, scales, p, group, col0, active && begin < end);
-    load_group(next_zeros, next_scales, p, group + 1, col0, active && group_end < end);
-    grp = make_group(zeros, scales);
-  }
+  MmaGroup grp = group_at(imin(group, groups - 1));
   for (int base = begin; base < end; base += DEPTH) {
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
       const int chunk = base + u;
       if (chunk < end) {
         if (chunk >= group_end) {
-          flush_group(total, acc, grp);
+          if (!kScaled) flush(grp);
           ++group;
           group_end += chunks_per_group;
-          grp = make_group(next_zeros, next_scales);
-          load_group(next_zeros, next_scales, p, group + 1, col0, active && group_end < end);
+          grp = group_at(group);
         }
-        mma_chunk(acc, w[u], xs[u], grp);
-        load_chunk(u, chunk + DEPTH);
+        mma_chunk<M_TILES, kScaled>(acc, w[u], xs[u % kXDepth], grp);
+        load_weights(u, chunk + DEPTH);
+        load_x(u % kXDepth, chunk + kXDepth);
       }
     }
   }
-  flush_group(total, acc, grp);
+  if (!kScaled) flush(grp);
 
-  // D entry r of tile t: column 4g + 2t + r / 2, x row 2c + r % 2.
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int m = 2 * c + r % 2;
-      if (m < p.m) partial[warp][m][4 * g + 2 * t + r / 2] = total[t][r];
-    }
-  __syncthreads();
+  // D entry r of tile t: column 4g + 2t + r / 2, x row 8 mt + 2c + r % 2. The warps' sums
+  // meet in shared memory, 8 rows at a time.
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
-  for (int i = threadIdx.x; i < p.m * kMmaCols; i += WARPS * kWarpSize) {
-    const int m = i / kMmaCols;
-    const int col = i % kMmaCols;
-    const int n = blockIdx.x * kMmaCols + col;
-    if (n >= p.n) continue;
-    float v = 0.f;
 #pragma unroll
-    for (int k = 0; k < WARPS; ++k) v += partial[k][m][col];
-    if (bias != nullptr) v += __half2float(bias[n]);
-    out[m * p.out_stride + n] = __float2half_rn(v);
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    if (8 * mt >= p.m) break;
+    __syncthreads();  // the previous rows' sums are read
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        partial[warp][2 * c + r % 2][4 * g + 2 * t + r / 2] = kScaled ? acc[mt][t][r] : total[t][r];
+      }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 8 * kMmaCols; i += WARPS * kWarpSize) {
+      const int m = 8 * mt + i / kMmaCols;
+      const int col = i % kMmaCols;
+      const int n = blockIdx.x * kMmaCols + col;
+      if (m >= p.m || n >= p.n) continue;
+      float v = 0.f;
+#pragma unroll
+      for (int k = 0; k < WARPS; ++k) v += partial[k][i / kMmaCols][col];
+      if (bias != nullptr) v += __half2float(bias[n]);
+      out[m * p.out_stride + n] = __float2half_rn(v);
+    }
   }
 }
 
-// Whether the tensor-core kernel takes `p`: whole chunks and groups of them, and 8-byte
-// aligned scales and zeros (4 columns a load).
+// Whether the tensor-core kernel takes `p`: at most 64 rows, whole chunks and groups of
+// them, 8-byte aligned scales and zeros (4 columns a load), and the staged scales and
+// zeros within the default shared-memory limit.
 inline bool quant_gemv_4bit_mma_ok(const QuantGemvParams& p) {
   const auto aligned8 = [](const void* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % 8 == 0 && stride % 4 == 0;
   };
-  return p.m >= 1 && p.m <= kGemvMaxRows && p.k % kMmaChunk == 0 && p.group_size % kMmaChunk == 0 &&
-         p.k % p.group_size == 0 && aligned8(p.scales, p.scales_stride) && aligned8(p.zeros, p.zeros_stride);
+  return p.m >= 1 && p.m <= kMmaMaxRows && p.k % kMmaChunk == 0 && p.group_size % kMmaChunk == 0 &&
+         p.k % p.group_size == 0 && aligned8(p.scales, p.scales_stride) && aligned8(p.zeros, p.zeros_stride) &&
+         quant_gemv_mma_smem(p) <= kMmaMaxSmem;
 }
 
-template <int WARPS, int DEPTH>
+template <int M_TILES, int WARPS, int DEPTH>
 void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
-  void (*kernel)(const QuantGemvParams) = quant_gemv_4bit_mma_kernel<WARPS, DEPTH>;
-  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kMmaCols)), dim3(WARPS * kWarpSize), 0, stream, p);
+  void (*kernel)(const QuantGemvParams) = quant_gemv_4bit_mma_kernel<M_TILES, WARPS, DEPTH>;
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kMmaCols)), dim3(WARPS * kWarpSize), quant_gemv_mma_smem(p), stream,
+                   p);
 }
 
 // tensor_cores: the device has mma.sync for fp16 (sm_80+).
 inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores) {
   if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {
-    launch_quant_gemv_4bit_mma<AG_QGEMV_MMA_WARPS, AG_QGEMV_MMA_DEPTH>(p, stream);
+    if (p.m <= 8) {
+      launch_quant_gemv_4bit_mma<1, AG_QGEMV_MMA_WARPS, AG_QGEMV_MMA_DEPTH>(p, stream);
+    } else if (p.m <= 16) {
+      launch_quant_gemv_4bit_mma<2, AG_QGEMV_MMA_WARPS, 4>(p, stream);
+    } else if (p.m <= 32) {
+      launch_quant_gemv_4bit_mma<4, AG_QGEMV_MMA_WARPS, 4>(p, stream);
+    } else {
+      launch_quant_gemv_4bit_mma<8, AG_QGEMV_MMA_WARPS, 4>(p, stream);
+    }
     return true;
   }
+  if (p.m > kGemvMaxRows) return false;
 #if defined(AG_QGEMV_COL_THREADS) && defined(AG_QGEMV_UNROLL)
   return launch_quant_gemv_4bit_shaped<AG_QGEMV_COL_THREADS, AG_QGEMV_UNROLL>(p, stream);
 #else

@@ -176,3 +176,28 @@ def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size, tensor_core
     exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float() + bias.float()
     assert relative_error(out, exact) < 2e-3
     assert relative_error(ref, exact) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size",
+    [
+        (9, 40, 512, 64),    # 2 tiles of x rows, the second with one row
+        (32, 36, 384, 128),  # 4 full tiles; a partial block of columns
+        (61, 64, 256, 32),   # 8 tiles, the last partial; a group every chunk
+    ],
+)
+def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_size):
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(m * n + k)
+    groups = k // group_size
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    x = torch.randn(m, k, generator=g).half()
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    assert emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size)
+    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
+    assert relative_error(out, exact) < 2e-3
+    with pytest.raises(AssertionError, match="too many rows"):  # the CUDA-core kernel stops at 8
+        emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False)

@@ -21,15 +21,19 @@ from asyncgen._ops import quant_reference as qref  # noqa: E402
 from asyncgen.model.linear import LinearBase, RowLinear  # noqa: E402
 
 
+class Calls(list):
+    quant_rows = cuda_backend.QUANT_MMA_MAX_ROWS  # what the fake 4-bit kernel takes
+
+
 @pytest.fixture
 def fake_csrc(monkeypatch):
-    calls = []
+    calls = Calls()
 
-    def quant_weight_ok(qweight, scales, zeros, bits, group_size, g_idx=None, bias=None):
-        return bits == 4 and g_idx is None
+    def quant_max_rows(qweight, scales, zeros, bits, group_size, g_idx=None, bias=None):
+        return calls.quant_rows if bits == 4 and g_idx is None else 0
 
-    def input_ok(x, dtype, k):
-        return x.dim() == 2 and 1 <= x.shape[0] <= cuda_backend.GEMV_MAX_ROWS and x.shape[1] == k
+    def input_ok(x, dtype, k, max_rows=cuda_backend.GEMV_MAX_ROWS):
+        return x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.shape[1] == k
 
     def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None):
         calls.append(("quant", x.shape[0]))
@@ -46,7 +50,7 @@ def fake_csrc(monkeypatch):
         calls.append(("dense", x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
-    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_weight_ok", quant_weight_ok)
+    monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_max_rows", quant_max_rows)
     monkeypatch.setattr(cuda_backend, "gemv_input_ok", input_ok)
     monkeypatch.setattr(cuda_backend, "launch_quant_gemv_4bit", launch_quant)
     monkeypatch.setattr(cuda_backend, "dense_gemv_supported", dense_supported)
@@ -54,6 +58,8 @@ def fake_csrc(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("kernel_rows", [cuda_backend.GEMV_MAX_ROWS, cuda_backend.QUANT_MMA_MAX_ROWS],
+                         ids=["cuda_cores", "tensor_cores"])
 @pytest.mark.parametrize(
     "variant, csrc_takes",
     [
@@ -63,7 +69,7 @@ def fake_csrc(monkeypatch):
         ("gptq-8b-g64-act-asym", False),      # 8 bits: Triton
     ],
 )
-def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc, variant, csrc_takes):
+def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc, variant, csrc_takes, kernel_rows):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton fallback runs on the CPU only under TRITON_INTERPRET=1")
@@ -71,6 +77,8 @@ def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc,
 
     from asyncgen.model.quantization import CUDA_GEMV_MAX_ROWS
 
+    fake_csrc.quant_rows = kernel_rows  # read when the layers load
+    limit = min(kernel_rows, CUDA_GEMV_MAX_ROWS)
     write_checkpoint(tmp_path / variant, VARIANTS[variant])
     dense = load_model(tmp_path / variant, "dense")
     routed = load_model(tmp_path / variant, "cuda")
@@ -78,11 +86,11 @@ def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc,
     ref = [m for m in dense.layers[0].modules() if isinstance(m, LinearBase)]
     gen = torch.Generator().manual_seed(0)
     for lt, ld in zip(layers, ref):
-        for rows in (1, CUDA_GEMV_MAX_ROWS, CUDA_GEMV_MAX_ROWS + 2):
+        for rows in (1, limit, limit + 2):
             fake_csrc.clear()
             x = torch.randn(rows, ld.in_features, generator=gen)
             torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
-            expected = csrc_takes and rows <= CUDA_GEMV_MAX_ROWS
+            expected = csrc_takes and rows <= limit
             assert bool(fake_csrc) == expected, (lt.prefix, rows, fake_csrc)
             assert all(call == ("quant", rows) for call in fake_csrc)
 

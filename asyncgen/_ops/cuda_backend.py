@@ -39,7 +39,7 @@ from . import Ops
 __all__ = [
     "GEMV_MAX_ROWS", "choose_dense_gemv", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
     "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
-    "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
+    "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -308,6 +308,8 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
 # GEMV (csrc/gemv.cuh)
 
 GEMV_MAX_ROWS = 8  # the most rows of x the csrc GEMV kernels take
+QUANT_MMA_MAX_ROWS = 64  # the most rows of x the csrc 4-bit kernel takes on tensor cores
+_MMA_SMEM_LIMIT = 48 * 1024  # bytes: its staged scales and zeros, 128 per group
 
 
 def _aligned_rows(t: torch.Tensor) -> bool:
@@ -315,14 +317,14 @@ def _aligned_rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
-def gemv_input_ok(x: torch.Tensor, dtype: torch.dtype, k: int) -> bool:
-    """Whether ``x`` is an input the csrc GEMVs take: [1..GEMV_MAX_ROWS, k] of ``dtype``
-    on CUDA with 16-byte aligned rows. The per-call half of the ``*_supported`` checks;
-    the layers check their weights once."""
+def gemv_input_ok(x: torch.Tensor, dtype: torch.dtype, k: int, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Whether ``x`` is an input the csrc GEMVs take: [1..max_rows, k] of ``dtype`` on
+    CUDA with 16-byte aligned rows. The per-call half of the ``*_supported`` checks; the
+    layers check their weights once."""
     return (
         x.is_cuda
         and x.dim() == 2
-        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and 1 <= x.shape[0] <= max_rows
         and x.shape[1] == k
         and x.dtype == dtype
         and _aligned_rows(x)
@@ -408,6 +410,34 @@ def quant_gemv_4bit_weight_ok(
     )
 
 
+def quant_gemv_4bit_max_rows(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> int:
+    """How many rows of ``x`` :func:`quant_gemv_4bit` takes with this packed weight: 0 where
+    :func:`quant_gemv_4bit_weight_ok` is false; :data:`QUANT_MMA_MAX_ROWS` where its
+    tensor-core kernel applies (an sm_80+ GPU, K and the group size multiples of 32,
+    8-byte aligned scales and zeros, at most 384 groups); else :data:`GEMV_MAX_ROWS`."""
+    if not quant_gemv_4bit_weight_ok(qweight, scales, zeros, bits, group_size, g_idx, bias):
+        return 0
+    k = qweight.shape[0] * 8
+    size = group_size if group_size > 0 else k
+    mma = (
+        torch.cuda.get_device_capability(qweight.device)[0] >= 8
+        and k % 32 == 0
+        and size % 32 == 0
+        and k % size == 0
+        and (k // size) * 128 <= _MMA_SMEM_LIMIT
+        and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
+    )
+    return QUANT_MMA_MAX_ROWS if mma else GEMV_MAX_ROWS
+
+
 def quant_gemv_4bit_supported(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -419,11 +449,13 @@ def quant_gemv_4bit_supported(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> bool:
-    """Whether :func:`quant_gemv_4bit` takes these: :func:`quant_gemv_4bit_weight_ok`,
-    and fp16 ``x`` (and ``out``) fitting :func:`gemv_input_ok`; else the Triton kernels run."""
+    """Whether :func:`quant_gemv_4bit` takes these: a weight it takes, and fp16 ``x`` (and
+    ``out``) fitting :func:`gemv_input_ok` with :func:`quant_gemv_4bit_max_rows` rows;
+    else the Triton kernels run."""
+    rows = quant_gemv_4bit_max_rows(qweight, scales, zeros, bits, group_size, g_idx, bias)
     return (
-        quant_gemv_4bit_weight_ok(qweight, scales, zeros, bits, group_size, g_idx, bias)
-        and gemv_input_ok(x, torch.float16, qweight.shape[0] * 8)
+        rows > 0
+        and gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, rows)
         and (out is None or (out.dtype == torch.float16 and out.stride(1) == 1))
     )
 
@@ -441,12 +473,14 @@ def quant_gemv_4bit(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x[:, perm] @ W + bias`` for 1 to :data:`GEMV_MAX_ROWS` rows of fp16 ``x``, with
-    the arguments of :func:`asyncgen._ops.triton_quant_gemm.quant_gemm`. Raises
-    ``ValueError`` where :func:`quant_gemv_4bit_supported` is false."""
+    """``x[:, perm] @ W + bias`` for 1 to :func:`quant_gemv_4bit_max_rows` rows of fp16
+    ``x``, with the arguments of :func:`asyncgen._ops.triton_quant_gemm.quant_gemm`.
+    Raises ``ValueError`` where :func:`quant_gemv_4bit_supported` is false."""
     if not quant_gemv_4bit_supported(x, qweight, scales, zeros, bits, group_size, g_idx, bias, out):
+        rows = quant_gemv_4bit_max_rows(qweight, scales, zeros, bits, group_size, g_idx, bias)
         raise ValueError(
-            f"quant_gemv_4bit takes 4-bit codes without g_idx, fp16 x/scales/zeros, 1-{GEMV_MAX_ROWS} rows, "
+            f"quant_gemv_4bit takes 4-bit codes without g_idx, fp16 x/scales/zeros, 1-{max(rows, GEMV_MAX_ROWS)} "
+            f"rows ({QUANT_MMA_MAX_ROWS} on tensor cores with K and the group size multiples of 32), "
             f"N % 4 == 0 and 16-byte aligned rows; got bits={bits}, g_idx={'set' if g_idx is not None else None}, "
             f"x {tuple(x.shape)} {x.dtype}, qweight {tuple(qweight.shape)}, scales {scales.dtype}"
         )

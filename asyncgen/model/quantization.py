@@ -70,9 +70,10 @@ METHODS = ("awq", "gptq")
 KERNELS = ("auto", "cuda", "dense", "reference", "triton")
 # At most this many rows go to the Triton GEMV kernel; more go to the GEMM.
 GEMV_MAX_ROWS = 4
-# With kernel "cuda": at most this many rows go to the csrc 4-bit GEMV where it takes the
-# layer (4 bits, fp16, groups of consecutive rows); the Triton kernels do the rest.
-CUDA_GEMV_MAX_ROWS = 4
+# With kernel "cuda": at most this many rows go to the csrc 4-bit kernel where it takes the
+# layer (4 bits, fp16, groups of consecutive rows; more than 8 rows on tensor cores only,
+# see cuda_backend.quant_gemv_4bit_max_rows); the Triton kernels do the rest.
+CUDA_GEMV_MAX_ROWS = 64
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field p of an AWQ word holds column ORDER[p]
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> offset added to stored zeros
@@ -212,7 +213,7 @@ class _Segment:
     end: int
     perm: Optional[torch.Tensor]  # [K] int64: weight row k multiplies input column perm[k]
     g_idx: Optional[torch.Tensor]  # [K] int32 group of each (permuted) row; None: k // group_size
-    csrc_gemv: bool = False  # the csrc 4-bit GEMV takes these columns (kernel "cuda")
+    csrc_rows: int = 0  # rows of x the csrc 4-bit kernel takes with these columns (kernel "cuda")
 
 
 @dataclasses.dataclass
@@ -375,7 +376,8 @@ class QuantLinearMethod(LinearMethod):
 
             for seg in layer.quant_segments:
                 weight, bias = self._columns(layer, seg)
-                seg.csrc_gemv = cuda_backend.quant_gemv_4bit_weight_ok(*weight, bits, size, seg.g_idx, bias)
+                rows = cuda_backend.quant_gemv_4bit_max_rows(*weight, bits, size, seg.g_idx, bias)
+                seg.csrc_rows = min(rows, CUDA_GEMV_MAX_ROWS)
 
     @staticmethod
     def _columns(layer: LinearBase, seg: _Segment) -> tuple[tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
@@ -411,10 +413,10 @@ class QuantLinearMethod(LinearMethod):
                 return y
             out.copy_(y)
             return out
-        if seg.csrc_gemv and x.shape[0] <= CUDA_GEMV_MAX_ROWS:
+        if x.shape[0] <= seg.csrc_rows:
             from .._ops import cuda_backend
 
-            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8):
+            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, seg.csrc_rows):
                 return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, size, seg.perm, bias, out=out)
         if x.shape[0] <= GEMV_MAX_ROWS:
             from .._ops.triton_quant_gemv import quant_gemv as kernel

@@ -58,6 +58,7 @@ struct BlockRun {
 inline BlockRun* g_run = nullptr;
 inline dim3 g_thread_idx, g_block_idx, g_block_dim, g_grid_dim;
 inline std::vector<std::unique_ptr<char[]>> g_stacks;
+inline std::vector<unsigned char> g_dynamic_smem;
 constexpr size_t kStackBytes = 256 * 1024;
 
 inline int linear_tid() {
@@ -145,9 +146,12 @@ inline void run_block(dim3 block_idx, dim3 block_dim, const std::function<void()
 }
 
 template <typename Kernel, typename... Args>
-void launch(Kernel kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t /*stream*/,
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*/,
             const Args&... args) {
   g_grid_dim = grid;
+  // Dynamic shared memory: one buffer, reused by the blocks (which run one at a time),
+  // filled with a pattern so that reads of unwritten bytes give garbage, not zeros.
+  g_dynamic_smem.assign(smem + 16, 0xA5);
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x)
@@ -162,6 +166,9 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t 
 #define gridDim (emu::g_grid_dim)
 #define AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, ...) \
   emu::launch(kernel, grid, block, smem, stream, __VA_ARGS__)
+#define AG_DYNAMIC_SMEM(name) \
+  unsigned char* name = reinterpret_cast<unsigned char*>( \
+      (reinterpret_cast<uintptr_t>(emu::g_dynamic_smem.data()) + 15) / 16 * 16)
 
 inline void __syncthreads() { emu::wait(emu::g_run->block_barrier); }
 

@@ -105,7 +105,8 @@ def check_kernels(shapes, batches) -> None:
                 case = f"{k}x{n} M={m} {name}"
                 if m <= MAX_ROWS:
                     check_case("gemv", quant_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
-                if csrc_gemv is not None and bits == 4 and m <= cuda_backend.GEMV_MAX_ROWS:
+                if csrc_gemv is not None and bits == 4 and m <= cuda_backend.quant_gemv_4bit_max_rows(
+                        qweight, scales, zeros, bits, group):
                     check_case("csrc", csrc_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
                 check_case("gemm", quant_gemm, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
             del qweight, scales, zeros, dense
