@@ -305,7 +305,7 @@ def check_quant_gemv() -> None:
             scales = (torch.rand(groups, n, generator=gen, device=DEVICE) * 0.002 + 0.0005).half()
             zeros = torch.randint(0, 16, (groups, n), generator=gen, device=DEVICE).half()
             dense = qref.dequantize(qweight, scales, zeros, 4, group).float()
-            for m in (1, 4, 8):
+            for m in (1, 4, 8, 13, 64):  # past 8 rows: tensor cores only
                 x = torch.randn(m, k, generator=gen, device=DEVICE).half()
                 out = cuda_backend.quant_gemv_4bit(x, qweight, scales, zeros, 4, group)
                 err = relative_error(out, x.float() @ dense)
