@@ -5,7 +5,7 @@ built side by side with ``torch.utils.cpp_extension``. ``CxUxL`` is the CUDA-cor
 (``AG_QGEMV_COL_THREADS``: column threads per block, 4 columns each; ``AG_QGEMV_UNROLL``:
 packed rows per load batch; ``AG_QGEMV_LOAD``: 0 plain loads, 1 the read-only path, 2
 streaming loads); ``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
-block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane).
+block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes.
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
 shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
 out of L2 (as in a model, where each layer's weight is read once per step). The Triton
@@ -35,7 +35,7 @@ BINDING = r"""
 #include "ops.h"
 
 void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size) {
-  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt);
+  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, 0);
 }
 """
 
@@ -43,7 +43,9 @@ void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at
 def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
-    if variant.startswith("mma"):
+    if variant == "mma":  # the default: warps by layer width
+        macros = []
+    elif variant.startswith("mma"):
         warps, depth = (int(v) for v in variant[3:].split("x"))
         macros = [f"-DAG_QGEMV_MMA_WARPS={warps}", f"-DAG_QGEMV_MMA_DEPTH={depth}"]
     else:
@@ -90,7 +92,7 @@ def graph_us(calls) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="4x4x2,8x4x2,mma8x4,mma8x8,mma16x4,mma16x8",
+    ap.add_argument("--variants", default="4x4x2,8x4x2,mma,mma8x8,mma16x8",
                     help="COL_THREADSxUNROLLxLOAD or mmaWARPSxDEPTH, comma-separated")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -135,6 +137,7 @@ def main() -> int:
                 if m > 8 and not v.startswith("mma"):
                     row.append(f"{'-':>8}")
                     continue
+                out.fill_(float("nan"))
                 mod.run(out, x, q, s, z, 128)
                 err = ((out.float() - want).abs().max() / want.abs().max()).item()
                 if not err < 2e-3:

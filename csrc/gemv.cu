@@ -93,8 +93,10 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, int64_t kernel) {
   AG_CHECK_DIM(qweight, 2);
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
+              kernel);
   AG_CHECK_CUDA(x, qweight);
   AG_CHECK_CUDA(out, qweight);
   AG_CHECK_CUDA(scales, qweight);
@@ -138,9 +140,14 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const bool tensor_cores = has_tensor_cores(x.get_device());
-  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores), "x has ", p.m,
-              " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K and "
-              "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
+  if (kernel == 2) {
+    TORCH_CHECK(tensor_cores && quant_gemv_4bit_mma_ok(p), "the tensor-core kernel needs an sm_80+ GPU, K and "
+                "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
+                " groups; got K=", k, ", group_size=", group_size);
+  }
+  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1), "x has ",
+              p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
+              "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
               " groups");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

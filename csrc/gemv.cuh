@@ -344,20 +344,22 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 // the total times its column's scale when the group ends; with more, the dequantized
 // weights are multiplied by the scale in fp16 (as the dequantize-then-matmul reference
 // rounds them) and accumulate directly, which saves the second set of accumulators. The
-// block's scales and zeros are staged in shared memory first (loaded while the first
-// weights are in flight), so a new group costs two shared loads. Each lane keeps DEPTH
+// scales and zeros of a warp's groups are staged in shared memory first (loaded while the
+// first weights are in flight), so a new group costs two shared loads. Each lane keeps DEPTH
 // chunks of weights in flight, refilling a chunk's registers with the chunk DEPTH ahead
 // as soon as they are used; x (in L2: the previous kernel wrote it) runs DEPTH chunks
 // ahead with one tile of rows, one chunk ahead with more.
 #ifndef AG_QGEMV_MMA  // 0 keeps every call on the CUDA-core kernel above
 #define AG_QGEMV_MMA 1
 #endif
-#ifndef AG_QGEMV_MMA_WARPS  // warps per block, splitting K
-#define AG_QGEMV_MMA_WARPS 8
+// Warps per block (splitting K): 16 for layers narrower than 8192 columns at up to 32
+// rows (fewer blocks than two per SM of an H200 otherwise), else 8, as timed on an H200 by
+// benchmarks/gemv_variants.py, which compiles variants with AG_QGEMV_MMA_WARPS (and
+// AG_QGEMV_MMA_DEPTH, chunks in flight per lane) set to force one.
+#ifndef AG_QGEMV_MMA_DEPTH
+#define AG_QGEMV_MMA_DEPTH 4
 #endif
-#ifndef AG_QGEMV_MMA_DEPTH  // chunks in flight per lane
-#define AG_QGEMV_MMA_DEPTH 8
-#endif
+constexpr int kMmaMaxWarps = 16;
 constexpr int kMmaCols = 32;        // output columns per block
 constexpr int kMmaChunk = 32;       // K rows per chunk: 4 packed rows
 constexpr int kMmaMaxRows = 64;     // rows of x the tensor-core kernel takes
@@ -438,18 +440,23 @@ AG_DEVICE void mma_chunk(float (&acc)[M_TILES][2][4], const uint4& w, const uint
   }
 }
 
-// Bytes of dynamic shared memory the kernel stages the scales and zeros in.
-inline int quant_gemv_mma_smem(const QuantGemvParams& p) {
-  return p.group_size > 0 ? (p.k / p.group_size) * 2 * kMmaCols * static_cast<int>(sizeof(__half)) : 0;
+// Bytes of dynamic shared memory the kernel uses: the staged scales and zeros, and later
+// the warps' partial sums in the same place.
+inline int quant_gemv_mma_smem(const QuantGemvParams& p, int warps) {
+  const int consts = p.group_size > 0 ? (p.k / p.group_size) * 2 * kMmaCols * static_cast<int>(sizeof(__half)) : 0;
+  const int sums = warps * 8 * kMmaCols * static_cast<int>(sizeof(float));
+  return consts > sums ? consts : sums;
 }
 
 template <int M_TILES, int WARPS, int DEPTH>
 __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(const QuantGemvParams p) {
   constexpr bool kScaled = M_TILES > 1;
   constexpr int kXDepth = M_TILES == 1 ? DEPTH : 1;
-  __shared__ float partial[WARPS][8][kMmaCols];
-  AG_DYNAMIC_SMEM(staged);  // per group: the block's 32 zeros, then its 32 scales (fp16)
+  // Dynamic shared memory: per group, the block's 32 zeros then its 32 scales (fp16); at
+  // the end, the warps' sums [WARPS][8][32] (fp32).
+  AG_DYNAMIC_SMEM(staged);
   __half* group_consts = reinterpret_cast<__half*>(staged);
+  float (*partial)[8][kMmaCols] = reinterpret_cast<float (*)[8][kMmaCols]>(staged);
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
@@ -482,17 +489,34 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
 #pragma unroll
   for (int u = 0; u < kXDepth; ++u) load_x(u, begin + u);
 
-  // Stage the scales and zeros, 4 columns (8 bytes) a load.
+  // Stage the scales and zeros of this warp's groups, 4 columns (8 bytes) a load, with
+  // several loads in flight per lane. Neighbouring warps may both write a group they
+  // share, with the same values.
   const int groups = p.k / p.group_size;
-  for (int i = threadIdx.x; i < groups * 16; i += WARPS * kWarpSize) {
-    const int grp = i / 16, part = i % 16, quad = part % 8;
-    const int col = blockIdx.x * kMmaCols + 4 * quad;
-    const __half* src = part < 8 ? static_cast<const __half*>(p.zeros) + static_cast<int64_t>(grp) * p.zeros_stride
-                                 : static_cast<const __half*>(p.scales) + static_cast<int64_t>(grp) * p.scales_stride;
-    *reinterpret_cast<uint2*>(group_consts + (2 * grp + part / 8) * kMmaCols + 4 * quad) =
-        col < p.n ? *reinterpret_cast<const uint2*>(src + col) : make_uint2(0, 0);
+  if (begin < end) {
+    const int first_group = begin / chunks_per_group;
+    const int entries = ((end - 1) / chunks_per_group - first_group + 1) * 16;
+    constexpr int kStageLoads = 8;
+    for (int base = lane; base < entries; base += kStageLoads * kWarpSize) {
+      uint2 v[kStageLoads];
+#pragma unroll
+      for (int j = 0; j < kStageLoads; ++j) {
+        const int i = base + j * kWarpSize;
+        const int grp = first_group + i / 16, part = i % 16;
+        const int col = blockIdx.x * kMmaCols + 4 * (part % 8);
+        const __half* src = part < 8 ? static_cast<const __half*>(p.zeros) + static_cast<int64_t>(grp) * p.zeros_stride
+                                     : static_cast<const __half*>(p.scales) + static_cast<int64_t>(grp) * p.scales_stride;
+        v[j] = i < entries && col < p.n ? *reinterpret_cast<const uint2*>(src + col) : make_uint2(0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kStageLoads; ++j) {
+        const int i = base + j * kWarpSize;
+        const int grp = first_group + i / 16, part = i % 16;
+        if (i < entries) *reinterpret_cast<uint2*>(group_consts + (2 * grp + part / 8) * kMmaCols + 4 * (part % 8)) = v[j];
+      }
+    }
   }
-  __syncthreads();
+  __syncwarp();
   auto group_at = [&](int grp) {
     return make_group(*reinterpret_cast<const uint2*>(group_consts + 2 * grp * kMmaCols + 4 * g),
                       *reinterpret_cast<const uint2*>(group_consts + (2 * grp + 1) * kMmaCols + 4 * g));
@@ -546,7 +570,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
     if (8 * mt >= p.m) break;
-    __syncthreads();  // the previous rows' sums are read
+    __syncthreads();  // every warp is done with the staged constants, or the previous rows' sums
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -577,27 +601,34 @@ inline bool quant_gemv_4bit_mma_ok(const QuantGemvParams& p) {
   };
   return p.m >= 1 && p.m <= kMmaMaxRows && p.k % kMmaChunk == 0 && p.group_size % kMmaChunk == 0 &&
          p.k % p.group_size == 0 && aligned8(p.scales, p.scales_stride) && aligned8(p.zeros, p.zeros_stride) &&
-         quant_gemv_mma_smem(p) <= kMmaMaxSmem;
+         quant_gemv_mma_smem(p, kMmaMaxWarps) <= kMmaMaxSmem;
 }
 
 template <int M_TILES, int WARPS, int DEPTH>
 void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
   void (*kernel)(const QuantGemvParams) = quant_gemv_4bit_mma_kernel<M_TILES, WARPS, DEPTH>;
-  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kMmaCols)), dim3(WARPS * kWarpSize), quant_gemv_mma_smem(p), stream,
-                   p);
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kMmaCols)), dim3(WARPS * kWarpSize), quant_gemv_mma_smem(p, WARPS),
+                   stream, p);
 }
 
 // tensor_cores: the device has mma.sync for fp16 (sm_80+).
 inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores) {
   if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {
+#ifdef AG_QGEMV_MMA_WARPS
+    constexpr int kNarrowWarps = AG_QGEMV_MMA_WARPS, kWideWarps = AG_QGEMV_MMA_WARPS;
+#else
+    constexpr int kNarrowWarps = 16, kWideWarps = 8;
+#endif
+    constexpr int D = AG_QGEMV_MMA_DEPTH;
+    const bool narrow = p.n < kQuantWideN;
     if (p.m <= 8) {
-      launch_quant_gemv_4bit_mma<1, AG_QGEMV_MMA_WARPS, AG_QGEMV_MMA_DEPTH>(p, stream);
+      narrow ? launch_quant_gemv_4bit_mma<1, kNarrowWarps, D>(p, stream) : launch_quant_gemv_4bit_mma<1, kWideWarps, D>(p, stream);
     } else if (p.m <= 16) {
-      launch_quant_gemv_4bit_mma<2, AG_QGEMV_MMA_WARPS, 4>(p, stream);
+      narrow ? launch_quant_gemv_4bit_mma<2, kNarrowWarps, D>(p, stream) : launch_quant_gemv_4bit_mma<2, kWideWarps, D>(p, stream);
     } else if (p.m <= 32) {
-      launch_quant_gemv_4bit_mma<4, AG_QGEMV_MMA_WARPS, 4>(p, stream);
+      narrow ? launch_quant_gemv_4bit_mma<4, kNarrowWarps, D>(p, stream) : launch_quant_gemv_4bit_mma<4, kWideWarps, D>(p, stream);
     } else {
-      launch_quant_gemv_4bit_mma<8, AG_QGEMV_MMA_WARPS, 4>(p, stream);
+      launch_quant_gemv_4bit_mma<8, kWideWarps, D>(p, stream);
     }
     return true;
   }

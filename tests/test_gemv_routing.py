@@ -35,8 +35,8 @@ def fake_csrc(monkeypatch):
     def input_ok(x, dtype, k, max_rows=cuda_backend.GEMV_MAX_ROWS):
         return x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.shape[1] == k
 
-    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None):
-        calls.append(("quant", x.shape[0]))
+    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0):
+        calls.append(("quant", x.shape[0], kernel))
         y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
         if out is None:
             return y
@@ -92,7 +92,8 @@ def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc,
             torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
             expected = csrc_takes and rows <= limit
             assert bool(fake_csrc) == expected, (lt.prefix, rows, fake_csrc)
-            assert all(call == ("quant", rows) for call in fake_csrc)
+            kernel = 2 if kernel_rows > cuda_backend.GEMV_MAX_ROWS else 1  # tensor cores where they apply
+            assert all(call == ("quant", rows, kernel) for call in fake_csrc)
 
 
 def close(a, b):  # F.linear on other leading shapes may sum in another order
@@ -142,3 +143,38 @@ def test_choose_dense_gemv_keeps_the_rows_where_it_won(fake_csrc, monkeypatch):
         (16, 1, 3, True), (16, 1, 3, False), (16, 2, 3, True), (16, 2, 3, False), (16, 4, 3, True), (16, 4, 3, False),
         (32, 1, 1, True), (32, 1, 1, False),
     ]
+
+
+def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc, monkeypatch):
+    """QuantLinearMethod.choose_kernels with the timer and kernels faked: each row count up
+    to a timed one goes to the kernel timed fastest there, and rows past the csrc limit
+    stay on Triton."""
+    from test_quant_formats import VARIANTS, load_model, write_checkpoint
+
+    from asyncgen.model.quantization import CUDA_CORES, ROUTE_ROWS, TENSOR_CORES, TRITON, QuantLinearMethod
+
+    def fake_triton(self, x, qweight, scales, zeros, seg, bias, out, size):
+        fake_csrc.append(("triton", x.shape[0], TRITON))
+        return out
+
+    # Made-up timings: the CUDA-core kernel wins at 1 row, tensor cores at 2-32, Triton at 48+.
+    def fake_time(fn, items):
+        fake_csrc.clear()
+        fn(items[0])
+        (_, m, kernel), = fake_csrc
+        return {TRITON: 5.0 if m >= 48 else 9.0, CUDA_CORES: 1.0 if m == 1 else 8.0,
+                TENSOR_CORES: 6.0 if m >= 48 else 2.0}[kernel]
+
+    monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
+    monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
+    write_checkpoint(tmp_path / "awq", VARIANTS["awq-g64"])
+    model = load_model(tmp_path / "awq", "cuda")
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None)]
+    chosen = QuantLinearMethod.choose_kernels(layers)
+    want_picks = tuple(CUDA_CORES if m == 1 else TRITON if m >= 48 else TENSOR_CORES for m in ROUTE_ROWS)
+    assert chosen and all(picks == want_picks for picks in chosen.values())
+    for layer in layers:
+        for seg in layer.quant_segments:
+            assert seg.route[1] == CUDA_CORES
+            assert set(seg.route[2:33]) == {TENSOR_CORES}
+            assert set(seg.route[33:65]) == {TRITON} and len(seg.route) == 65

@@ -37,9 +37,9 @@ import torch
 from . import Ops
 
 __all__ = [
-    "GEMV_MAX_ROWS", "choose_dense_gemv", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
+    "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
     "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
-    "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
+    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -487,6 +487,9 @@ def quant_gemv_4bit(
     return launch_quant_gemv_4bit(x, qweight, scales, zeros, group_size, perm, bias, out=out)
 
 
+QUANT_KERNELS = {"either": 0, "cuda_cores": 1, "tensor_cores": 2}  # the op's ``kernel`` argument
+
+
 def launch_quant_gemv_4bit(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -497,16 +500,21 @@ def launch_quant_gemv_4bit(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    kernel: int = 0,
 ) -> torch.Tensor:
     """:func:`quant_gemv_4bit` without the Python checks, for callers that checked the
-    weight once (:func:`quant_gemv_4bit_weight_ok`) and each input (:func:`gemv_input_ok`).
-    Gathers ``x[:, perm]`` first when given. The op still validates its arguments in C++."""
+    weight once (:func:`quant_gemv_4bit_max_rows`) and each input (:func:`gemv_input_ok`).
+    Gathers ``x[:, perm]`` first when given. ``kernel`` (a value of
+    :data:`QUANT_KERNELS`) picks the CUDA-core or the tensor-core kernel; 0 takes tensor
+    cores where they apply. The op still validates its arguments in C++."""
     if perm is not None:
         x = x.index_select(1, perm)
     k = qweight.shape[0] * 8
     if out is None:
         out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
-    torch.ops.asyncgen_C.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias)
+    torch.ops.asyncgen_C.quant_gemv_4bit(
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
+    )
     return out
 
 
@@ -523,6 +531,30 @@ def _time_ms(fn, items) -> float:
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / len(items))
+    return best
+
+
+def graph_time_ms(fn, items) -> float:
+    """Per-item device time of ``fn(item)`` over ``items``, captured once as a CUDA graph
+    and replayed (best of a few), so that launch costs on the host do not hide the
+    kernels' own time."""
+    for item in items[:2]:
+        fn(item)  # compiles and tunes outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for item in items:
+            fn(item)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / len(items))
+    del graph
     return best
 
 

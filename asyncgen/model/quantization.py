@@ -70,10 +70,14 @@ METHODS = ("awq", "gptq")
 KERNELS = ("auto", "cuda", "dense", "reference", "triton")
 # At most this many rows go to the Triton GEMV kernel; more go to the GEMM.
 GEMV_MAX_ROWS = 4
-# With kernel "cuda": at most this many rows go to the csrc 4-bit kernel where it takes the
+# With kernel "cuda": at most this many rows go to the csrc 4-bit kernels where they take the
 # layer (4 bits, fp16, groups of consecutive rows; more than 8 rows on tensor cores only,
 # see cuda_backend.quant_gemv_4bit_max_rows); the Triton kernels do the rest.
 CUDA_GEMV_MAX_ROWS = 64
+# The kernels a segment routes rows to (the csrc ones are cuda_backend.QUANT_KERNELS values),
+# and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
+TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
+ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field p of an AWQ word holds column ORDER[p]
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> offset added to stored zeros
@@ -213,7 +217,10 @@ class _Segment:
     end: int
     perm: Optional[torch.Tensor]  # [K] int64: weight row k multiplies input column perm[k]
     g_idx: Optional[torch.Tensor]  # [K] int32 group of each (permuted) row; None: k // group_size
-    csrc_rows: int = 0  # rows of x the csrc 4-bit kernel takes with these columns (kernel "cuda")
+    # Kernel "cuda": which kernel takes x of m rows is route[m] (TRITON past its end), see
+    # QuantLinearMethod.choose_kernels; tensor_cores: the csrc tensor-core kernel takes the columns.
+    route: tuple[int, ...] = ()
+    tensor_cores: bool = False
 
 
 @dataclasses.dataclass
@@ -376,8 +383,13 @@ class QuantLinearMethod(LinearMethod):
 
             for seg in layer.quant_segments:
                 weight, bias = self._columns(layer, seg)
-                rows = cuda_backend.quant_gemv_4bit_max_rows(*weight, bits, size, seg.g_idx, bias)
-                seg.csrc_rows = min(rows, CUDA_GEMV_MAX_ROWS)
+                rows = min(cuda_backend.quant_gemv_4bit_max_rows(*weight, bits, size, seg.g_idx, bias),
+                           CUDA_GEMV_MAX_ROWS)
+                seg.tensor_cores = rows > cuda_backend.GEMV_MAX_ROWS
+                # Until timed: the tensor-core kernel where it applies, else the CUDA-core one.
+                seg.route = (TRITON,) + tuple(
+                    TRITON if m > rows else TENSOR_CORES if seg.tensor_cores else CUDA_CORES for m in range(1, rows + 1)
+                )
 
     @staticmethod
     def _columns(layer: LinearBase, seg: _Segment) -> tuple[tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
@@ -413,16 +425,80 @@ class QuantLinearMethod(LinearMethod):
                 return y
             out.copy_(y)
             return out
-        if x.shape[0] <= seg.csrc_rows:
+        m = x.shape[0]
+        kernel = seg.route[m] if m < len(seg.route) else TRITON
+        if kernel != TRITON:
             from .._ops import cuda_backend
 
-            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, seg.csrc_rows):
-                return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, size, seg.perm, bias, out=out)
+            max_rows = cuda_backend.QUANT_MMA_MAX_ROWS if kernel == TENSOR_CORES else cuda_backend.GEMV_MAX_ROWS
+            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, max_rows):
+                return cuda_backend.launch_quant_gemv_4bit(
+                    x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel
+                )
+        return self._triton(x, qweight, scales, zeros, seg, bias, out, layer.quant_group_size)
+
+    def _triton(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
         if x.shape[0] <= GEMV_MAX_ROWS:
             from .._ops.triton_quant_gemv import quant_gemv as kernel
         else:
             from .._ops.triton_quant_gemm import quant_gemm as kernel
-        return kernel(x, qweight, scales, zeros, bits, size, seg.g_idx, seg.perm, bias, out=out)
+        return kernel(x, qweight, scales, zeros, self.scheme.bits, size, seg.g_idx, seg.perm, bias, out=out)
+
+    @staticmethod
+    @torch.inference_mode()
+    def choose_kernels(layers) -> dict[tuple, tuple[int, ...]]:
+        """Times the kernels that can take each csrc-routed segment shape among ``layers``
+        (kernel "cuda") at each row count of :data:`ROUTE_ROWS`: the Triton kernels, the
+        csrc CUDA-core kernel (up to 8 rows) and the csrc tensor-core kernel where it
+        applies. Each segment then routes the rows up to a timed count (and past the
+        previous one) to that count's fastest kernel. Timings replay one CUDA graph through
+        every segment of the shape, so weights come from memory as in a forward pass.
+        Returns {(K, N, group size, act order): kernel per row count of ROUTE_ROWS}. Run
+        before the model's CUDA graphs are captured; it changes which kernel computes, not
+        what (to rounding)."""
+        from .._ops import cuda_backend
+
+        by_shape: dict[tuple, list] = {}
+        for layer in layers:
+            method = layer.method
+            for seg in layer.quant_segments:
+                if len(seg.route) <= 1:
+                    continue
+                (qweight, scales, zeros), bias = method._columns(layer, seg)
+                key = (qweight.shape[0] * 8, qweight.shape[1], layer.quant_group_size, seg.perm is not None)
+                by_shape.setdefault(key + (seg.tensor_cores,), []).append(
+                    (method, seg, (qweight, scales, zeros), bias, layer.quant_group_size)
+                )
+        chosen = {}
+        for key, items in by_shape.items():
+            k, tensor_cores = key[0], key[-1]
+            device, dtype = items[0][2][0].device, items[0][2][1].dtype
+            route, picks, done = [TRITON] * (CUDA_GEMV_MAX_ROWS + 1), [], 0
+            for m in ROUTE_ROWS:
+                if m > len(items[0][1].route) - 1:
+                    break
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                out = torch.empty(m, max(it[2][0].shape[1] for it in items), dtype=dtype, device=device)
+                candidates = [TRITON] + [CUDA_CORES] * (m <= cuda_backend.GEMV_MAX_ROWS) + [TENSOR_CORES] * tensor_cores
+
+                def run(item, kernel=TRITON):
+                    method, seg, (qweight, scales, zeros), bias, size = item
+                    y = out[:, : qweight.shape[1]]
+                    if kernel == TRITON:
+                        return method._triton(x, qweight, scales, zeros, seg, bias, y, size)
+                    return cuda_backend.launch_quant_gemv_4bit(
+                        x, qweight, scales, zeros, size, seg.perm, bias, out=y, kernel=kernel
+                    )
+
+                times = {c: cuda_backend.graph_time_ms(lambda item, c=c: run(item, c), items) for c in candidates}
+                best = min(times, key=times.get)
+                route[done + 1 : m + 1] = [best] * (m - done)
+                picks.append(best)
+                done = m
+            for _, seg, *_ in items:
+                seg.route = tuple(route[: done + 1])
+            chosen[key[:-1]] = tuple(picks)
+        return chosen
 
 
 # --- format helpers ------------------------------------------------------------------------------

@@ -136,20 +136,34 @@ class ModelRunner:
     # --- start-up (device thread) ---------------------------------------------------------
     def _choose_gemv(self) -> None:
         """Times the csrc GEMV against cuBLAS for each unquantized linear weight shape at
-        decode-sized batches; each layer then uses whichever was faster (see
-        ``cuda_backend.choose_dense_gemv``)."""
+        decode-sized batches, and for 4-bit layers the csrc kernels against Triton; each
+        layer then uses whichever was faster (``cuda_backend.choose_dense_gemv``,
+        ``QuantLinearMethod.choose_kernels``)."""
         from .._ops import cuda_backend
         from ..model.linear import LinearBase
 
-        layers = [m for m in self.model.modules() if isinstance(m, LinearBase) and isinstance(
-            getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2 and m.weight.dtype == self.dtype]
-        if not layers:
-            return
-        t0 = time.perf_counter()
-        chosen = cuda_backend.choose_dense_gemv(layers)
-        table = ", ".join(f"{n}x{k}: {rows}" for (n, k, _), rows in chosen.items())
-        log.info("csrc GEMV up to this many rows per weight shape (else cuBLAS): %s (timed in %.2f s)",
-                 table, time.perf_counter() - t0)
+        from ..model.quantization import ROUTE_ROWS, QuantLinearMethod
+
+        linear = [m for m in self.model.modules() if isinstance(m, LinearBase)]
+        layers = [m for m in linear if isinstance(getattr(m, "weight", None), torch.Tensor)
+                  and m.weight.dim() == 2 and m.weight.dtype == self.dtype]
+        if layers:
+            t0 = time.perf_counter()
+            chosen = cuda_backend.choose_dense_gemv(layers)
+            table = ", ".join(f"{n}x{k}: {rows}" for (n, k, _), rows in chosen.items())
+            log.info("csrc GEMV up to this many rows per weight shape (else cuBLAS): %s (timed in %.2f s)",
+                     table, time.perf_counter() - t0)
+        quantized = [m for m in linear if getattr(m, "quant_kernel", None) == "cuda"]
+        if quantized:
+            t0 = time.perf_counter()
+            chosen = QuantLinearMethod.choose_kernels(quantized)
+            names = ("triton", "csrc-cuda-cores", "csrc-tensor-cores")
+            table = "; ".join(
+                f"{k}x{n} g{g}{' act-order' if act else ''}: "
+                + ", ".join(f"{m}:{names[c]}" for m, c in zip(ROUTE_ROWS, picks))
+                for (k, n, g, act), picks in chosen.items()
+            )
+            log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
 
     def load(self) -> int:
         """Builds the model, loads weights, sizes and allocates the KV pool.

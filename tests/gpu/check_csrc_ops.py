@@ -310,6 +310,10 @@ def check_quant_gemv() -> None:
                 out = cuda_backend.quant_gemv_4bit(x, qweight, scales, zeros, 4, group)
                 err = relative_error(out, x.float() @ dense)
                 check(f"quant_gemv_4bit {n}x{k} g{group} M={m}", err < 2e-3, f"rel err {err:.2e}")
+                if m <= cuda_backend.GEMV_MAX_ROWS:  # the CUDA-core kernel, which the default leaves aside here
+                    out = cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, group, kernel=1)
+                    err = relative_error(out, x.float() @ dense)
+                    check(f"quant_gemv_4bit cuda cores {n}x{k} g{group} M={m}", err < 2e-3, f"rel err {err:.2e}")
             del codes, qweight, scales, zeros, dense
     try:
         x = torch.randn(1, 64, device=DEVICE).half()
