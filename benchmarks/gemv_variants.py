@@ -5,8 +5,7 @@ built side by side with ``torch.utils.cpp_extension``. ``CxUxL`` is the CUDA-cor
 (``AG_QGEMV_COL_THREADS``: column threads per block, 4 columns each; ``AG_QGEMV_UNROLL``:
 packed rows per load batch; ``AG_QGEMV_LOAD``: 0 plain loads, 1 the read-only path, 2
 streaming loads); ``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
-block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes,
-``mmaSR`` those with blocks splitting K from R rows (``AG_QGEMV_MMA_SPLIT_N_ROWS``).
+block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes.
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
 shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
 out of L2 (as in a model, where each layer's weight is read once per step). The Triton
@@ -46,8 +45,6 @@ def build(variant: str):
 
     if variant == "mma":  # the default: warps by layer width
         macros = []
-    elif variant.startswith("mmaS"):  # the default, with warps owning columns from this many rows
-        macros = [f"-DAG_QGEMV_MMA_SPLIT_N_ROWS={int(variant[4:])}"]
     elif variant.startswith("mma"):
         warps, depth = (int(v) for v in variant[3:].split("x"))
         macros = [f"-DAG_QGEMV_MMA_WARPS={warps}", f"-DAG_QGEMV_MMA_DEPTH={depth}"]
@@ -95,7 +92,7 @@ def graph_us(calls) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="4x4x2,8x4x2,mma,mmaS9,mmaS65",
+    ap.add_argument("--variants", default="4x4x2,8x4x2,mma,mma8x8,mma16x8",
                     help="COL_THREADSxUNROLLxLOAD or mmaWARPSxDEPTH, comma-separated")
     args = ap.parse_args()
     variants = args.variants.split(",")

@@ -29,8 +29,4 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "asyncgen CUDA kernels; the ops are registered under torch.ops.asyncgen_C";
-  // A question about the kernels rather than an op: plain Python, no tensors.
-  module.def("quant_gemv_4bit_mma_rows", &asyncgen::quant_gemv_4bit_mma_rows,
-             "rows (up to 64) the 4-bit tensor-core kernel takes for a K x N weight and group size on a device",
-             pybind11::arg("k"), pybind11::arg("n"), pybind11::arg("group_size"), pybind11::arg("device"));
 }

@@ -1,14 +1,12 @@
 // Torch glue for the GEMV kernels (gemv.cuh): argument checks and the launch on the
 // current stream. The Python launchers (asyncgen/_ops/cuda_backend.py) route only the
 // shapes these accept; the checks here name what is wrong for anything else.
-#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
 #include <climits>
-#include <mutex>
 
 #include "check.h"
 #include "gemv.cuh"
@@ -41,46 +39,16 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
               "], got shape ", bias->sizes());
 }
 
-constexpr int kMaxDevices = 64;
-
-// A device attribute, asked once per device.
-int device_attribute(cudaDeviceAttr attr, std::atomic<int> (&cache)[kMaxDevices], int device) {
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "device index out of range: ", device);
-  int v = cache[device].load(std::memory_order_relaxed);
-  if (v == 0) {  // 0: not asked yet (neither attribute is ever 0)
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
-    cache[device].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
-// Whether the device has fp16 mma.sync (sm_80+).
+// Whether the device has fp16 mma.sync (sm_80+); asked once per device.
 bool has_tensor_cores(int device) {
-  static std::atomic<int> major[kMaxDevices] = {};
-  return device_attribute(cudaDevAttrComputeCapabilityMajor, major, device) >= 8;
-}
-
-int num_sms(int device) {
-  static std::atomic<int> sms[kMaxDevices] = {};
-  return device_attribute(cudaDevAttrMultiProcessorCount, sms, device);
-}
-
-// The tensor-core kernel's split counters for a device: zeroed once, reset to zero by the
-// kernel itself after each call, and never freed (CUDA graphs keep their address).
-constexpr int64_t kSplitCounters = 1 << 16;
-int* split_counters(const at::Tensor& like) {
-  static std::mutex mutex;
-  static at::Tensor counters[kMaxDevices];
-  const int device = like.get_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!counters[device].defined()) {
-    cudaStreamCaptureStatus status;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status));
-    TORCH_CHECK(status == cudaStreamCaptureStatusNone, "quant_gemv_4bit: run it once on this device before "
-                "capturing it in a CUDA graph (it allocates its split counters on the first call)");
-    counters[device] = at::zeros({kSplitCounters}, like.options().dtype(at::kInt));
+  static std::atomic<int> major[64] = {};  // 0: not asked yet
+  if (device < 0 || device >= 64) return false;
+  int m = major[device].load(std::memory_order_relaxed);
+  if (m == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
+    major[device].store(m, std::memory_order_relaxed);
   }
-  return counters[device].data_ptr<int>();
+  return m >= 8;
 }
 
 }  // namespace
@@ -171,52 +139,17 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   p.group_size = static_cast<int>(group_size);
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const int device = x.get_device();
-  const bool tensor_cores = has_tensor_cores(device);
-  MmaScratch scratch;
-  scratch.num_sms = num_sms(device);
-  const bool mma_ok = tensor_cores && quant_gemv_4bit_mma_ok(p, scratch.num_sms);
+  const bool tensor_cores = has_tensor_cores(x.get_device());
   if (kernel == 2) {
-    TORCH_CHECK(mma_ok, "the tensor-core kernel needs an sm_80+ GPU, K and group_size multiples of 32, 8-byte "
-                "aligned scales and zeros, and its staged scales within 48 KiB of shared memory; got K=", k,
-                ", group_size=", group_size);
+    TORCH_CHECK(tensor_cores && quant_gemv_4bit_mma_ok(p), "the tensor-core kernel needs an sm_80+ GPU, K and "
+                "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
+                " groups; got K=", k, ", group_size=", group_size);
   }
-  at::Tensor workspace;
-  if (mma_ok && kernel != 1) {
-    const int64_t floats = quant_gemv_4bit_workspace(p, scratch.num_sms);
-    if (floats > 0) {
-      TORCH_CHECK(quant_gemv_4bit_counters(p, scratch.num_sms) <= kSplitCounters, "too many columns: ", n);
-      workspace = at::empty({floats}, x.options().dtype(at::kFloat));
-      scratch.workspace = workspace.data_ptr<float>();
-      scratch.counters = split_counters(x);
-    }
-  }
-  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1, scratch),
-              "x has ", p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ "
-              "GPU, K and group_size multiples of 32, 8-byte aligned scales and zeros, and its staged scales within "
-              "48 KiB of shared memory");
+  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1), "x has ",
+              p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
+              "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
+              " groups");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-int64_t quant_gemv_4bit_mma_rows(int64_t k, int64_t n, int64_t group_size, int64_t device) {
-  TORCH_CHECK(k > 0 && n > 0 && k <= INT_MAX && n <= INT_MAX && group_size > 0, "bad shape: k=", k, ", n=", n,
-              ", group_size=", group_size);
-  if (!has_tensor_cores(static_cast<int>(device))) return 0;
-  QuantGemvParams p{};
-  alignas(8) static const __half dummy[4] = {};
-  p.scales = p.zeros = dummy;
-  p.scales_stride = p.zeros_stride = 4;
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.group_size = static_cast<int>(group_size);
-  const int sms = num_sms(static_cast<int>(device));
-  int64_t rows = 0;
-  for (int m = 1; m <= kMmaMaxRows; ++m) {
-    p.m = m;
-    if (!quant_gemv_4bit_mma_ok(p, sms)) break;
-    rows = m;
-  }
-  return rows;
 }
 
 }  // namespace asyncgen

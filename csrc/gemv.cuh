@@ -440,93 +440,35 @@ AG_DEVICE void mma_chunk(float (&acc)[M_TILES][2][4], const uint4& w, const uint
   }
 }
 
-// How the tensor-core kernel splits the work. Up to AG_QGEMV_MMA_SPLIT_N_ROWS - 1 rows, a
-// block owns 32 columns and its warps split K (their sums meet in shared memory). From
-// that many rows on, x is the larger stream: there a block's warps own 32 columns each and
-// walk the same K chunks, so that a chunk of x, read by all of them at once, comes from L1
-// after the first; K is split across blocks instead (gridDim.y), and their sums are added
-// in a fixed order through an fp32 workspace, each block waiting for the previous split of
-// its columns (the last one writes the output and resets the counter for the next call).
-#ifndef AG_QGEMV_MMA_SPLIT_N_ROWS
-#define AG_QGEMV_MMA_SPLIT_N_ROWS 33
-#endif
-
-struct MmaScratch {
-  float* workspace = nullptr;  // [M, N] fp32, where K is split across blocks
-  int* counters = nullptr;     // one per block column, zero between calls
-  int num_sms = 132;
-};
-
-struct MmaPlan {
-  int warps = 8;
-  bool split_n = false;   // warps own columns, blocks split K
-  int k_splits = 1;       // blocks along K (split_n)
-  int range_chunks = 0;   // chunks per warp (K split in the block) or per block (split_n)
-  int col_blocks = 0;     // gridDim.x
-  int groups_per_warp = 0;  // staged groups a warp's range can touch
-  int smem = 0;           // dynamic shared memory bytes
-};
-
-inline MmaPlan plan_quant_gemv_mma(const QuantGemvParams& p, int num_sms, int warps_narrow, int warps_wide) {
-  MmaPlan plan;
-  const int chunks = p.k / kMmaChunk;
-  const int chunks_per_group = p.group_size / kMmaChunk;
-  const int col_tiles = ceil_div(p.n, kMmaCols);
-  plan.split_n = p.m >= AG_QGEMV_MMA_SPLIT_N_ROWS;
-  if (!plan.split_n) {
-    plan.warps = p.n < kQuantWideN && p.m <= 32 ? warps_narrow : warps_wide;
-    plan.range_chunks = ceil_div(chunks, plan.warps);
-    plan.col_blocks = col_tiles;
-  } else {
-    plan.warps = warps_wide;
-    plan.col_blocks = ceil_div(col_tiles, plan.warps);
-    // About two blocks per SM, each with at least 8 chunks of K.
-    const int want = ceil_div(2 * num_sms, plan.col_blocks);
-    const int most = chunks / 8 > 1 ? chunks / 8 : 1;
-    const int splits = want < 1 ? 1 : want > most ? most : want;
-    plan.range_chunks = ceil_div(chunks, splits);
-    plan.k_splits = ceil_div(chunks, plan.range_chunks);
-  }
-  plan.groups_per_warp = ceil_div(plan.range_chunks, chunks_per_group) + 1;
-  const int consts = plan.warps * plan.groups_per_warp * 2 * kMmaCols * static_cast<int>(sizeof(__half));
-  const int sums = plan.split_n ? 0 : plan.warps * 8 * kMmaCols * static_cast<int>(sizeof(float));
-  plan.smem = consts > sums ? consts : sums;
-  return plan;
+// Bytes of dynamic shared memory the kernel uses: the staged scales and zeros, and later
+// the warps' partial sums in the same place.
+inline int quant_gemv_mma_smem(const QuantGemvParams& p, int warps) {
+  const int consts = p.group_size > 0 ? (p.k / p.group_size) * 2 * kMmaCols * static_cast<int>(sizeof(__half)) : 0;
+  const int sums = warps * 8 * kMmaCols * static_cast<int>(sizeof(float));
+  return consts > sums ? consts : sums;
 }
 
-struct MmaArgs {
-  QuantGemvParams p;
-  MmaScratch scratch;
-  int k_splits, range_chunks, groups_per_warp;
-};
-
-template <int M_TILES, int WARPS, int DEPTH, bool SPLIT_N>
-__global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(const MmaArgs args) {
+template <int M_TILES, int WARPS, int DEPTH>
+__global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(const QuantGemvParams p) {
   constexpr bool kScaled = M_TILES > 1;
   constexpr int kXDepth = M_TILES == 1 ? DEPTH : 1;
-  const QuantGemvParams& p = args.p;
-  // Dynamic shared memory: each warp's staged groups (per group, its 32 zeros then its 32
-  // scales, fp16); at the end (K split in the block), the warps' sums [WARPS][8][32] fp32.
+  // Dynamic shared memory: per group, the block's 32 zeros then its 32 scales (fp16); at
+  // the end, the warps' sums [WARPS][8][32] (fp32).
   AG_DYNAMIC_SMEM(staged);
+  __half* group_consts = reinterpret_cast<__half*>(staged);
+  float (*partial)[8][kMmaCols] = reinterpret_cast<float (*)[8][kMmaCols]>(staged);
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
-  const int chunks = p.k / kMmaChunk;
-  const int chunks_per_group = p.group_size / kMmaChunk;
-  int col_base, begin, end;  // warp-uniform: every lane of a warp runs the same chunks
-  if (SPLIT_N) {
-    col_base = (blockIdx.x * WARPS + warp) * kMmaCols;
-    begin = imin(static_cast<int>(blockIdx.y) * args.range_chunks, chunks);
-    end = col_base < p.n ? imin(begin + args.range_chunks, chunks) : begin;
-  } else {
-    col_base = blockIdx.x * kMmaCols;
-    begin = imin(warp * args.range_chunks, chunks);
-    end = imin(begin + args.range_chunks, chunks);
-  }
-  const int col0 = col_base + 4 * g;  // this lane's 4 columns
-  const bool active = col0 < p.n;     // n % 4 == 0 (checked by the glue)
+  const int col0 = blockIdx.x * kMmaCols + 4 * g;  // this lane's 4 columns
+  const bool active = col0 < p.n;                   // n % 4 == 0 (checked by the glue)
   const __half* x = static_cast<const __half*>(p.x) + 8 * c;
   const int32_t* qweight = p.qweight + static_cast<int64_t>(c) * p.qweight_stride + col0;
+  const int chunks = p.k / kMmaChunk;
+  const int per_warp = ceil_div(chunks, WARPS);
+  const int begin = imin(warp * per_warp, chunks);
+  const int end = imin(begin + per_warp, chunks);  // warp-uniform: every lane of a warp runs the same chunks
+  const int chunks_per_group = p.group_size / kMmaChunk;
 
   uint4 w[DEPTH];
   uint4 xs[kXDepth][M_TILES];
@@ -548,10 +490,11 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
   for (int u = 0; u < kXDepth; ++u) load_x(u, begin + u);
 
   // Stage the scales and zeros of this warp's groups, 4 columns (8 bytes) a load, with
-  // several loads in flight per lane.
-  __half* group_consts = reinterpret_cast<__half*>(staged) + warp * args.groups_per_warp * 2 * kMmaCols;
-  const int first_group = begin / chunks_per_group;
+  // several loads in flight per lane. Neighbouring warps may both write a group they
+  // share, with the same values.
+  const int groups = p.k / p.group_size;
   if (begin < end) {
+    const int first_group = begin / chunks_per_group;
     const int entries = ((end - 1) / chunks_per_group - first_group + 1) * 16;
     constexpr int kStageLoads = 8;
     for (int base = lane; base < entries; base += kStageLoads * kWarpSize) {
@@ -560,7 +503,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
       for (int j = 0; j < kStageLoads; ++j) {
         const int i = base + j * kWarpSize;
         const int grp = first_group + i / 16, part = i % 16;
-        const int col = col_base + 4 * (part % 8);
+        const int col = blockIdx.x * kMmaCols + 4 * (part % 8);
         const __half* src = part < 8 ? static_cast<const __half*>(p.zeros) + static_cast<int64_t>(grp) * p.zeros_stride
                                      : static_cast<const __half*>(p.scales) + static_cast<int64_t>(grp) * p.scales_stride;
         v[j] = i < entries && col < p.n ? *reinterpret_cast<const uint2*>(src + col) : make_uint2(0, 0);
@@ -568,14 +511,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
 #pragma unroll
       for (int j = 0; j < kStageLoads; ++j) {
         const int i = base + j * kWarpSize;
-        if (i < entries) *reinterpret_cast<uint2*>(group_consts + (i / 16 * 2 + i % 16 / 8) * kMmaCols + 4 * (i % 8)) = v[j];
+        const int grp = first_group + i / 16, part = i % 16;
+        if (i < entries) *reinterpret_cast<uint2*>(group_consts + (2 * grp + part / 8) * kMmaCols + 4 * (part % 8)) = v[j];
       }
     }
   }
   __syncwarp();
   auto group_at = [&](int grp) {
-    const __half* at = group_consts + 2 * (grp - first_group) * kMmaCols + 4 * g;
-    return make_group(*reinterpret_cast<const uint2*>(at), *reinterpret_cast<const uint2*>(at + kMmaCols));
+    return make_group(*reinterpret_cast<const uint2*>(group_consts + 2 * grp * kMmaCols + 4 * g),
+                      *reinterpret_cast<const uint2*>(group_consts + (2 * grp + 1) * kMmaCols + 4 * g));
   };
 
   float acc[M_TILES][2][4], total[2][4];
@@ -597,9 +541,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
         acc[0][t][r] = 0.f;
       }
   };
-  int group = first_group;
+  int group = begin / chunks_per_group;
   int group_end = (group + 1) * chunks_per_group;  // first chunk past this group
-  MmaGroup grp = begin < end ? group_at(group) : make_group(make_uint2(0, 0), make_uint2(0, 0));
+  MmaGroup grp = group_at(imin(group, groups - 1));
   for (int base = begin; base < end; base += DEPTH) {
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
@@ -619,48 +563,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
   }
   if (!kScaled) flush(grp);
 
-  // D entry r of tile t: column 4g + 2t + r / 2, x row 8 mt + 2c + r % 2.
+  // D entry r of tile t: column 4g + 2t + r / 2, x row 8 mt + 2c + r % 2. The warps' sums
+  // meet in shared memory, 8 rows at a time.
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
-  if (SPLIT_N) {
-    const int split = blockIdx.y;
-    const bool last = split == args.k_splits - 1;
-    int* counter = args.scratch.counters + blockIdx.x;
-    if (split > 0) {  // wait for the previous split of these columns
-      if (threadIdx.x == 0) {
-        while (atomicAdd(counter, 0) != split) {
-        }
-      }
-      __syncthreads();
-      __threadfence();
-    }
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int m = 8 * mt + 2 * c + r % 2;
-          const int n = col0 + 2 * t + r / 2;
-          if (m >= p.m || !active) continue;
-          float v = kScaled ? acc[mt][t][r] : total[t][r];
-          float* ws = args.scratch.workspace + static_cast<int64_t>(m) * p.n + n;
-          if (split > 0) v += __ldcg(ws);
-          if (!last) {
-            *ws = v;
-          } else {
-            if (bias != nullptr) v += __half2float(bias[n]);
-            out[m * p.out_stride + n] = __float2half_rn(v);
-          }
-        }
-    if (args.k_splits > 1) {
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) atomicExch(counter, last ? 0 : split + 1);
-    }
-    return;
-  }
-  float (*partial)[8][kMmaCols] = reinterpret_cast<float (*)[8][kMmaCols]>(staged);
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
     if (8 * mt >= p.m) break;
@@ -675,7 +581,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
     for (int i = threadIdx.x; i < 8 * kMmaCols; i += WARPS * kWarpSize) {
       const int m = 8 * mt + i / kMmaCols;
       const int col = i % kMmaCols;
-      const int n = col_base + col;
+      const int n = blockIdx.x * kMmaCols + col;
       if (m >= p.m || n >= p.n) continue;
       float v = 0.f;
 #pragma unroll
@@ -686,75 +592,43 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
   }
 }
 
-#ifdef AG_QGEMV_MMA_WARPS
-constexpr int kMmaNarrowWarps = AG_QGEMV_MMA_WARPS, kMmaWideWarps = AG_QGEMV_MMA_WARPS;
-#else
-constexpr int kMmaNarrowWarps = 16, kMmaWideWarps = 8;
-#endif
-
-inline MmaPlan plan_quant_gemv_mma(const QuantGemvParams& p, int num_sms) {
-  return plan_quant_gemv_mma(p, num_sms, kMmaNarrowWarps, kMmaWideWarps);
-}
-
 // Whether the tensor-core kernel takes `p`: at most 64 rows, whole chunks and groups of
-// them, 8-byte aligned scales and zeros (4 columns a load), and its shared memory within
-// the default limit.
-inline bool quant_gemv_4bit_mma_ok(const QuantGemvParams& p, int num_sms) {
+// them, 8-byte aligned scales and zeros (4 columns a load), and the staged scales and
+// zeros within the default shared-memory limit.
+inline bool quant_gemv_4bit_mma_ok(const QuantGemvParams& p) {
   const auto aligned8 = [](const void* ptr, int64_t stride) {
     return reinterpret_cast<uintptr_t>(ptr) % 8 == 0 && stride % 4 == 0;
   };
   return p.m >= 1 && p.m <= kMmaMaxRows && p.k % kMmaChunk == 0 && p.group_size % kMmaChunk == 0 &&
          p.k % p.group_size == 0 && aligned8(p.scales, p.scales_stride) && aligned8(p.zeros, p.zeros_stride) &&
-         plan_quant_gemv_mma(p, num_sms).smem <= kMmaMaxSmem;
+         quant_gemv_mma_smem(p, kMmaMaxWarps) <= kMmaMaxSmem;
 }
 
-// Floats of fp32 workspace the tensor-core kernel needs for `p` (0: none).
-inline int64_t quant_gemv_4bit_workspace(const QuantGemvParams& p, int num_sms) {
-  const MmaPlan plan = plan_quant_gemv_mma(p, num_sms);
-  return plan.split_n && plan.k_splits > 1 ? static_cast<int64_t>(p.m) * p.n : 0;
+template <int M_TILES, int WARPS, int DEPTH>
+void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
+  void (*kernel)(const QuantGemvParams) = quant_gemv_4bit_mma_kernel<M_TILES, WARPS, DEPTH>;
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kMmaCols)), dim3(WARPS * kWarpSize), quant_gemv_mma_smem(p, WARPS),
+                   stream, p);
 }
 
-// Block columns of the tensor-core kernel for `p`: the counters it needs.
-inline int quant_gemv_4bit_counters(const QuantGemvParams& p, int num_sms) {
-  return plan_quant_gemv_mma(p, num_sms).col_blocks;
-}
-
-template <int M_TILES, int WARPS, bool SPLIT_N>
-void launch_quant_gemv_4bit_mma(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
-  void (*kernel)(const MmaArgs) = quant_gemv_4bit_mma_kernel<M_TILES, WARPS, AG_QGEMV_MMA_DEPTH, SPLIT_N>;
-  AG_LAUNCH_KERNEL(kernel, dim3(plan.col_blocks, plan.k_splits), dim3(WARPS * kWarpSize), plan.smem, stream, args);
-}
-
-template <int M_TILES>
-void launch_quant_gemv_4bit_mma_rows(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
-  if (plan.split_n) {
-    launch_quant_gemv_4bit_mma<M_TILES, kMmaWideWarps, true>(args, plan, stream);
-    return;
-  }
-  if constexpr (M_TILES <= 4) {  // the narrow shape only up to 32 rows (see plan_quant_gemv_mma)
-    if (plan.warps == kMmaNarrowWarps) {
-      launch_quant_gemv_4bit_mma<M_TILES, kMmaNarrowWarps, false>(args, plan, stream);
-      return;
-    }
-  }
-  launch_quant_gemv_4bit_mma<M_TILES, kMmaWideWarps, false>(args, plan, stream);
-}
-
-// tensor_cores: the device has mma.sync for fp16 (sm_80+); scratch: the workspace and
-// counters the tensor-core kernel asks for (quant_gemv_4bit_workspace / _counters).
-inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores,
-                                   const MmaScratch& scratch = MmaScratch()) {
-  if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p, scratch.num_sms)) {
-    const MmaPlan plan = plan_quant_gemv_mma(p, scratch.num_sms);
-    const MmaArgs args{p, scratch, plan.k_splits, plan.range_chunks, plan.groups_per_warp};
+// tensor_cores: the device has mma.sync for fp16 (sm_80+).
+inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores) {
+  if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {
+#ifdef AG_QGEMV_MMA_WARPS
+    constexpr int kNarrowWarps = AG_QGEMV_MMA_WARPS, kWideWarps = AG_QGEMV_MMA_WARPS;
+#else
+    constexpr int kNarrowWarps = 16, kWideWarps = 8;
+#endif
+    constexpr int D = AG_QGEMV_MMA_DEPTH;
+    const bool narrow = p.n < kQuantWideN;
     if (p.m <= 8) {
-      launch_quant_gemv_4bit_mma_rows<1>(args, plan, stream);
+      narrow ? launch_quant_gemv_4bit_mma<1, kNarrowWarps, D>(p, stream) : launch_quant_gemv_4bit_mma<1, kWideWarps, D>(p, stream);
     } else if (p.m <= 16) {
-      launch_quant_gemv_4bit_mma_rows<2>(args, plan, stream);
+      narrow ? launch_quant_gemv_4bit_mma<2, kNarrowWarps, D>(p, stream) : launch_quant_gemv_4bit_mma<2, kWideWarps, D>(p, stream);
     } else if (p.m <= 32) {
-      launch_quant_gemv_4bit_mma_rows<4>(args, plan, stream);
+      narrow ? launch_quant_gemv_4bit_mma<4, kNarrowWarps, D>(p, stream) : launch_quant_gemv_4bit_mma<4, kWideWarps, D>(p, stream);
     } else {
-      launch_quant_gemv_4bit_mma_rows<8>(args, plan, stream);
+      launch_quant_gemv_4bit_mma<8, kWideWarps, D>(p, stream);
     }
     return true;
   }

@@ -31,8 +31,4 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t kernel);
 
-// How many rows (up to 64) quant_gemv_4bit's tensor-core kernel takes for a K x N weight
-// with this group size on `device` (given aligned scales and zeros); 0 where it takes none.
-int64_t quant_gemv_4bit_mma_rows(int64_t k, int64_t n, int64_t group_size, int64_t device);
-
 }  // namespace asyncgen

@@ -170,8 +170,8 @@ def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size, tensor_core
     x = torch.randn(m, k, generator=g).half()
     bias = torch.randn(n, generator=g).half()
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
-    plan = emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, bias, tensor_cores=tensor_cores)
-    assert (plan is not None) == (tensor_cores and k % 32 == 0 and group_size % 32 == 0)
+    used_mma = emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, bias, tensor_cores=tensor_cores)
+    assert used_mma == (tensor_cores and k % 32 == 0 and group_size % 32 == 0)
     ref = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias)
     exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float() + bias.float()
     assert relative_error(out, exact) < 2e-3
@@ -179,16 +179,14 @@ def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size, tensor_core
 
 
 @pytest.mark.parametrize(
-    "m, n, k, group_size, split_n, k_splits",
+    "m, n, k, group_size",
     [
-        (9, 40, 512, 64, False, 1),      # 2 tiles of x rows, the second with one row; warps split K
-        (32, 36, 384, 128, False, 1),    # 4 full tiles; a partial block of columns
-        (33, 72, 768, 64, True, 3),      # warps own columns (a partial last one); 8 chunks a split
-        (61, 64, 256, 32, True, 1),      # 8 tiles, the last partial; a group every chunk; one split
-        (64, 264, 832, 64, True, 3),     # 2 column blocks, the last with one warp busy; splits of 9 chunks (8 last) from mid-group
+        (9, 40, 512, 64),    # 2 tiles of x rows, the second with one row
+        (32, 36, 384, 128),  # 4 full tiles; a partial block of columns
+        (61, 64, 256, 32),   # 8 tiles, the last partial; a group every chunk
     ],
 )
-def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_size, split_n, k_splits):
+def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_size):
     from asyncgen._ops import quant_reference as qref
 
     g = torch.Generator().manual_seed(m * n + k)
@@ -197,11 +195,9 @@ def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_siz
     scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
     zeros = torch.randint(0, 16, (groups, n), generator=g).half()
     x = torch.randn(m, k, generator=g).half()
-    bias = torch.randn(n, generator=g).half()
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
-    plan = emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, bias, num_sms=8)
-    assert plan is not None and (plan["split_n"], plan["k_splits"]) == (split_n, k_splits)
-    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float() + bias.float()
+    assert emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size)
+    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
     assert relative_error(out, exact) < 2e-3
     with pytest.raises(AssertionError, match="too many rows"):  # the CUDA-core kernel stops at 8
         emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False)

@@ -309,6 +309,7 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
 
 GEMV_MAX_ROWS = 8  # the most rows of x the csrc GEMV kernels take
 QUANT_MMA_MAX_ROWS = 64  # the most rows of x the csrc 4-bit kernel takes on tensor cores
+_MMA_SMEM_LIMIT = 48 * 1024  # bytes: its staged scales and zeros, 128 per group
 
 
 def _aligned_rows(t: torch.Tensor) -> bool:
@@ -420,18 +421,21 @@ def quant_gemv_4bit_max_rows(
 ) -> int:
     """How many rows of ``x`` :func:`quant_gemv_4bit` takes with this packed weight: 0 where
     :func:`quant_gemv_4bit_weight_ok` is false; :data:`QUANT_MMA_MAX_ROWS` where its
-    tensor-core kernel takes every row count (an sm_80+ GPU, K and the group size multiples
-    of 32, 8-byte aligned scales and zeros, its staged scales within 48 KiB of shared
-    memory: the extension answers for the shape); else :data:`GEMV_MAX_ROWS`."""
+    tensor-core kernel applies (an sm_80+ GPU, K and the group size multiples of 32,
+    8-byte aligned scales and zeros, at most 384 groups); else :data:`GEMV_MAX_ROWS`."""
     if not quant_gemv_4bit_weight_ok(qweight, scales, zeros, bits, group_size, g_idx, bias):
         return 0
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    k = qweight.shape[0] * 8
     size = group_size if group_size > 0 else k
-    aligned = k % 32 == 0 and size % 32 == 0 and k % size == 0 and all(
-        t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros)
+    mma = (
+        torch.cuda.get_device_capability(qweight.device)[0] >= 8
+        and k % 32 == 0
+        and size % 32 == 0
+        and k % size == 0
+        and (k // size) * 128 <= _MMA_SMEM_LIMIT
+        and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
     )
-    rows = _extension().quant_gemv_4bit_mma_rows(k, n, size, qweight.device.index or 0) if aligned else 0
-    return QUANT_MMA_MAX_ROWS if rows >= QUANT_MMA_MAX_ROWS else GEMV_MAX_ROWS
+    return QUANT_MMA_MAX_ROWS if mma else GEMV_MAX_ROWS
 
 
 def quant_gemv_4bit_supported(

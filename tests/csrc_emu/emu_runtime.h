@@ -208,18 +208,3 @@ T __shfl_sync(unsigned mask, T value, int source_lane, int width = 32) {
 }
 
 inline float __expf(float x) { return std::exp(x); }
-
-// Blocks run one at a time, start to finish: atomics are plain read-modify-writes and
-// fences have nothing to order.
-inline int atomicAdd(int* address, int value) {
-  const int old = *address;
-  *address = old + value;
-  return old;
-}
-inline int atomicExch(int* address, int value) {
-  const int old = *address;
-  *address = value;
-  return old;
-}
-inline void __threadfence() {}
-inline float __ldcg(const float* address) { return *address; }

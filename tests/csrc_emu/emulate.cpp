@@ -49,33 +49,11 @@ int ag_dense_gemv(const DenseGemvParams* p, int dtype) {
 
 // tensor_cores: 1 lets the launcher pick the mma kernel where it takes the shape, 0 keeps
 // the CUDA-core kernel. Returns 0 on success.
-// num_sms stands in for the GPU's SM count, which decides how K is split across blocks.
-int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores, int num_sms) {
-  asyncgen::MmaScratch scratch;
-  scratch.num_sms = num_sms;
-  std::vector<float> workspace(static_cast<size_t>(asyncgen::quant_gemv_4bit_workspace(*p, num_sms)),
-                               std::nanf(""));  // never read before it is written
-  std::vector<int> counters(static_cast<size_t>(asyncgen::quant_gemv_4bit_counters(*p, num_sms)), 0);
-  scratch.workspace = workspace.data();
-  scratch.counters = counters.data();
-  if (!asyncgen::launch_quant_gemv_4bit(*p, nullptr, tensor_cores != 0, scratch)) return 1;
-  for (int c : counters) {
-    if (c != 0) return 2;  // the last split resets every counter
-  }
-  return 0;
+int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
+  return asyncgen::launch_quant_gemv_4bit(*p, nullptr, tensor_cores != 0) ? 0 : 1;
 }
 
-int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p, int num_sms) {
-  return asyncgen::quant_gemv_4bit_mma_ok(*p, num_sms) ? 1 : 0;
-}
-
-// The tensor-core kernel's plan for `p`: {split_n, k_splits, warps}.
-void ag_quant_gemv_4bit_plan(const QuantGemvParams* p, int num_sms, int* out) {
-  const asyncgen::MmaPlan plan = asyncgen::plan_quant_gemv_mma(*p, num_sms);
-  out[0] = plan.split_n;
-  out[1] = plan.k_splits;
-  out[2] = plan.warps;
-}
+int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }

@@ -149,10 +149,8 @@ class Emulator:
         assert lib.ag_sizeof_dense_gemv_params() == ctypes.sizeof(DenseGemvParams)
         assert lib.ag_sizeof_quant_gemv_params() == ctypes.sizeof(QuantGemvParams)
         lib.ag_dense_gemv.argtypes = [ctypes.POINTER(DenseGemvParams), ctypes.c_int]
-        lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int, ctypes.c_int]
-        lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
-        lib.ag_quant_gemv_4bit_plan.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int,
-                                                ctypes.POINTER(ctypes.c_int * 3)]
+        lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
+        lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
 
@@ -212,21 +210,14 @@ class Emulator:
         )
         assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "too many rows"
 
-    def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, tensor_cores=True, num_sms=8):
+    def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, tensor_cores=True):
         """out = x @ dequant(qweight) (+ bias), fp16, 4-bit codes packed along K. With
         ``tensor_cores`` the launcher takes the mma kernel where it accepts the shape (as on
-        sm_80+), planning its K split for ``num_sms`` SMs; returns None for the CUDA-core
-        kernel, else the mma kernel's plan {split_n, k_splits, warps}."""
+        sm_80+); returns whether it did."""
         p = QuantGemvParams(
             _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
             out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
             x.shape[0], qweight.shape[1], x.shape[1], group_size,
         )
-        rc = self.lib.ag_quant_gemv_4bit(ctypes.byref(p), int(tensor_cores), num_sms)
-        assert rc != 1, "too many rows"
-        assert rc == 0, "a split counter was left set"
-        if not (tensor_cores and self.lib.ag_quant_gemv_4bit_mma_ok(ctypes.byref(p), num_sms)):
-            return None
-        plan = (ctypes.c_int * 3)()
-        self.lib.ag_quant_gemv_4bit_plan(ctypes.byref(p), num_sms, ctypes.byref(plan))
-        return {"split_n": bool(plan[0]), "k_splits": plan[1], "warps": plan[2]}
+        assert self.lib.ag_quant_gemv_4bit(ctypes.byref(p), int(tensor_cores)) == 0, "too many rows"
+        return bool(tensor_cores and self.lib.ag_quant_gemv_4bit_mma_ok(ctypes.byref(p)))
