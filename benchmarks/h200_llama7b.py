@@ -190,18 +190,19 @@ def profile_steps(engine) -> dict:
 
     runner = engine._runner
     bs = runner.block_size
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # CPU: a smoke run
     greedy = SamplingParams(temperature=0, max_tokens=10)
     result = {}
 
     def kernels(step, reps=3) -> list:
         for _ in range(2):
             runner.execute(step)
-        torch.cuda.synchronize()
+        sync()
         activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
         with profile(activities=activities) as prof:
             for _ in range(reps):
                 runner.execute(step)
-            torch.cuda.synchronize()
+            sync()
         rows = []
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -238,11 +239,11 @@ def profile_steps(engine) -> dict:
         again = SchedulerOutput([ScheduledSeq(rid, [7] * (prompt - start), start, table, True)], [], [], prompt - start, [])
         for _ in range(2):
             runner.execute(again)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(5):
             runner.execute(again)
-        torch.cuda.synchronize()
+        sync()
         timings[name] = (time.perf_counter() - t0) / 5 * 1000
         if name == "over_cached_prefix":
             rows = kernels(again)

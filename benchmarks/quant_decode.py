@@ -16,6 +16,10 @@ Usage (a CUDA machine; no network)::
 
     PYTHONPATH=. python benchmarks/quant_decode.py --tokenizer DIR [--quick] [--layers N]
 
+``--profile`` also prints each model's kernel times in one eager decode step at batch 1
+(and a prompt step over a cached prefix), as ``h200_llama7b.py --profile`` does for fp16;
+``--only awq`` (or ``fp16``) serves one of the two models.
+
 DIR holds any tokenizer whose vocabulary covers ids < 32000 (SmolLM2's works); without
 ``--tokenizer`` a word-level tokenizer is written. ``--quick`` shrinks the model (4 layers)
 and the runs for a smoke test; ``--device cpu`` runs that smoke test on the CPU (dense
@@ -130,7 +134,7 @@ def write_checkpoint(directory: Path, cfg: dict, awq: bool, device: str, tokeniz
 
 # --- one model, in its own process -----------------------------------------------------------------------
 async def measure(path: str, device: str, prompt_len: int, single_tokens: int, batches: tuple[int, ...],
-                  batch_tokens: int) -> dict:
+                  batch_tokens: int, profile: bool = False) -> dict:
     import anyio
 
     from asyncgen import AsyncEngine, SamplingParams
@@ -140,9 +144,11 @@ async def measure(path: str, device: str, prompt_len: int, single_tokens: int, b
     prompts = torch.randint(3, 32000, (batch, prompt_len), generator=gen).tolist()
     res = {}
     t0 = time.perf_counter()
-    kwargs = dict(gpu_memory_utilization=0.85) if device == "cuda" else dict(kv_cache_memory=1 << 28)
+    # (the profile's prompt step uses block ids past 1,000)
+    kwargs = dict(gpu_memory_utilization=0.85) if device == "cuda" else dict(kv_cache_memory=1 << (30 if profile else 28))
     engine = AsyncEngine.from_pretrained(
-        path, device=device, dtype="float16" if device == "cuda" else "float32", max_model_len=1024,
+        path, device=device, dtype="float16" if device == "cuda" else "float32",
+        max_model_len=2048 if profile else 1024,  # the profile's prompt step has 1,070 tokens
         max_num_seqs=max(batch, 1), max_num_batched_tokens=max(4096, batch * prompt_len), **kwargs,
     )
     await engine.start()
@@ -179,6 +185,11 @@ async def measure(path: str, device: str, prompt_len: int, single_tokens: int, b
             res[f"batch{size}_tokens_per_s"] = sorted(rates)[1]
             res[f"batch{size}_runs_tokens_per_s"] = rates
         res["batch"] = batch
+        if profile:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from h200_llama7b import profile_steps
+
+            res["profile"] = await engine._device.run(profile_steps, engine)
     finally:
         await engine.aclose()
     return res
@@ -192,6 +203,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default="quant_decode.json")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--profile", action="store_true", help="also print kernel times of one decode step")
+    ap.add_argument("--only", choices=["awq", "fp16"], default=None, help="serve only this model")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one model's runs
     args = ap.parse_args()
     quick = args.quick or args.device == "cpu"
@@ -204,7 +217,8 @@ def main() -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
 
-        res = anyio.run(measure, args.measure, args.device, prompt_len, single_tokens, batches, batch_tokens)
+        res = anyio.run(measure, args.measure, args.device, prompt_len, single_tokens, batches, batch_tokens,
+                        args.profile)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -219,6 +233,8 @@ def main() -> int:
         results["gpu"] = torch.cuda.get_device_name()
     try:
         for name, awq in (("awq", True), ("fp16", False)):
+            if args.only and name != args.only:
+                continue
             t0 = time.perf_counter()
             linear_bytes = write_checkpoint(work / name, cfg, awq, args.device, args.tokenizer)
             if args.device == "cuda":
@@ -228,6 +244,8 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--measure", str(work / name), "--device", args.device]
             if args.quick:
                 cmd.append("--quick")
+            if args.profile:
+                cmd.append("--profile")
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
@@ -237,13 +255,20 @@ def main() -> int:
             for line in proc.stderr.splitlines():  # the engine's choices at start
                 if any(s in line for s in ("csrc GEMV", "4-bit kernels", "KV cache", "CUDA graphs")):
                     print(f"{name}: {line}", flush=True)
+            if args.profile:
+                for line in proc.stdout.splitlines():
+                    if not line.startswith("RESULT "):
+                        print(f"{name}: {line}", flush=True)
             results[name] = {**json.loads(lines[-1][len("RESULT "):]), "linear_bytes": linear_bytes}
-            print(f"{name}: {results[name]}", flush=True)
+            summary = {k: v for k, v in results[name].items() if k != "profile"}
+            print(f"{name}: {summary}", flush=True)
             shutil.rmtree(work / name, ignore_errors=True)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.only:
+        return 0
 
     a, f = results["awq"], results["fp16"]
     key = f"batch{batch}_tokens_per_s"
