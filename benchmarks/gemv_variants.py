@@ -70,24 +70,9 @@ def _build_in_child(variant: str) -> str:
 
 def graph_us(calls) -> float:
     """Per-call time of ``calls`` (a list of thunks) replayed as one CUDA graph."""
-    for c in calls[:3]:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
-    return best
+    from asyncgen._ops.cuda_backend import graph_time_ms
+
+    return 1e3 * graph_time_ms(lambda call: call(), calls, passes=5)
 
 
 def main() -> int:

@@ -534,9 +534,9 @@ def _time_ms(fn, items) -> float:
     return best
 
 
-def graph_time_ms(fn, items) -> float:
+def graph_time_ms(fn, items, passes: int = 3) -> float:
     """Per-item device time of ``fn(item)`` over ``items``, captured once as a CUDA graph
-    and replayed (best of a few), so that launch costs on the host do not hide the
+    and replayed (best of ``passes``), so that launch costs on the host do not hide the
     kernels' own time."""
     for item in items[:2]:
         fn(item)  # compiles and tunes outside the capture
@@ -547,14 +547,13 @@ def graph_time_ms(fn, items) -> float:
             fn(item)
     graph.replay()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(passes):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / len(items))
-    del graph
     return best
 
 

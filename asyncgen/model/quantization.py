@@ -218,9 +218,9 @@ class _Segment:
     perm: Optional[torch.Tensor]  # [K] int64: weight row k multiplies input column perm[k]
     g_idx: Optional[torch.Tensor]  # [K] int32 group of each (permuted) row; None: k // group_size
     # Kernel "cuda": which kernel takes x of m rows is route[m] (TRITON past its end), see
-    # QuantLinearMethod.choose_kernels; tensor_cores: the csrc tensor-core kernel takes the columns.
+    # QuantLinearMethod.choose_kernels; its length - 1 is the most rows the csrc kernels
+    # take with these columns (past 8: the tensor-core kernel takes them).
     route: tuple[int, ...] = ()
-    tensor_cores: bool = False
 
 
 @dataclasses.dataclass
@@ -385,11 +385,9 @@ class QuantLinearMethod(LinearMethod):
                 weight, bias = self._columns(layer, seg)
                 rows = min(cuda_backend.quant_gemv_4bit_max_rows(*weight, bits, size, seg.g_idx, bias),
                            CUDA_GEMV_MAX_ROWS)
-                seg.tensor_cores = rows > cuda_backend.GEMV_MAX_ROWS
                 # Until timed: the tensor-core kernel where it applies, else the CUDA-core one.
-                seg.route = (TRITON,) + tuple(
-                    TRITON if m > rows else TENSOR_CORES if seg.tensor_cores else CUDA_CORES for m in range(1, rows + 1)
-                )
+                default = TENSOR_CORES if rows > cuda_backend.GEMV_MAX_ROWS else CUDA_CORES
+                seg.route = (TRITON,) + (default,) * rows
 
     @staticmethod
     def _columns(layer: LinearBase, seg: _Segment) -> tuple[tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
@@ -430,8 +428,7 @@ class QuantLinearMethod(LinearMethod):
         if kernel != TRITON:
             from .._ops import cuda_backend
 
-            max_rows = cuda_backend.QUANT_MMA_MAX_ROWS if kernel == TENSOR_CORES else cuda_backend.GEMV_MAX_ROWS
-            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, max_rows):
+            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, len(seg.route) - 1):
                 return cuda_backend.launch_quant_gemv_4bit(
                     x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel
                 )
@@ -466,16 +463,17 @@ class QuantLinearMethod(LinearMethod):
                     continue
                 (qweight, scales, zeros), bias = method._columns(layer, seg)
                 key = (qweight.shape[0] * 8, qweight.shape[1], layer.quant_group_size, seg.perm is not None)
-                by_shape.setdefault(key + (seg.tensor_cores,), []).append(
+                by_shape.setdefault(key + (len(seg.route) - 1,), []).append(
                     (method, seg, (qweight, scales, zeros), bias, layer.quant_group_size)
                 )
         chosen = {}
         for key, items in by_shape.items():
-            k, tensor_cores = key[0], key[-1]
+            k, max_rows = key[0], key[-1]
+            tensor_cores = max_rows > cuda_backend.GEMV_MAX_ROWS
             device, dtype = items[0][2][0].device, items[0][2][1].dtype
             route, picks, done = [TRITON] * (CUDA_GEMV_MAX_ROWS + 1), [], 0
             for m in ROUTE_ROWS:
-                if m > len(items[0][1].route) - 1:
+                if m > max_rows:
                     break
                 x = torch.randn(m, k, dtype=dtype, device=device)
                 out = torch.empty(m, max(it[2][0].shape[1] for it in items), dtype=dtype, device=device)
