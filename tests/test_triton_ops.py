@@ -355,8 +355,38 @@ def test_paged_attention_split_k_chosen_automatically():
     assert_close(actual, expected, torch.float16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_paged_attention_prefill_split_k(dtype, num_splits):
+    # The general kernel with its context split: chunks after a long cached prefix, a
+    # prompt from scratch (its early tiles see no keys in most splits), a decode row, an
+    # idle sequence, and query tiles that end mid-tile.
+    q_lens, seq_lens = [19, 1, 0, 40, 5], [300, 170, 12, 40, 517]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+                                 block_size=16, dtype=dtype, seed=21)
+    actual, expected = run_both(batch, max_query_len=max(q_lens), num_splits=num_splits)
+    assert_close(actual, expected, dtype)
+
+
+def test_paged_attention_prefill_split_k_chosen_automatically():
+    from asyncgen._ops.triton_paged_attention import _general_config, _prefill_splits
+
+    block_m, block_n = _general_config(128, 1, 128, torch.float16)[:2]
+    # 7B shapes on 132 SMs: 78 queries over a cached context of 4096 are split; a prompt of
+    # 2048 tokens fills the GPU alone; a context of two tiles is not worth splitting.
+    assert _prefill_splits(78, 32, 32, 128, block_m, 4096, block_n, 132) > 1
+    assert _prefill_splits(2048, 32, 32, 128, 128, 4096, block_n, 132) == 1
+    assert _prefill_splits(78, 32, 32, 128, block_m, 2 * block_n, block_n, 132) == 1
+    # The partials stay under their byte budget.
+    assert _prefill_splits(1024, 64, 1, 128, 128, 1 << 16, block_n, 132) * 1024 * 64 * 130 * 4 <= 64 << 20
+    batch = make_attention_batch([7, 3], [700, 1000], num_heads=4, num_kv_heads=1, head_dim=64,
+                                 block_size=16, dtype=torch.float16, seed=22)
+    actual, expected = run_both(batch, max_query_len=7)
+    assert_close(actual, expected, torch.float16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_query_len,num_splits", [(None, None), (1, 1), (1, 4)])
+@pytest.mark.parametrize("max_query_len,num_splits", [(None, None), (None, 3), (1, 1), (1, 4)])
 def test_paged_attention_sliding_window(dtype, max_query_len, num_splits):
     window = 24
     if max_query_len == 1:
@@ -448,7 +478,7 @@ def test_paged_attention_rejects_bad_arguments(change, name):
     "kwargs,name",
     [
         (dict(sliding_window=0), "sliding_window"),
-        (dict(num_splits=4), "max_query_len"),
+        (dict(num_splits=0), "num_splits"),
         (dict(max_query_len=-1), "max_query_len"),
         (dict(out=torch.empty(3, 4, 32, dtype=torch.float32)), "out"),
     ],

@@ -25,17 +25,20 @@ tile is ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, row ``r`` being query token
 
 Three kernels:
 
-- ``_paged_attention_kernel`` (any batch): grid ``(T // BLOCK_Q + B, num_kv_heads)``.
+- ``_paged_attention_kernel`` (any batch): grid ``(T // BLOCK_Q + B, num_kv_heads, num_splits)``.
   Sequence ``b`` owns the program ids from ``query_start_loc[b] // BLOCK_Q + b`` on, which
   leaves room for its ``ceil(q_len / BLOCK_Q)`` query tiles whatever the lengths; a
   program finds its sequence by counting the starts below its id (one vector load, no
   host sync) and exits when its tile is past the sequence's queries. Key tiles entirely
-  below every query row's position skip the causal mask.
+  below every query row's position skip the causal mask. When too few query tiles would
+  fill the GPU (a short chunk after a long cached prefix), the context is split as in
+  decode: a third grid axis of ``num_splits`` and partials per token.
 - ``_paged_decode_kernel`` (every sequence has at most one query, ``max_query_len=1``):
   grid ``(B, num_kv_heads, num_splits)``; the query tile is the head group padded to 16
   rows (masked), so ``tl.dot`` keeps shapes >= 16. With ``num_splits > 1`` (flash-decoding)
   split ``s`` takes key tiles ``s, s + num_splits, ...`` and writes a partial
-  ``(max, sum, unnormalised acc)`` that ``_reduce_splits_kernel`` combines. The
+  ``(max, sum, unnormalised acc)`` that ``_reduce_splits_kernel`` combines (per
+  sequence here, per token after the general kernel). The
   interleaved split is correct for any context length, so the split count may come from
   a hint without risk.
 
@@ -81,6 +84,7 @@ _LOG2E = 1.4426950408889634
 _SPLIT_TARGET_WAVES = 2
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
+_MAX_PARTIAL_BYTES = 64 << 20
 
 
 @triton.jit
@@ -156,11 +160,15 @@ def _paged_attention_kernel(
     q_ptr,  # [T, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     v_cache_ptr,
-    out_ptr,  # [T, num_heads, HEAD_DIM]
+    out_ptr,  # [T, num_heads, HEAD_DIM] (NUM_SPLITS == 1)
+    part_max_ptr,  # [T, num_heads, NUM_SPLITS] (NUM_SPLITS > 1)
+    part_sum_ptr,  # [T, num_heads, NUM_SPLITS]
+    part_acc_ptr,  # [T, num_heads, NUM_SPLITS, HEAD_DIM]
     block_tables_ptr,  # [B, max_blocks_per_seq]
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]
     num_seqs,
+    num_heads,
     qk_scale,
     window,
     stride_qt,
@@ -182,6 +190,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -190,6 +199,7 @@ def _paged_attention_kernel(
     # longest programs start first and the short ones fill the tail.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     # Which sequence owns this program: the last one whose first program id is <= pid.
     offs_b = tl.arange(0, BLOCK_SEQS)
@@ -237,27 +247,36 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Split s takes the key tiles congruent to first_tile + s modulo NUM_SPLITS, as in
+    # the decode kernel; in the masked range its first one is the next such tile.
+    masked_first = full_tiles + (split - (full_tiles - first_tile) % NUM_SPLITS + NUM_SPLITS) % NUM_SPLITS
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, m_i, l_i = _attend_tiles(
-        q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile, full_tiles, 1, kv_lo, kv_hi, q_pos, window,
-        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+        q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, full_tiles, NUM_SPLITS, kv_lo, kv_hi,
+        q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
         BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
     acc, m_i, l_i = _attend_tiles(
-        q, acc, m_i, l_i, k_base, v_base, block_table_row, full_tiles, tl.cdiv(kv_hi, BLOCK_N), 1, kv_lo, kv_hi,
-        q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+        q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, tl.cdiv(kv_hi, BLOCK_N), NUM_SPLITS, kv_lo,
+        kv_hi, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
         BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    res = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
-        res.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None],
-    )
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        res = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
+            res.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None],
+        )
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_max_ptr + part, m_i, mask=row_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=row_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
 
 
 @triton.jit
@@ -371,23 +390,33 @@ def _reduce_splits_kernel(
     part_sum_ptr,  # [B, num_heads, NUM_SPLITS]
     part_acc_ptr,  # [B, num_heads, NUM_SPLITS, HEAD_DIM]
     query_start_loc_ptr,  # [B + 1]
+    num_seqs,
     num_heads,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # Row r of the partials is sequence r's one query token (decode kernel), or token r
+    # (general kernel, PER_TOKEN).
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
-    if q_len <= 0:
-        return
+    if PER_TOKEN:
+        if row >= tl.load(query_start_loc_ptr + num_seqs):
+            return
+        token = row.to(tl.int64)
+    else:
+        q_start = tl.load(query_start_loc_ptr + row).to(tl.int32)
+        q_len = tl.load(query_start_loc_ptr + row + 1).to(tl.int32) - q_start
+        if q_len <= 0:
+            return
+        token = q_start.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     split_mask = offs_s < NUM_SPLITS
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    part = (row.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=split_mask[:, None], other=0.0)
@@ -397,10 +426,7 @@ def _reduce_splits_kernel(
     total = tl.sum(w * l, axis=0)
     total = tl.where(total == 0.0, 1.0, total)
     res = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(
-        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-        res.to(out_ptr.dtype.element_ty),
-    )
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 # The interpreter multiplies bf16 wrongly (it stores bf16 as raw 16-bit integers), so there
@@ -459,6 +485,22 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int
     return min(wanted, by_length, _MAX_SPLITS)
 
 
+def _prefill_splits(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, block_q: int, max_context: int,
+    block_n: int, sms: int,
+) -> int:
+    """Context splits of the general kernel. A short chunk over a long cached context (a
+    prefix-cache hit: tens of queries after a thousand cached tokens) has few query tiles,
+    so few programs, each walking the whole context; splitting the context spreads it over
+    the SMs as in decode. The programs are counted as if one sequence held every token
+    (the fewest there can be), and the fp32 partials are kept under
+    ``_MAX_PARTIAL_BYTES``."""
+    splits = _num_splits(triton.cdiv(num_tokens, block_q), num_kv_heads, max_context, block_n, sms)
+    while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > _MAX_PARTIAL_BYTES:
+        splits //= 2
+    return splits
+
+
 def _check_hint(name: str, value: int | None, minimum: int) -> None:
     if value is None:
         return
@@ -489,14 +531,14 @@ def paged_attention(
     change the result; they are not checked against the tensors (that would need a sync):
 
     - ``max_query_len``: an upper bound on any sequence's query count this step. ``1``
-      (a decode-only batch) selects the decode kernel, the only one with split-K; ``None``
+      (a decode-only batch) selects the decode kernel; ``None``
       runs the general kernel, correct for every batch. Passing 1 when some sequence has
       more queries is an error the kernel cannot see: that sequence's rows come out wrong.
     - ``max_seq_len``: the longest ``seq_lens`` entry (or a bound on it), used only to
       size split-K; ``None`` falls back to ``block_tables.shape[1] * block_size``. Any
       value gives correct results; a fixed one keeps the launch capturable.
-    - ``num_splits``: force the decode split count (needs ``max_query_len=1``); ``None``
-      picks it from the batch shape and the device's SM count.
+    - ``num_splits``: force the number of context splits (split-K, either kernel);
+      ``None`` picks it from the shapes, these hints and the device's SM count.
 
     The launch configuration depends only on shapes, dtypes and these hints, so a call
     with fixed hints can be captured in a CUDA graph.
@@ -531,8 +573,6 @@ def paged_attention(
     _check_hint("max_query_len", max_query_len, 0)
     _check_hint("max_seq_len", max_seq_len, 0)
     _check_hint("num_splits", num_splits, 1)
-    if num_splits is not None and num_splits > 1 and max_query_len != 1:
-        raise ValueError("num_splits > 1 (split-K) needs a decode-only batch: pass max_query_len=1")
     check_out("out", out, tuple(q.shape), q.dtype)
     device = check_devices(
         _paged_attention_kernel, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -583,23 +623,28 @@ def paged_attention(
             num_stages=num_stages,
         )
         if num_splits > 1:
-            _reduce_splits_kernel[(num_seqs, num_heads)](
-                out, part_max, part_sum, part_acc, query_start_loc,
-                num_heads, stride_out[0], stride_out[1],
-                HEAD_DIM=head_dim,
-                NUM_SPLITS=num_splits,
-                BLOCK_S=next_power_of_2(num_splits),
-                num_warps=4 if head_dim * num_splits >= 4096 else 2,
-            )
+            _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs, False)
         return out
 
     group_pad = next_power_of_2(group)
     block_m, block_n, num_warps, num_stages = _general_config(head_dim, group_pad, max_query_len, q.dtype)
     block_q = block_m // group_pad
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if num_splits is None:
+        max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_context = min(max_context, sliding_window + block_m + block_n)
+        num_splits = _prefill_splits(num_tokens, num_heads, num_kv_heads, head_dim, block_q, max_context, block_n,
+                                     num_sms(device))
+    if num_splits > 1:
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    else:
+        part_max = part_sum = part_acc = out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        num_seqs, qk_scale, window,
+        q, k_cache, v_cache, out, part_max, part_sum, part_acc, block_tables, seq_lens, query_start_loc,
+        num_seqs, num_heads, qk_scale, window,
         stride_q[0], stride_q[1], stride_out[0], stride_out[1],
         *cache_strides, block_tables.stride(0),
         GROUP=group,
@@ -610,10 +655,29 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if num_splits > 1:
+        _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs, True)
     return out
+
+
+def _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs: int, per_token: bool) -> None:
+    """Combines split-K partials ``[rows, num_heads, num_splits(, head_dim)]`` into ``out``:
+    one row per sequence (decode) or per token (``per_token``)."""
+    rows, num_heads, num_splits = part_max.shape
+    head_dim = out.shape[2]
+    _reduce_splits_kernel[(rows, num_heads)](
+        out, part_max, part_sum, part_acc, query_start_loc,
+        num_seqs, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits),
+        PER_TOKEN=per_token,
+        num_warps=4 if head_dim * num_splits >= 4096 else 2,
+    )
