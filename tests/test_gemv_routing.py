@@ -178,3 +178,43 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
             assert seg.route[1] == CUDA_CORES
             assert set(seg.route[2:33]) == {TENSOR_CORES}
             assert set(seg.route[33:65]) == {TRITON} and len(seg.route) == 65
+
+
+def test_choose_dequant_rows_switches_where_dequantizing_wins_from_there_on(tmp_path, monkeypatch):
+    """QuantLinearMethod.choose_dequant_rows with the timer and kernels faked: the switch is
+    the smallest timed count from which dequantize-then-matmul won at every larger one, and
+    a shape where it lost at the largest count never switches."""
+    from test_quant_formats import VARIANTS, load_model, write_checkpoint
+
+    from asyncgen._ops import triton_quant_gemm
+    from asyncgen.model.quantization import DEQUANT_ROWS, QuantLinearMethod
+
+    calls = []
+    monkeypatch.setattr(triton_quant_gemm, "quant_gemm", lambda x, *a, out: calls.append(("gemm", x.shape[0])))
+    monkeypatch.setattr(triton_quant_gemm, "dequant_matmul", lambda x, *a, out: calls.append(("deq", x.shape[0])))
+    write_checkpoint(tmp_path / "awq", VARIANTS["awq-g64"])
+    model = load_model(tmp_path / "awq", "triton")
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None)]
+    widest = max(seg.end - seg.start for layer in layers for seg in layer.quant_segments)
+
+    def fake_time(fn, items):
+        calls.clear()
+        fn(items[0])
+        (kernel, m), = calls
+        n = items[0][2][0].shape[1]
+        if n == widest:  # dequantizing loses at the largest count: never
+            return 1.0 if kernel == "gemm" else 2.0
+        # Dequantizing wins at 64 rows, loses at 128, wins from 256 on: the switch is 256.
+        wins = m == 64 or m >= 256
+        return (2.0 if kernel == "gemm" else 1.0) if wins else (1.0 if kernel == "gemm" else 2.0)
+
+    monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
+    chosen = QuantLinearMethod.choose_dequant_rows(layers)
+    assert DEQUANT_ROWS[:3] == (64, 128, 256)
+    assert {key[1]: rows for key, rows in chosen.items()} == {
+        key[1]: (0 if key[1] == widest else 256) for key in chosen
+    }
+    assert len(set(chosen.values())) == 2
+    for layer in layers:
+        for seg in layer.quant_segments:
+            assert seg.dequant_rows == (0 if seg.end - seg.start == widest else 256)

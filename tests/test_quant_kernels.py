@@ -19,7 +19,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from asyncgen._ops import quant_reference as qref  # noqa: E402
-from asyncgen._ops.triton_quant_gemm import quant_gemm  # noqa: E402
+from asyncgen._ops.triton_quant_gemm import dequant_matmul, dequantize, quant_gemm  # noqa: E402
 from asyncgen._ops.triton_quant_gemv import MAX_ROWS, quant_gemv  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -113,6 +113,37 @@ def test_gemm_matches_reference(case, dtype):
     assert_matches(got, want, dtype, x, args)
 
 
+@pytest.mark.parametrize("case", CASES + GEMM_CASES[4:5])
+def test_dequantize_equals_reference(case):
+    # The same fp32 product rounded once to the scales' dtype: equal bit for bit.
+    _, k, n, bits, group, kind, _ = case
+    w, size = make_weights(k, n, bits, group, kind, seed=5)
+    got = dequantize(w["qweight"], w["scales"], w["zeros"], bits, size, w["g_idx"])
+    want = qref.dequantize(w["qweight"], w["scales"], w["zeros"], bits, size, w["g_idx"])
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_dequant_matmul_matches_reference(case, dtype):
+    m, k, n, bits, group, kind, bias = case
+    got, want, x, args = run_both(dequant_matmul, m, k, n, bits, group, dtype, kind, bias, seed=4)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_dequantize_checks_name_the_argument():
+    w, size = make_weights(128, 64, 4, 64)
+    with pytest.raises(ValueError, match="scales"):
+        dequantize(w["qweight"], w["scales"][:, :-1], w["zeros"], 4, size)
+    with pytest.raises(ValueError, match="group"):
+        dequantize(w["qweight"], w["scales"], w["zeros"], 4, 16)  # 8 groups of 16 rows; 2 given
+    with pytest.raises(ValueError, match="out"):
+        dequantize(w["qweight"], w["scales"], w["zeros"], 4, size, out=torch.empty(64, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bits"):
+        dequantize(w["qweight"], w["scales"], w["zeros"], 5, size)
+
+
 @pytest.mark.parametrize("case", [GEMM_CASES[1], GEMM_CASES[2], GEMM_CASES[4], GEMM_CASES[6]])
 def test_gemm_loading_each_row_of_words_matches_reference(monkeypatch, case):
     # The default unpacks each packed word once per tile where the tile lies in one
@@ -134,7 +165,7 @@ def test_gemm_at_one_row_equals_gemv():
     torch.testing.assert_close(g2, want, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("kernel", [quant_gemm, quant_gemv])
+@pytest.mark.parametrize("kernel", [quant_gemm, quant_gemv, dequant_matmul])
 def test_out_may_be_a_column_slice(kernel):
     """Fused layers whose parts differ in g_idx write each part into its columns."""
     w, size = make_weights(128, 96, 4, 64, "permuted")
@@ -179,5 +210,14 @@ def test_layers_on_the_kernels_match_dense(tmp_path, variant):
     gen = torch.Generator().manual_seed(0)
     for lt, ld in zip(layers, ref):
         for rows in (1, 6):
+            x = torch.randn(rows, ld.in_features, generator=gen)
+            torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
+    # Prompt-sized inputs dequantized for a dense matmul (as choose_dequant_rows sets on a
+    # GPU where that is faster): from 6 rows here, so 1 row stays on the kernels.
+    for lt in layers:
+        for seg in lt.quant_segments:
+            seg.dequant_rows = 6
+    for lt, ld in zip(layers, ref):
+        for rows in (1, 6, 9):
             x = torch.randn(rows, ld.in_features, generator=gen)
             torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)

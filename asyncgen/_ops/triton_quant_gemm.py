@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .triton_backend import FLOAT_DTYPES, INDEX_DTYPES, check_devices, check_shape, check_tensor, is_interpreted, num_sms
 
-__all__ = ["quant_gemm"]
+__all__ = ["dequant_matmul", "dequantize", "quant_gemm"]
 
 
 @triton.jit
@@ -202,27 +202,8 @@ def _quant_gemm_kernel(
 def check_quant_args(x, qweight, scales, zeros, bits, group_size, g_idx, perm, bias, out, kernel) -> tuple[int, int, int]:
     """Checks the arguments shared by the quantized GEMM and GEMV launchers; returns (M, N, K)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
-    check_tensor("scales", scales, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("zeros", zeros, ndim=2, dtypes=FLOAT_DTYPES)
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     m, k = x.shape
-    pack = 32 // bits
-    n = qweight.shape[1]
-    if k % pack:
-        raise ValueError(f"x has {k} columns, not a multiple of {pack} ({bits}-bit codes per int32)")
-    check_shape("qweight", qweight, (k // pack, n))
-    if not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"group_size must be a positive int (K for one group), got {group_size!r}")
-    num_groups = scales.shape[0]
-    check_shape("scales", scales, (num_groups, n))
-    check_shape("zeros", zeros, (num_groups, n))
-    if g_idx is None and -(-k // group_size) > num_groups:
-        raise ValueError(f"scales has {num_groups} groups; {k} rows in groups of {group_size} need {-(-k // group_size)}")
-    if g_idx is not None:
-        check_tensor("g_idx", g_idx, ndim=1, dtypes=(torch.int32,))
-        check_shape("g_idx", g_idx, (k,))
+    n = check_quant_weight(qweight, scales, zeros, bits, group_size, g_idx, k, "x has")
     if perm is not None:
         check_tensor("perm", perm, ndim=1, dtypes=INDEX_DTYPES)
         check_shape("perm", perm, (k,))
@@ -236,6 +217,136 @@ def check_quant_args(x, qweight, scales, zeros, bits, group_size, g_idx, perm, b
         kernel, x=x, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, perm=perm, bias=bias, out=out
     )
     return m, n, k
+
+
+def check_quant_weight(qweight, scales, zeros, bits, group_size, g_idx, k: int, k_source: str) -> int:
+    """Checks a packed weight of ``k`` input rows (``k_source`` says where that count came
+    from, for the messages); returns N."""
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
+    check_tensor("scales", scales, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("zeros", zeros, ndim=2, dtypes=FLOAT_DTYPES)
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    pack = 32 // bits
+    n = qweight.shape[1]
+    if k % pack:
+        raise ValueError(f"{k_source} {k} columns, not a multiple of {pack} ({bits}-bit codes per int32)")
+    check_shape("qweight", qweight, (k // pack, n))
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int (K for one group), got {group_size!r}")
+    num_groups = scales.shape[0]
+    check_shape("scales", scales, (num_groups, n))
+    check_shape("zeros", zeros, (num_groups, n))
+    if g_idx is None and -(-k // group_size) > num_groups:
+        raise ValueError(f"scales has {num_groups} groups; {k} rows in groups of {group_size} need {-(-k // group_size)}")
+    if g_idx is not None:
+        check_tensor("g_idx", g_idx, ndim=1, dtypes=(torch.int32,))
+        check_shape("g_idx", g_idx, (k,))
+    return n
+
+
+@triton.jit
+def _dequantize_kernel(
+    qweight_ptr,  # [K // pack, N] int32
+    scales_ptr,  # [G, N]
+    zeros_ptr,  # [G, N]
+    g_idx_ptr,  # [K] int32 (unused unless HAS_G_IDX)
+    out_ptr,  # [K, N], scales' dtype
+    N,
+    K,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_ok,
+    group_size,
+    BITS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    GROUP_PER_TILE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    k0 = tl.program_id(0) * BLOCK_K
+    rk = k0 + tl.arange(0, BLOCK_K)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask = rk < K
+    n_mask = rn < N
+    w = dequant_tile(
+        qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rk, rn, k_mask, n_mask, k0,
+        stride_qk, stride_sg, stride_zg, group_size, BITS, HAS_G_IDX, GROUP_PER_TILE,
+    )
+    tl.store(out_ptr + rk.to(tl.int64)[:, None] * stride_ok + rn[None, :], w, mask=k_mask[:, None] & n_mask[None, :])
+
+
+_DEQUANT_BLOCK_K, _DEQUANT_BLOCK_N = 32, 128
+
+
+def dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense weight ``W`` [K, N] in the dtype of ``scales``, as the reference
+    ``dequantize`` defines it (``group_size`` positive: K for one group). ``out``
+    (keyword-only): a preallocated contiguous [K, N] tensor of that dtype."""
+    k = qweight.shape[0] * (32 // bits) if bits in (4, 8) and qweight.dim() == 2 else 0
+    n = check_quant_weight(qweight, scales, zeros, bits, group_size, g_idx, k, "qweight unpacks to")
+    check_devices(_dequantize_kernel, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, out=out)
+    if out is None:
+        out = torch.empty(k, n, dtype=scales.dtype, device=qweight.device)
+    else:
+        check_tensor("out", out, ndim=2, dtypes=(scales.dtype,))
+        check_shape("out", out, (k, n))
+        if out.stride(1) != 1:
+            raise ValueError(f"out must have contiguous rows, got strides {tuple(out.stride())}")
+    if k == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(k, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
+    _dequantize_kernel[grid](
+        qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
+        n, k, qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0), group_size,
+        BITS=bits,
+        HAS_G_IDX=g_idx is not None,
+        GROUP_PER_TILE=group_per_tile(group_size, k, _DEQUANT_BLOCK_K, g_idx),
+        BLOCK_K=_DEQUANT_BLOCK_K,
+        BLOCK_N=_DEQUANT_BLOCK_N,
+        num_warps=4,
+    )
+    return out
+
+
+def dequant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`quant_gemm`'s product computed another way: the weight dequantized to a
+    dense [K, N] buffer (:func:`dequantize`), then a dense matmul (cuBLAS on CUDA). For
+    prompt-sized M the matmul runs at dense speed and the dequantization, a pass over the
+    weight that writes 2 bytes per weight, costs less than dequantizing inside every
+    output tile. Same arguments and result (to the matmul's summation order)."""
+    m, n, k = check_quant_args(x, qweight, scales, zeros, bits, group_size, g_idx, perm, bias, out, _dequantize_kernel)
+    w = dequantize(qweight, scales, zeros, bits, group_size, g_idx)
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    if perm is not None:
+        x = x.index_select(1, perm)
+    y = torch.mm(x, w) if bias is None else torch.addmm(bias.to(x.dtype), x, w)
+    if out is None:
+        return y
+    return out.copy_(y)
 
 
 def group_per_tile(group_size: int, k: int, block_k: int, g_idx) -> bool:

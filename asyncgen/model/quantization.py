@@ -78,6 +78,9 @@ CUDA_GEMV_MAX_ROWS = 64
 # and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
 TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
 ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+# Prompt-sized row counts at which the Triton 4-bit GEMM is timed against
+# dequantize-then-cuBLAS (QuantLinearMethod.choose_dequant_rows).
+DEQUANT_ROWS = (64, 128, 256, 512, 1024)
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field p of an AWQ word holds column ORDER[p]
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> offset added to stored zeros
@@ -221,6 +224,9 @@ class _Segment:
     # QuantLinearMethod.choose_kernels; its length - 1 is the most rows the csrc kernels
     # take with these columns (past 8: the tensor-core kernel takes them).
     route: tuple[int, ...] = ()
+    # x of at least this many rows (0: never) is multiplied by the weight dequantized to a
+    # dense buffer, through cuBLAS; see QuantLinearMethod.choose_dequant_rows.
+    dequant_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -424,6 +430,10 @@ class QuantLinearMethod(LinearMethod):
             out.copy_(y)
             return out
         m = x.shape[0]
+        if seg.dequant_rows and m >= seg.dequant_rows:
+            from .._ops.triton_quant_gemm import dequant_matmul
+
+            return dequant_matmul(x, qweight, scales, zeros, bits, size, seg.g_idx, seg.perm, bias, out=out)
         kernel = seg.route[m] if m < len(seg.route) else TRITON
         if kernel != TRITON:
             from .._ops import cuda_backend
@@ -496,6 +506,53 @@ class QuantLinearMethod(LinearMethod):
             for _, seg, *_ in items:
                 seg.route = tuple(route[: done + 1])
             chosen[key[:-1]] = tuple(picks)
+        return chosen
+
+    @staticmethod
+    @torch.inference_mode()
+    def choose_dequant_rows(layers, rows=DEQUANT_ROWS) -> dict[tuple, int]:
+        """Times, per weight shape among ``layers`` (kernel "triton" or "cuda" on a GPU),
+        the Triton 4-bit GEMM against dequantize-then-cuBLAS at each count in ``rows``
+        (prompt-sized), and sets each segment's ``dequant_rows`` to the smallest count from
+        which dequantizing won at every larger count timed (0: it never won at the
+        largest). Timed as ``choose_kernels`` times, through one CUDA graph over every
+        segment of the shape. Returns {(K, N, group size, act order): dequant_rows}."""
+        from .._ops import cuda_backend
+        from .._ops.triton_quant_gemm import dequant_matmul, quant_gemm
+
+        by_shape: dict[tuple, list] = {}
+        for layer in layers:
+            method = layer.method
+            for seg in layer.quant_segments:
+                (qweight, scales, zeros), bias = method._columns(layer, seg)
+                key = (qweight.shape[0] * 32 // method.scheme.bits, qweight.shape[1], layer.quant_group_size,
+                       seg.perm is not None)
+                by_shape.setdefault(key, []).append((method, seg, (qweight, scales, zeros), bias, layer.quant_group_size))
+        chosen = {}
+        for key, items in by_shape.items():
+            k = key[0]
+            device, dtype = items[0][2][0].device, items[0][2][1].dtype
+            wins = []
+            for m in rows:
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                out = torch.empty(m, max(it[2][0].shape[1] for it in items), dtype=dtype, device=device)
+
+                def run(item, kernel):
+                    method, seg, (qweight, scales, zeros), bias, size = item
+                    return kernel(x, qweight, scales, zeros, method.scheme.bits, size, seg.g_idx, seg.perm, bias,
+                                  out=out[:, : qweight.shape[1]])
+
+                times = [cuda_backend.graph_time_ms(lambda item, f=f: run(item, f), items)
+                         for f in (quant_gemm, dequant_matmul)]
+                wins.append(times[1] < times[0])
+            start = 0
+            for m, won in zip(reversed(rows), reversed(wins)):
+                if not won:
+                    break
+                start = m
+            for _, seg, *_ in items:
+                seg.dequant_rows = start
+            chosen[key] = start
         return chosen
 
 

@@ -165,6 +165,25 @@ class ModelRunner:
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
 
+    def _choose_dequant(self) -> None:
+        """Times the Triton 4-bit GEMM against dequantize-then-cuBLAS at prompt sizes for each
+        4-bit weight shape and sets where prompt steps switch to the latter
+        (``QuantLinearMethod.choose_dequant_rows``)."""
+        from ..model.linear import LinearBase
+        from ..model.quantization import QuantLinearMethod
+
+        quantized = [m for m in self.model.modules()
+                     if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None) in ("triton", "cuda")]
+        if not quantized:
+            return
+        t0 = time.perf_counter()
+        chosen = QuantLinearMethod.choose_dequant_rows(quantized)
+        table = "; ".join(
+            f"{k}x{n} g{g}{' act-order' if act else ''}: {f'from {rows} rows' if rows else 'never'}"
+            for (k, n, g, act), rows in chosen.items()
+        )
+        log.info("4-bit prompt products dequantized for cuBLAS: %s (timed in %.2f s)", table, time.perf_counter() - t0)
+
     def load(self) -> int:
         """Builds the model, loads weights, sizes and allocates the KV pool.
 
@@ -180,6 +199,8 @@ class ModelRunner:
         self.model.eval()
         if self.ops_backend == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
             self._choose_gemv()
+        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+            self._choose_dequant()
         log.info(
             "loaded %s (%s, %s, ops=%s) in %.1f s",
             self.path, self.dtype, self.device, self.ops_backend, time.perf_counter() - t0,
