@@ -312,6 +312,9 @@ def print_summary(title: str, s: dict[str, Any]) -> None:
     print(f"loop lag (10 ms)   p50 {_fmt(lag['p50'], digits=2)} ms  p99 {_fmt(lag['p99'], digits=2)} ms  "
           f"max {_fmt(lag['max'], digits=2)} ms  ({lag['samples']} samples)")
     print(f"preemptions        {s['num_preemptions']}   steps {s['num_steps']}   leaked blocks {s['leaked_blocks']}")
+    if s["engine_ttft_mean_s"] is not None:
+        print(f"engine side        TTFT mean {_fmt(s['engine_ttft_mean_s'], 1000, 2)} ms (request added -> first token "
+              f"sampled), queue mean {_fmt(s['engine_queue_time_mean_s'], 1000, 2)} ms (added -> first scheduled)")
     if s["mean_cached_prompt_tokens"] is not None:
         print(f"cached prompt tok  {_fmt(s['mean_cached_prompt_tokens'])} per request (mean)")
 

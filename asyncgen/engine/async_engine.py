@@ -45,6 +45,9 @@ __all__ = ["AsyncEngine", "RequestStream"]
 log = logging.getLogger("asyncgen")
 
 Prompt = Union[str, Sequence[int]]
+# Up to this many sequences with a token, a step's chunks are emitted before the next
+# launch (while one more step is in flight); more wait until after it.
+_EMIT_FIRST_MAX = 8
 _EMIT_SLICE = 64  # requests per slice of a step's output handed to streams between yields
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -234,7 +237,10 @@ class AsyncEngine:
             launch(N+1) ... collect(N) -> update(N) -> schedule + launch(N+2) -> emit(N) ...
 
         ``update`` confirms N's tokens (counters, stop tokens, lengths); ``emit`` does
-        the rest (detokenizing, stop strings, chunks) while N+1 runs. A request with a
+        the rest (detokenizing, stop strings, chunks) while N+1 runs. For a handful of
+        sequences ``emit`` comes before the launch instead: it is short, N+1 keeps the
+        device busy meanwhile, and their tokens (a new request's first) reach the
+        streams sooner. A request with a
         penalty reads the previous step's tokens on the host, so while one is live the
         loop launches a step only after collecting the previous one.
 
@@ -259,6 +265,13 @@ class AsyncEngine:
                 result = await self._device.run(self._runner.collect, launched)
                 reqs = core.update(out, result.sampled, result.logprobs, result.prompt_logprobs)
                 self._drain_pending_aborts()
+                if inflight and len(reqs) <= _EMIT_FIRST_MAX:
+                    # The next step is already queued on the device, and a few sequences'
+                    # text takes far less time than it: their chunks go out before the
+                    # launch, whose host work would otherwise delay them (a first token
+                    # above all).
+                    core.emit(reqs)
+                    reqs = []
                 await self._launch_ahead(inflight)
                 # Emit in slices, yielding between them (and letting the streams' consumers
                 # take their chunks), so no stretch of engine work holds the host's loop long.

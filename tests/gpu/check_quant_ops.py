@@ -26,7 +26,7 @@ import torch
 
 HBM_BYTES_PER_S = 4.3e12
 SHAPES = [(4096, 4096), (4096, 11008), (4096, 22016), (11008, 4096)]  # (K = in, N = out)
-BATCHES = [1, 4, 16, 64, 256]
+BATCHES = [1, 4, 16, 64, 256, 1024]
 
 
 @dataclass
@@ -83,7 +83,7 @@ def check_case(kernel_name, kernel, x, qweight, scales, zeros, bits, group_size,
 
 def check_kernels(shapes, batches) -> None:
     from asyncgen._ops import quant_reference as qref
-    from asyncgen._ops.triton_quant_gemm import quant_gemm
+    from asyncgen._ops.triton_quant_gemm import dequant_matmul, quant_gemm
     from asyncgen._ops.triton_quant_gemv import MAX_ROWS, quant_gemv
 
     from asyncgen._ops import cuda_backend
@@ -109,6 +109,9 @@ def check_kernels(shapes, batches) -> None:
                         qweight, scales, zeros, bits, group):
                     check_case("csrc", csrc_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
                 check_case("gemm", quant_gemm, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
+                if m >= 64:
+                    check_case("deq", dequant_matmul, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us,
+                               case)
             del qweight, scales, zeros, dense
             torch.cuda.empty_cache()
 
@@ -197,6 +200,7 @@ def print_table() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, batches 1 and 64")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="these batches instead of the default ones")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configurations")
     ap.add_argument("--sweep-only", action="store_true", help="only time the alternative configurations")
     args = ap.parse_args()
@@ -216,7 +220,7 @@ def main() -> int:
         sweep()
         return 0
     shapes = SHAPES[:2] if args.quick else SHAPES
-    batches = [1, 64] if args.quick else BATCHES
+    batches = args.batches or ([1, 64] if args.quick else BATCHES)
     check_kernels(shapes, batches)
     check_graph_capture()
     if args.sweep:

@@ -299,6 +299,12 @@ def check_attention(ops, dtype, quick, sweep):
                              hints=dict(max_query_len=prefill_len, max_seq_len=prefill_len), sweep=sweep)
         check_attention_case(ops, dtype, f"chunked 4x1024 after 2048 kvh={kvh}", [1024] * 4, [3072] * 4, kvh,
                              hints=dict(max_query_len=1024, max_seq_len=3072), sweep=sweep)
+        # A prefix-cache hit: 78 new tokens over 992 cached, with the hints of the engine's
+        # 128-token prompt graph (the context is split), and split once for comparison.
+        cached_hints = dict(max_query_len=128, max_seq_len=4096)
+        check_attention_case(ops, dtype, f"78 after 992 cached kvh={kvh}", [78], [1070], kvh, hints=cached_hints)
+        check_attention_case(ops, dtype, f"78 after 992 cached kvh={kvh} splits=1", [78], [1070], kvh,
+                             hints=dict(cached_hints, num_splits=1))
         mixed_q = [512] + [1] * 128
         mixed_n = [512] + [2048 - 13 * i for i in range(128)]
         check_attention_case(ops, dtype, f"mixed 512 + 128 decodes kvh={kvh}", mixed_q, mixed_n, kvh,
