@@ -112,3 +112,19 @@ async def test_a_penalty_request_turns_run_ahead_off_while_it_lives(tiny_llama):
     assert ahead_after >= 8
     assert list(results["plain"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[1], 30)
     assert list(results["penalised"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[1], 12, repetition_penalty=1.5)
+
+
+def test_prompt_step_takes_the_smallest_captured_graph_that_holds_it():
+    """A prompt step replays the graph with the fewest tokens, then the fewest sequence
+    slots, that hold its tokens and its sequences plus the padding one."""
+    from asyncgen.worker.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # only the choice is under test: no model
+    runner._prompt_graph_keys = [(16, 8), (16, 17), (128, 8), (128, 129), (1024, 257)]
+    assert runner._prompt_graph_for(78, 1) == (128, 8)  # a chunk over a cached prefix: narrow
+    assert runner._prompt_graph_for(16, 7) == (16, 8)
+    assert runner._prompt_graph_for(16, 8) == (16, 17)  # no slot left for the padding in 8
+    assert runner._prompt_graph_for(100, 60) == (128, 129)  # a prompt chunk among 59 decodes
+    assert runner._prompt_graph_for(129, 1) == (1024, 257)
+    assert runner._prompt_graph_for(1025, 1) is None  # eager
+    assert runner._prompt_graph_for(10, 300) is None

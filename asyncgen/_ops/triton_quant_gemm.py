@@ -270,14 +270,20 @@ def _dequantize_kernel(
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_mask = rk < K
     n_mask = rn < N
-    w = dequant_tile(
-        qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rk, rn, k_mask, n_mask, k0,
-        stride_qk, stride_sg, stride_zg, group_size, BITS, HAS_G_IDX, GROUP_PER_TILE,
-    )
+    if GROUP_PER_TILE:  # each packed word loaded once
+        w = dequant_tile_unpacked_once(
+            qweight_ptr, scales_ptr, zeros_ptr, rn, n_mask, k0, K // (32 // BITS),
+            stride_qk, stride_sg, stride_zg, group_size, BITS, BLOCK_K, BLOCK_N,
+        )
+    else:
+        w = dequant_tile(
+            qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, rk, rn, k_mask, n_mask, k0,
+            stride_qk, stride_sg, stride_zg, group_size, BITS, HAS_G_IDX, GROUP_PER_TILE,
+        )
     tl.store(out_ptr + rk.to(tl.int64)[:, None] * stride_ok + rn[None, :], w, mask=k_mask[:, None] & n_mask[None, :])
 
 
-_DEQUANT_BLOCK_K, _DEQUANT_BLOCK_N = 32, 128
+_DEQUANT_BLOCK_K, _DEQUANT_BLOCK_N = 64, 128
 
 
 def dequantize(

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # keep the device busy long enough to hide their kernel launches.
 _MAX_PROMPT_GRAPH_TOKENS = 2048
 _PROMPT_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+# Prompt graphs of up to this many tokens are also captured with this many sequence slots.
+_NARROW_PROMPT_TOKENS = 512
+_NARROW_PROMPT_SLOTS = 8
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -293,7 +296,7 @@ class ModelRunner:
         self.model = None
         self._graphs.clear()
         self._graph_inputs = None
-        self._prompt_graphs, self._prompt_inputs, self._prompt_graph_sizes = {}, None, []
+        self._prompt_graphs, self._prompt_inputs, self._prompt_graph_keys = {}, None, []
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
         if self.device.type == "cuda":
@@ -352,10 +355,14 @@ class ModelRunner:
         Launching a step's few hundred kernels one by one costs about as much host time as
         a short step costs on the device, so a short prompt chunk over a cached prefix
         would otherwise wait on Python. A step of ``T`` tokens from ``B`` sequences replays
-        the smallest captured size ``P >= T`` with room for ``min(P, max_num_seqs + 1)``
-        sequences: the ``P - T`` extra tokens form one padding sequence (no cached
-        context, slot -1: nothing is written), and the sequences after it have no tokens,
-        so their programs exit. Logits are computed for one row per sequence slot.
+        the smallest captured size ``P >= T`` with room for more than ``B`` sequences
+        (``min(P, max_num_seqs + 1)`` slots, and up to ``_NARROW_PROMPT_TOKENS`` tokens
+        also a variant with ``_NARROW_PROMPT_SLOTS``): the ``P - T`` extra tokens form one
+        padding sequence (no cached context, slot -1: nothing is written), and the
+        sequences after it have no tokens, so their programs exit. Those programs still
+        cost a launch each, per head and context split: a short chunk from one request (a
+        prefix-cache hit) takes the narrow variant. Logits are computed for one row per
+        sequence slot.
         """
         limit = min(_MAX_PROMPT_GRAPH_TOKENS, self.cfg.max_num_batched_tokens)
         sizes = [t for t in _PROMPT_GRAPH_SIZES if t <= limit]
@@ -363,7 +370,12 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         top = sizes[-1]
-        self._prompt_seq_slots = {t: min(t, self.cfg.max_num_seqs + 1) for t in sizes}
+        keys = []
+        for t in sizes:
+            wide = min(t, self.cfg.max_num_seqs + 1)
+            if t <= _NARROW_PROMPT_TOKENS and wide > 2 * _NARROW_PROMPT_SLOTS:
+                keys.append((t, _NARROW_PROMPT_SLOTS))
+            keys.append((t, wide))
         max_blocks = -(-self.max_model_len // self.block_size)
         dev = self.device
         g = self._prompt_inputs = {
@@ -376,8 +388,7 @@ class ModelRunner:
             "logits_idx": torch.zeros(top, dtype=torch.int64, device=dev),
         }
         self._prompt_graphs = {}
-        for t in reversed(sizes):
-            b = self._prompt_seq_slots[t]
+        for t, b in reversed(keys):
             # A valid step to warm up and capture with: one sequence of t tokens, no context.
             g["seq_lens"].zero_()
             g["seq_lens"][0] = t
@@ -399,12 +410,14 @@ class ModelRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     logits = step()
                 pool = graph.pool()
-            self._prompt_graphs[t] = (graph, logits)
-        self._prompt_graph_sizes = sizes
+            self._prompt_graphs[t, b] = (graph, logits)
+        self._prompt_graph_keys = keys
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for prompt steps of up to %s tokens in %.1f s", sizes, time.perf_counter() - t0)
+        log.info("captured CUDA graphs for prompt steps of up to %s tokens (%d graphs, the shortest also with %d "
+                 "sequence slots) in %.1f s", sizes, len(keys), _NARROW_PROMPT_SLOTS, time.perf_counter() - t0)
 
-    def _replay_prompt(self, t: int, inputs: "_StepInputs") -> torch.Tensor:
+    def _replay_prompt(self, key: tuple[int, int], inputs: "_StepInputs") -> torch.Tensor:
+        t, b = key
         g = self._prompt_inputs
         m = inputs.meta
         n_tok = inputs.input_ids.shape[0]
@@ -418,7 +431,6 @@ class ModelRunner:
         g["slot_mapping"][:n_tok].copy_(m.slot_mapping)
         g["slot_mapping"][n_tok:t].fill_(-1)
         g["block_tables"][:n_seq, :width].copy_(m.block_tables)
-        b = self._prompt_seq_slots[t]
         n_sample = inputs.logits_idx.shape[0]
         g["seq_lens"][:n_seq].copy_(m.seq_lens)
         g["seq_lens"][n_seq:b].zero_()
@@ -427,14 +439,16 @@ class ModelRunner:
         g["query_start_loc"][n_seq + 1 : b + 1].fill_(t)
         g["logits_idx"][:n_sample].copy_(inputs.logits_idx)
         g["logits_idx"][n_sample:b].zero_()  # rows left from a larger step would be out of range
-        graph, logits = self._prompt_graphs[t]
+        graph, logits = self._prompt_graphs[key]
         graph.replay()
         return logits[: inputs.logits_idx.shape[0]]
 
-    def _prompt_graph_for(self, num_tokens: int, num_seqs: int):
-        for t in getattr(self, "_prompt_graph_sizes", ()):
-            if t >= num_tokens and self._prompt_seq_slots[t] > num_seqs:
-                return t
+    def _prompt_graph_for(self, num_tokens: int, num_seqs: int) -> Optional[tuple[int, int]]:
+        """The captured prompt graph (tokens, sequence slots) for this step: the fewest
+        tokens, then the fewest slots, that hold it (one slot for the padding)."""
+        for t, b in getattr(self, "_prompt_graph_keys", ()):
+            if t >= num_tokens and b > num_seqs:
+                return t, b
         return None
 
     def _graph_for(self, batch: int):

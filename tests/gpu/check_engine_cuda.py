@@ -4,7 +4,7 @@ A Llama-shaped model with random weights (fp32 in both, so the comparison is exa
 to kernel rounding), 12 prompts of very different lengths submitted at once, in three
 settings: plenty of KV blocks; a pool so small that requests are preempted; a token
 budget smaller than the longest prompt (chunked prefill); requests arriving one by
-one while others decode (mixed steps of every size, each replaying a prompt-step CUDA
+one while others decode, three of them after a shared 400-token prefix is cached (mixed steps of every size, each replaying a prompt-step CUDA
 graph smaller or larger than the one before); no CUDA graphs. Each kernel backend that
 imports is checked. Exits non-zero on any mismatch.
 
@@ -85,6 +85,10 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 3, 7, 16, 17, 33, 64, 100, 129, 150, 200, 257]
     prompts = [torch.randint(0, 32000, (n,), generator=gen).tolist() for n in lengths]
+    # Prompts sharing a 400-token prefix: with prefix caching (on by default) the later ones
+    # compute a short chunk over cached blocks, which splits the attention's context.
+    prefix = torch.randint(0, 32000, (400,), generator=gen).tolist()
+    prompts += [prefix + torch.randint(0, 32000, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     failures = 0
     for head_dim in [int(h) for h in args.head_dims.split(",")]:
         with tempfile.TemporaryDirectory() as d:
@@ -107,7 +111,8 @@ def main() -> int:
                         next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), None) for i in bad
                     ]
                     status = "OK" if not bad else f"MISMATCH in prompts {bad} at tokens {first}"
-                    print(f"head_dim={head_dim} backend={backend:6s} {name:10s} preemptions={stats.num_preemptions:3d}  {status}", flush=True)
+                    print(f"head_dim={head_dim} backend={backend:6s} {name:10s} preemptions={stats.num_preemptions:3d} "
+                          f"prefix-cache hits {stats.prefix_cache_hit_rate:.2f}  {status}", flush=True)
                     if name == "preemption" and stats.num_preemptions == 0:
                         print("  (no preemption happened: the setting is too generous)")
                         failures += 1
