@@ -85,6 +85,8 @@ _SPLIT_TARGET_WAVES = 2
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
 _MAX_PARTIAL_BYTES = 64 << 20
+# Load each key tile's block ids one iteration ahead (see _attend_tiles).
+PREFETCH_BLOCK_IDS = True
 
 
 @triton.jit
@@ -115,14 +117,35 @@ def _attend_tiles(
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
     """Online softmax over key tiles ``tile_lo, tile_lo + tile_step, ... < tile_hi`` (tile
     ``i`` holds positions ``[i * BLOCK_N, (i + 1) * BLOCK_N)``). Without MASK every key of
-    those tiles must be loadable and allowed for every row."""
+    those tiles must be loadable and allowed for every row.
+
+    With PREFETCH_IDS each iteration loads the next tile's block ids before this tile's
+    keys, so the key and value loads do not wait on a block-table load first."""
+    offs_tile = tl.arange(0, BLOCK_N)
+    if PREFETCH_IDS:
+        offs_n = tile_lo * BLOCK_N + offs_tile
+        if MASK:
+            next_mask = (offs_n >= kv_lo) & (offs_n < kv_hi)
+        else:
+            next_mask = offs_n < tile_hi * BLOCK_N
+        next_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=next_mask, other=0)
     for tile in range(tile_lo, tile_hi, tile_step):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tile * BLOCK_N + offs_tile
         if MASK:
             load_mask = (offs_n >= kv_lo) & (offs_n < kv_hi)
+        if PREFETCH_IDS:
+            block_ids = next_ids.to(tl.int64)
+            offs_next = offs_n + tile_step * BLOCK_N
+            if MASK:
+                next_mask = (offs_next >= kv_lo) & (offs_next < kv_hi)
+            else:
+                next_mask = offs_next < tile_hi * BLOCK_N
+            next_ids = tl.load(block_table_row + offs_next // BLOCK_SIZE, mask=next_mask, other=0)
+        elif MASK:
             block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=load_mask, other=0).to(tl.int64)
         else:
             block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
@@ -194,6 +217,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
     # Highest ids first: a sequence's later query tiles attend to more keys, so the
     # longest programs start first and the short ones fill the tail.
@@ -256,12 +280,12 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, full_tiles, NUM_SPLITS, kv_lo, kv_hi,
         q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
     )
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, tl.cdiv(kv_hi, BLOCK_N), NUM_SPLITS, kv_lo,
         kv_hi, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
     )
 
     if NUM_SPLITS == 1:
@@ -314,6 +338,7 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -360,12 +385,12 @@ def _paged_decode_kernel(
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, num_full, NUM_SPLITS, kv_lo,
         seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
     )
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, num_tiles, NUM_SPLITS, kv_lo,
         seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
     )
 
     if NUM_SPLITS == 1:
@@ -619,6 +644,7 @@ def paged_attention(
             HAS_WINDOW=sliding_window is not None,
             UPCAST=upcast,
             DOT_PRECISION=dot_precision,
+        PREFETCH_IDS=PREFETCH_BLOCK_IDS,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -659,6 +685,7 @@ def paged_attention(
         HAS_WINDOW=sliding_window is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
+        PREFETCH_IDS=PREFETCH_BLOCK_IDS,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -342,6 +342,64 @@ def check_attention(ops, dtype, quick, sweep):
                          window=4096, hints=dict(max_query_len=2048, max_seq_len=8192))
 
 
+def engine_like_prefix_batch(num_kv_heads, dtype, slots=8):
+    """The attention inputs of the engine's 128-token prompt graph with ``slots`` sequence
+    slots for one prefix-cache hit: 78 new tokens over 992 cached, the padding sequence
+    (50 tokens, no context), and empty slots."""
+    batch = make_batch([78, 50], [1070, 50], num_kv_heads, dtype)
+    extra = slots - 2
+    bt = batch["block_tables"]
+    batch["block_tables"] = torch.cat([bt, torch.zeros(extra, bt.shape[1], dtype=bt.dtype, device="cuda")])
+    batch["seq_lens"] = torch.cat([batch["seq_lens"], torch.zeros(extra, dtype=torch.int32, device="cuda")])
+    qsl = batch["query_start_loc"]
+    batch["query_start_loc"] = torch.cat([qsl, qsl[-1:].repeat(extra)])
+    return batch
+
+
+def sweep_prefix(ops, dtype) -> None:
+    """Graph-timed launch configurations of the general kernel on a prefix-cache hit (the
+    engine's hints: max_query_len 128, max_seq_len 4096): tiles, stages, splits, and
+    whether block ids are loaded a tile ahead."""
+    import itertools
+
+    scale = HEAD_DIM ** -0.5
+    hints = dict(max_query_len=128, max_seq_len=4096)
+    original_cfg, original_prefetch = tpa._general_config, tpa.PREFETCH_BLOCK_IDS
+    for kvh in (32, 8):
+        batch = engine_like_prefix_batch(kvh, dtype)
+        out = torch.empty_like(batch["q"])
+        want = ref.paged_attention(**sub_batch(batch, 1), scale=scale)
+        results = []
+        for prefetch, bm, bn, stages, splits in itertools.product(
+                (False, True), (16, 32), (64, 128), (2, 3), (None, 4, 8, 16)):
+            warps = 4
+            tpa.PREFETCH_BLOCK_IDS = prefetch
+            tpa._general_config = lambda head_dim, group_pad, mql, dt, c=(bm, bn, warps, stages): (max(c[0], group_pad), *c[1:])
+            try:
+                run = lambda: ops.paged_attention(**batch, scale=scale, out=out, num_splits=splits, **hints)  # noqa: E731
+                run()
+                _, ok = compare(out[:78], want, dtype)
+                us = bench_graph(run) * 1e3
+            except Exception as exc:  # out of shared memory / registers for this configuration
+                print(f"      {(prefetch, bm, bn, warps, stages, splits)}: {type(exc).__name__}")
+                continue
+            finally:
+                tpa._general_config, tpa.PREFETCH_BLOCK_IDS = original_cfg, original_prefetch
+            results.append((us, ok, dict(prefetch=prefetch, block_m=bm, block_n=bn, warps=warps, stages=stages,
+                                         splits=splits)))
+        run = lambda: ops.paged_attention(**batch, scale=scale, out=out, **hints)  # noqa: E731
+        default = bench_graph(run) * 1e3
+        results.sort(key=lambda r: r[0])
+        print(f"  prefix hit kvh={kvh}: default {default:.1f} us; fastest:")
+        for us, ok, cfg in results[:8]:
+            print(f"      {us:6.1f} us {'ok' if ok else 'WRONG'} {cfg}")
+        bad = [cfg for _, ok, cfg in results if not ok]
+        if bad:
+            print(f"  WRONG results from {len(bad)} configurations, e.g. {bad[:3]}")
+        del batch, out
+        torch.cuda.empty_cache()
+
+
 def check_cuda_graph(ops, dtype):
     """A decode step (cache write + attention) captured in a CUDA graph and replayed with
     new inputs must match an eager call: the launchers must not sync or branch on values."""
@@ -407,6 +465,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer and smaller cases")
     parser.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA graph capture check")
+    parser.add_argument("--sweep-prefix", action="store_true",
+                        help="only time launch configurations of a prefix-cache hit (in CUDA graphs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -417,6 +477,9 @@ def main() -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
           f"dtype {args.dtype}")
     ops = get_ops("triton")
+    if args.sweep_prefix:
+        sweep_prefix(ops, dtype)
+        return 0
     token_counts = [1, 256, 4096] if args.quick else [1, 64, 256, 2048, 8192, 32768]
     check_rms_norm(ops, dtype, token_counts)
     check_rotary(ops, dtype, token_counts)
