@@ -385,13 +385,16 @@ def test_paged_attention_prefill_split_k_chosen_automatically():
     from asyncgen._ops.triton_paged_attention import _general_config, _prefill_splits
 
     block_m, block_n = _general_config(128, 1, 128, torch.float16)[:2]
-    # 7B shapes on 132 SMs: 78 queries over a cached context of 4096 are split; a prompt of
-    # 2048 tokens fills the GPU alone; a context of two tiles is not worth splitting.
-    assert _prefill_splits(78, 32, 32, 128, block_m, 4096, block_n, 132) > 1
-    assert _prefill_splits(2048, 32, 32, 128, 128, 4096, block_n, 132) == 1
-    assert _prefill_splits(78, 32, 32, 128, block_m, 2 * block_n, block_n, 132) == 1
+    # 7B shapes on 132 SMs: 78 queries over a cached context of 4096 (one sequence, or the
+    # engine's narrow prompt graph of 8 slots) are split; a prompt of 2048 tokens fills the
+    # GPU alone; a mixed batch of many sequences, or a context of two tiles, is not split.
+    assert _prefill_splits(78, 1, 32, 32, 128, block_m, 4096, block_n, 132) == 4
+    assert _prefill_splits(128, 8, 32, 32, 128, block_m, 4096, block_n, 132) == 4
+    assert _prefill_splits(2048, 1, 32, 32, 128, 128, 4096, block_n, 132) == 1
+    assert _prefill_splits(128, 129, 32, 32, 128, block_m, 4096, block_n, 132) == 1
+    assert _prefill_splits(78, 1, 32, 32, 128, block_m, 2 * block_n, block_n, 132) == 1
     # The partials stay under their byte budget.
-    assert _prefill_splits(1024, 64, 1, 128, 128, 1 << 16, block_n, 132) * 1024 * 64 * 130 * 4 <= 64 << 20
+    assert _prefill_splits(2048, 1, 64, 1, 128, 128, 1 << 16, block_n, 132) == 1
     batch = make_attention_batch([7, 3], [700, 1000], num_heads=4, num_kv_heads=1, head_dim=64,
                                  block_size=16, dtype=torch.float16, seed=22)
     actual, expected = run_both(batch, max_query_len=7)

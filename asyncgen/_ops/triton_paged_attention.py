@@ -85,6 +85,10 @@ _SPLIT_TARGET_WAVES = 2
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
 _MAX_PARTIAL_BYTES = 64 << 20
+# The general kernel splits the context of batches of at most this many sequences, in
+# this many parts (see _prefill_splits).
+_PREFILL_SPLIT_MAX_SEQS = 8
+_PREFILL_SPLITS = 4
 # Load each key tile's block ids one iteration ahead (see _attend_tiles).
 PREFETCH_BLOCK_IDS = True
 
@@ -511,18 +515,29 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int
 
 
 def _prefill_splits(
-    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, block_q: int, max_context: int,
-    block_n: int, sms: int,
+    num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_q: int,
+    max_context: int, block_n: int, sms: int,
 ) -> int:
-    """Context splits of the general kernel. A short chunk over a long cached context (a
-    prefix-cache hit: tens of queries after a thousand cached tokens) has few query tiles,
-    so few programs, each walking the whole context; splitting the context spreads it over
-    the SMs as in decode. The programs are counted as if one sequence held every token
-    (the fewest there can be), and the fp32 partials are kept under
-    ``_MAX_PARTIAL_BYTES``."""
-    splits = _num_splits(triton.cdiv(num_tokens, block_q), num_kv_heads, max_context, block_n, sms)
-    while splits > 1 and num_tokens * num_heads * splits * (head_dim + 2) * 4 > _MAX_PARTIAL_BYTES:
-        splits //= 2
+    """Context splits of the general kernel: ``_PREFILL_SPLITS`` or 1.
+
+    A short chunk over a long cached context (a prefix-cache hit: tens of queries after a
+    thousand cached tokens) has few query tiles, so few programs, each walking the whole
+    context; splitting the context spreads it over the SMs as in decode. Only batches of
+    at most ``_PREFILL_SPLIT_MAX_SEQS`` sequences split (a mixed batch of many decodes has
+    programs enough, and splitting it cost more than it saved), only when the query
+    tiles alone (counted as if one sequence held every token) leave SMs idle and the
+    context holds ``_MIN_TILES_PER_SPLIT`` key tiles per split, and the fp32 partials stay
+    under ``_MAX_PARTIAL_BYTES``. One split count keeps the compiled variants to two, both
+    compiled while the engine captures its graphs, never while it serves."""
+    splits = _PREFILL_SPLITS
+    if num_seqs > _PREFILL_SPLIT_MAX_SEQS:
+        return 1
+    if triton.cdiv(num_tokens, block_q) * num_kv_heads >= _SPLIT_TARGET_WAVES * sms:
+        return 1
+    if triton.cdiv(max_context, block_n) < splits * _MIN_TILES_PER_SPLIT:
+        return 1
+    if num_tokens * num_heads * splits * (head_dim + 2) * 4 > _MAX_PARTIAL_BYTES:
+        return 1
     return splits
 
 
@@ -659,8 +674,8 @@ def paged_attention(
         max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         if sliding_window is not None:
             max_context = min(max_context, sliding_window + block_m + block_n)
-        num_splits = _prefill_splits(num_tokens, num_heads, num_kv_heads, head_dim, block_q, max_context, block_n,
-                                     num_sms(device))
+        num_splits = _prefill_splits(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_q, max_context,
+                                     block_n, num_sms(device))
     if num_splits > 1:
         part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
         part_sum = torch.empty_like(part_max)
