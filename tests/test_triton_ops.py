@@ -368,19 +368,6 @@ def test_paged_attention_prefill_split_k(dtype, num_splits):
     assert_close(actual, expected, dtype)
 
 
-@pytest.mark.parametrize("max_query_len,num_splits", [(None, 1), (None, 3), (1, 1), (1, 4)])
-def test_paged_attention_block_ids_loaded_in_each_iteration(monkeypatch, max_query_len, num_splits):
-    # The kernels' other way of loading block ids (not a tile ahead) stays correct.
-    from asyncgen._ops import triton_paged_attention as tpa
-
-    monkeypatch.setattr(tpa, "PREFETCH_BLOCK_IDS", False)
-    q_lens, seq_lens = ([1, 1, 1], [300, 3, 77]) if max_query_len == 1 else ([19, 1, 0, 40], [300, 170, 12, 40])
-    batch = make_attention_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
-                                 block_size=16, dtype=torch.float16, seed=23)
-    actual, expected = run_both(batch, max_query_len=max_query_len, num_splits=num_splits)
-    assert_close(actual, expected, torch.float16)
-
-
 def test_paged_attention_prefill_split_k_chosen_automatically():
     from asyncgen._ops.triton_paged_attention import _general_config, _prefill_splits
 

@@ -89,8 +89,6 @@ _MAX_PARTIAL_BYTES = 64 << 20
 # this many parts (see _prefill_splits).
 _PREFILL_SPLIT_MAX_SEQS = 8
 _PREFILL_SPLITS = 4
-# Load each key tile's block ids one iteration ahead (see _attend_tiles).
-PREFETCH_BLOCK_IDS = True
 
 
 @triton.jit
@@ -121,35 +119,14 @@ def _attend_tiles(
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
 ):
     """Online softmax over key tiles ``tile_lo, tile_lo + tile_step, ... < tile_hi`` (tile
     ``i`` holds positions ``[i * BLOCK_N, (i + 1) * BLOCK_N)``). Without MASK every key of
-    those tiles must be loadable and allowed for every row.
-
-    With PREFETCH_IDS each iteration loads the next tile's block ids before this tile's
-    keys, so the key and value loads do not wait on a block-table load first."""
-    offs_tile = tl.arange(0, BLOCK_N)
-    if PREFETCH_IDS:
-        offs_n = tile_lo * BLOCK_N + offs_tile
-        if MASK:
-            next_mask = (offs_n >= kv_lo) & (offs_n < kv_hi)
-        else:
-            next_mask = offs_n < tile_hi * BLOCK_N
-        next_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=next_mask, other=0)
+    those tiles must be loadable and allowed for every row."""
     for tile in range(tile_lo, tile_hi, tile_step):
-        offs_n = tile * BLOCK_N + offs_tile
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASK:
             load_mask = (offs_n >= kv_lo) & (offs_n < kv_hi)
-        if PREFETCH_IDS:
-            block_ids = next_ids.to(tl.int64)
-            offs_next = offs_n + tile_step * BLOCK_N
-            if MASK:
-                next_mask = (offs_next >= kv_lo) & (offs_next < kv_hi)
-            else:
-                next_mask = offs_next < tile_hi * BLOCK_N
-            next_ids = tl.load(block_table_row + offs_next // BLOCK_SIZE, mask=next_mask, other=0)
-        elif MASK:
             block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=load_mask, other=0).to(tl.int64)
         else:
             block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
@@ -221,7 +198,6 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
 ):
     # Highest ids first: a sequence's later query tiles attend to more keys, so the
     # longest programs start first and the short ones fill the tail.
@@ -284,12 +260,12 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, full_tiles, NUM_SPLITS, kv_lo, kv_hi,
         q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
+        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, tl.cdiv(kv_hi, BLOCK_N), NUM_SPLITS, kv_lo,
         kv_hi, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
+        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
 
     if NUM_SPLITS == 1:
@@ -342,7 +318,6 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -389,12 +364,12 @@ def _paged_decode_kernel(
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, num_full, NUM_SPLITS, kv_lo,
         seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
+        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, num_tiles, NUM_SPLITS, kv_lo,
         seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION, PREFETCH_IDS,
+        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
 
     if NUM_SPLITS == 1:
@@ -524,11 +499,11 @@ def _prefill_splits(
     thousand cached tokens) has few query tiles, so few programs, each walking the whole
     context; splitting the context spreads it over the SMs as in decode. Only batches of
     at most ``_PREFILL_SPLIT_MAX_SEQS`` sequences split (a mixed batch of many decodes has
-    programs enough, and splitting it cost more than it saved), only when the query
+    programs enough), only when the query
     tiles alone (counted as if one sequence held every token) leave SMs idle and the
     context holds ``_MIN_TILES_PER_SPLIT`` key tiles per split, and the fp32 partials stay
     under ``_MAX_PARTIAL_BYTES``. One split count keeps the compiled variants to two, both
-    compiled while the engine captures its graphs, never while it serves."""
+    compiled when the engine captures its prompt graphs rather than while it serves."""
     splits = _PREFILL_SPLITS
     if num_seqs > _PREFILL_SPLIT_MAX_SEQS:
         return 1
@@ -659,7 +634,6 @@ def paged_attention(
             HAS_WINDOW=sliding_window is not None,
             UPCAST=upcast,
             DOT_PRECISION=dot_precision,
-        PREFETCH_IDS=PREFETCH_BLOCK_IDS,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -700,7 +674,6 @@ def paged_attention(
         HAS_WINDOW=sliding_window is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
-        PREFETCH_IDS=PREFETCH_BLOCK_IDS,
         num_warps=num_warps,
         num_stages=num_stages,
     )

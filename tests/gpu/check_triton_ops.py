@@ -358,22 +358,21 @@ def engine_like_prefix_batch(num_kv_heads, dtype, slots=8):
 
 def sweep_prefix(ops, dtype) -> None:
     """Graph-timed launch configurations of the general kernel on a prefix-cache hit (the
-    engine's hints: max_query_len 128, max_seq_len 4096): tiles, stages, splits, and
-    whether block ids are loaded a tile ahead."""
+    engine's hints: max_query_len 128, max_seq_len 4096): tiles, warps, stages, splits."""
     import itertools
 
     scale = HEAD_DIM ** -0.5
     hints = dict(max_query_len=128, max_seq_len=4096)
-    original_cfg, original_prefetch = tpa._general_config, tpa.PREFETCH_BLOCK_IDS
+    original_cfg = tpa._general_config
     for kvh in (32, 8):
         batch = engine_like_prefix_batch(kvh, dtype)
         out = torch.empty_like(batch["q"])
         want = ref.paged_attention(**sub_batch(batch, 1), scale=scale)
         results = []
-        for prefetch, bm, bn, stages, splits in itertools.product(
-                (False, True), (16, 32), (64, 128), (2, 3), (None, 4, 8, 16)):
-            warps = 4
-            tpa.PREFETCH_BLOCK_IDS = prefetch
+        for bm, bn, warps, stages, splits in itertools.product(
+                (16, 32, 64, 128), (32, 64, 128), (4, 8), (2, 3), (None, 4, 8, 16)):
+            if bm * bn > 128 * 64:
+                continue
             tpa._general_config = lambda head_dim, group_pad, mql, dt, c=(bm, bn, warps, stages): (max(c[0], group_pad), *c[1:])
             try:
                 run = lambda: ops.paged_attention(**batch, scale=scale, out=out, num_splits=splits, **hints)  # noqa: E731
@@ -381,12 +380,11 @@ def sweep_prefix(ops, dtype) -> None:
                 _, ok = compare(out[:78], want, dtype)
                 us = bench_graph(run) * 1e3
             except Exception as exc:  # out of shared memory / registers for this configuration
-                print(f"      {(prefetch, bm, bn, warps, stages, splits)}: {type(exc).__name__}")
+                print(f"      {(bm, bn, warps, stages, splits)}: {type(exc).__name__}")
                 continue
             finally:
-                tpa._general_config, tpa.PREFETCH_BLOCK_IDS = original_cfg, original_prefetch
-            results.append((us, ok, dict(prefetch=prefetch, block_m=bm, block_n=bn, warps=warps, stages=stages,
-                                         splits=splits)))
+                tpa._general_config = original_cfg
+            results.append((us, ok, dict(block_m=bm, block_n=bn, warps=warps, stages=stages, splits=splits)))
         run = lambda: ops.paged_attention(**batch, scale=scale, out=out, **hints)  # noqa: E731
         default = bench_graph(run) * 1e3
         results.sort(key=lambda r: r[0])
