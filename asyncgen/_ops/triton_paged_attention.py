@@ -499,11 +499,11 @@ def _prefill_splits(
     thousand cached tokens) has few query tiles, so few programs, each walking the whole
     context; splitting the context spreads it over the SMs as in decode. Only batches of
     at most ``_PREFILL_SPLIT_MAX_SEQS`` sequences split (a mixed batch of many decodes has
-    programs enough), only when the query
-    tiles alone (counted as if one sequence held every token) leave SMs idle and the
-    context holds ``_MIN_TILES_PER_SPLIT`` key tiles per split, and the fp32 partials stay
-    under ``_MAX_PARTIAL_BYTES``. One split count keeps the compiled variants to two, both
-    compiled when the engine captures its prompt graphs rather than while it serves."""
+    programs enough), only when the query tiles alone (counted as if one sequence held
+    every token) leave SMs idle and the context holds ``_MIN_TILES_PER_SPLIT`` key tiles
+    per split, and only while the fp32 partials stay under ``_MAX_PARTIAL_BYTES``. One
+    split count keeps the compiled variants to two, both compiled when the engine
+    captures its prompt graphs rather than while it serves."""
     splits = _PREFILL_SPLITS
     if num_seqs > _PREFILL_SPLIT_MAX_SEQS:
         return 1

@@ -373,7 +373,7 @@ class ModelRunner:
         keys = []
         for t in sizes:
             wide = min(t, self.cfg.max_num_seqs + 1)
-            if t <= _NARROW_PROMPT_TOKENS and wide > 2 * _NARROW_PROMPT_SLOTS:
+            if t <= _NARROW_PROMPT_TOKENS and wide > _NARROW_PROMPT_SLOTS:
                 keys.append((t, _NARROW_PROMPT_SLOTS))
             keys.append((t, wide))
         max_blocks = -(-self.max_model_len // self.block_size)
