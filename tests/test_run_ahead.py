@@ -128,3 +128,39 @@ def test_prompt_step_takes_the_smallest_captured_graph_that_holds_it():
     assert runner._prompt_graph_for(129, 1) == (1024, 257)
     assert runner._prompt_graph_for(1025, 1) is None  # eager
     assert runner._prompt_graph_for(10, 300) is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("num_requests", [1, 10])
+async def test_a_few_sequences_get_their_tokens_before_the_next_launch(tiny_llama, num_requests):
+    """With at most 8 sequences the loop emits a step's chunks before it launches the step
+    after next (the one behind it keeps the device busy); with more it launches first."""
+    async with AsyncEngine.from_pretrained(tiny_llama, **ENGINE_ARGS) as engine:
+        runner, core = engine._runner, engine._core
+        events: list[tuple[str, int]] = []
+        launch, emit = runner.launch, core.emit
+
+        def spy_launch(out):
+            if out.seqs:
+                events.append(("launch", sum(kind == "launch" for kind, _ in events)))
+            return launch(out)
+
+        def spy_emit(reqs):
+            if reqs:
+                events.append(("emit", len(reqs)))
+            return emit(reqs)
+
+        runner.launch, core.emit = spy_launch, spy_emit
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        async with anyio.create_task_group() as tg:
+            for i in range(num_requests):
+                tg.start_soon(engine.generate, [5 + i, 17, 3, 99], params)
+    first_emit = events.index(("emit", num_requests))
+    third_launch = events.index(("launch", 2))
+    # The first step computed every prompt (one token each sampled); its chunks went out
+    # before the third launch with one sequence, after it with ten.
+    assert events[:2] == [("launch", 0), ("launch", 1)]
+    if num_requests == 1:
+        assert first_emit < third_launch
+    else:
+        assert third_launch < first_emit
