@@ -130,6 +130,19 @@ def test_prompt_step_takes_the_smallest_captured_graph_that_holds_it():
     assert runner._prompt_graph_for(10, 300) is None
 
 
+def test_prompt_graphs_up_to_512_tokens_are_also_captured_with_8_slots():
+    from asyncgen.worker.model_runner import _prompt_graph_keys
+
+    keys = _prompt_graph_keys(max_num_batched_tokens=8192, max_num_seqs=256)
+    assert keys[:6] == [(16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 64)]
+    assert (512, 8) in keys and (512, 257) in keys
+    assert [k for k in keys if k[0] > 512] == [(768, 257), (1024, 257), (1280, 257), (1536, 257), (2048, 257)]
+    assert keys == sorted(keys)
+    # Few sequences allowed: no graph has more slots than a step can use, none is doubled.
+    assert _prompt_graph_keys(max_num_batched_tokens=64, max_num_seqs=4) == [(16, 5), (32, 5), (64, 5)]
+    assert _prompt_graph_keys(max_num_batched_tokens=8, max_num_seqs=4) == []
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("num_requests", [1, 10])
 async def test_a_few_sequences_get_their_tokens_before_the_next_launch(tiny_llama, num_requests):

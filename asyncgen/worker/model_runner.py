@@ -45,6 +45,22 @@ _PROMPT_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 20
 _NARROW_PROMPT_TOKENS = 512
 _NARROW_PROMPT_SLOTS = 8
 
+
+def _prompt_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The prompt-step graphs to capture, as (tokens, sequence slots), ascending: each
+    size of ``_PROMPT_GRAPH_SIZES`` within the token budget with a slot per sequence it
+    can hold (``min(tokens, max_num_seqs + 1)``, the padding sequence included), and up to
+    ``_NARROW_PROMPT_TOKENS`` tokens also with ``_NARROW_PROMPT_SLOTS`` where that is fewer."""
+    limit = min(_MAX_PROMPT_GRAPH_TOKENS, max_num_batched_tokens)
+    keys = []
+    for t in (t for t in _PROMPT_GRAPH_SIZES if t <= limit):
+        wide = min(t, max_num_seqs + 1)
+        if t <= _NARROW_PROMPT_TOKENS and wide > _NARROW_PROMPT_SLOTS:
+            keys.append((t, _NARROW_PROMPT_SLOTS))
+        keys.append((t, wide))
+    return keys
+
+
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -364,18 +380,12 @@ class ModelRunner:
         prefix-cache hit) takes the narrow variant. Logits are computed for one row per
         sequence slot.
         """
-        limit = min(_MAX_PROMPT_GRAPH_TOKENS, self.cfg.max_num_batched_tokens)
-        sizes = [t for t in _PROMPT_GRAPH_SIZES if t <= limit]
-        if not sizes:
+        keys = _prompt_graph_keys(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
+        if not keys:
             return
         t0 = time.perf_counter()
+        sizes = sorted({t for t, _ in keys})
         top = sizes[-1]
-        keys = []
-        for t in sizes:
-            wide = min(t, self.cfg.max_num_seqs + 1)
-            if t <= _NARROW_PROMPT_TOKENS and wide > _NARROW_PROMPT_SLOTS:
-                keys.append((t, _NARROW_PROMPT_SLOTS))
-            keys.append((t, wide))
         max_blocks = -(-self.max_model_len // self.block_size)
         dev = self.device
         g = self._prompt_inputs = {
