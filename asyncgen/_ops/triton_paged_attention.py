@@ -86,7 +86,8 @@ _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
 _MAX_PARTIAL_BYTES = 64 << 20
 # The general kernel splits the context of batches of at most this many sequences, in
-# this many parts (see _prefill_splits).
+# this many parts (see _prefill_splits). The model runner's narrow prompt graphs have
+# that many sequence slots (model_runner._NARROW_PROMPT_SLOTS).
 _PREFILL_SPLIT_MAX_SEQS = 8
 _PREFILL_SPLITS = 4
 
@@ -606,19 +607,16 @@ def paged_attention(
     stride_q, stride_out = q.stride(), out.stride()
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
 
+    # The longest context any query attends to (a bound), for sizing split-K.
+    max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+
     if max_query_len == 1:
         block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
         if num_splits is None:
-            max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
             if sliding_window is not None:
                 max_context = min(max_context, sliding_window + block_n)
             num_splits = _num_splits(num_seqs, num_kv_heads, max_context, block_n, num_sms(device))
-        if num_splits > 1:
-            part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
-            part_sum = torch.empty_like(part_max)
-            part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-        else:
-            part_max = part_sum = part_acc = out
+        part_max, part_sum, part_acc = _partials(out, num_seqs, num_splits)
         _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, out, part_max, part_sum, part_acc,
             block_tables, seq_lens, query_start_loc,
@@ -645,17 +643,11 @@ def paged_attention(
     block_m, block_n, num_warps, num_stages = _general_config(head_dim, group_pad, max_query_len, q.dtype)
     block_q = block_m // group_pad
     if num_splits is None:
-        max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         if sliding_window is not None:
             max_context = min(max_context, sliding_window + block_m + block_n)
         num_splits = _prefill_splits(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_q, max_context,
                                      block_n, num_sms(device))
-    if num_splits > 1:
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device)
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-    else:
-        part_max = part_sum = part_acc = out
+    part_max, part_sum, part_acc = _partials(out, num_tokens, num_splits)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc, block_tables, seq_lens, query_start_loc,
@@ -680,6 +672,18 @@ def paged_attention(
     if num_splits > 1:
         _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs, True)
     return out
+
+
+def _partials(out: torch.Tensor, rows: int, num_splits: int) -> tuple[torch.Tensor, ...]:
+    """Split-K partials (max, sum, unnormalised acc) in fp32 for ``rows`` rows of ``out``'s
+    heads; with one split the kernels write ``out`` directly and ``out`` fills the unused
+    arguments."""
+    if num_splits == 1:
+        return out, out, out
+    _, num_heads, head_dim = out.shape
+    part_max = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=out.device)
+    part_acc = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
+    return part_max, torch.empty_like(part_max), part_acc
 
 
 def _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs: int, per_token: bool) -> None:

@@ -309,6 +309,12 @@ def dequantize(
         check_shape("out", out, (k, n))
         if out.stride(1) != 1:
             raise ValueError(f"out must have contiguous rows, got strides {tuple(out.stride())}")
+    return _launch_dequantize(qweight, scales, zeros, bits, group_size, g_idx, out)
+
+
+def _launch_dequantize(qweight, scales, zeros, bits: int, group_size: int, g_idx, out: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize` with its arguments already checked."""
+    k, n = out.shape
     if k == 0 or n == 0:
         return out
     grid = (triton.cdiv(k, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
@@ -344,7 +350,8 @@ def dequant_matmul(
     weight that writes 2 bytes per weight, costs less than dequantizing inside every
     output tile. Same arguments and result (to the matmul's summation order)."""
     m, n, k = check_quant_args(x, qweight, scales, zeros, bits, group_size, g_idx, perm, bias, out, _dequantize_kernel)
-    w = dequantize(qweight, scales, zeros, bits, group_size, g_idx)
+    w = torch.empty(k, n, dtype=scales.dtype, device=qweight.device)
+    w = _launch_dequantize(qweight, scales, zeros, bits, group_size, g_idx, w)
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
     if perm is not None:

@@ -452,6 +452,34 @@ class QuantLinearMethod(LinearMethod):
         return kernel(x, qweight, scales, zeros, self.scheme.bits, size, seg.g_idx, seg.perm, bias, out=out)
 
     @staticmethod
+    def _segments_by_shape(layers, route_limit: bool = False) -> dict[tuple, list]:
+        """The segments of ``layers`` grouped for the start-up timings (one CUDA graph runs
+        through each group): by (K, N, group size, act order), and with ``route_limit``
+        also by the most rows the csrc kernels take (segments they do not take left out).
+        Each item is (method, segment, (qweight, scales, zeros), bias, group size)."""
+        by_shape: dict[tuple, list] = {}
+        for layer in layers:
+            method = layer.method
+            for seg in layer.quant_segments:
+                if route_limit and len(seg.route) <= 1:
+                    continue
+                (qweight, scales, zeros), bias = method._columns(layer, seg)
+                key = (qweight.shape[0] * method.pack, qweight.shape[1], layer.quant_group_size, seg.perm is not None)
+                if route_limit:
+                    key += (len(seg.route) - 1,)
+                by_shape.setdefault(key, []).append((method, seg, (qweight, scales, zeros), bias, layer.quant_group_size))
+        return by_shape
+
+    @staticmethod
+    def _timing_buffers(items, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A random x of ``m`` rows and an output wide enough for every item of one shape."""
+        qweight, scales = items[0][2][:2]
+        k = qweight.shape[0] * items[0][0].pack
+        x = torch.randn(m, k, dtype=scales.dtype, device=qweight.device)
+        out = torch.empty(m, max(it[2][0].shape[1] for it in items), dtype=scales.dtype, device=qweight.device)
+        return x, out
+
+    @staticmethod
     @torch.inference_mode()
     def choose_kernels(layers) -> dict[tuple, tuple[int, ...]]:
         """Times the kernels that can take each csrc-routed segment shape among ``layers``
@@ -465,28 +493,15 @@ class QuantLinearMethod(LinearMethod):
         what (to rounding)."""
         from .._ops import cuda_backend
 
-        by_shape: dict[tuple, list] = {}
-        for layer in layers:
-            method = layer.method
-            for seg in layer.quant_segments:
-                if len(seg.route) <= 1:
-                    continue
-                (qweight, scales, zeros), bias = method._columns(layer, seg)
-                key = (qweight.shape[0] * 8, qweight.shape[1], layer.quant_group_size, seg.perm is not None)
-                by_shape.setdefault(key + (len(seg.route) - 1,), []).append(
-                    (method, seg, (qweight, scales, zeros), bias, layer.quant_group_size)
-                )
         chosen = {}
-        for key, items in by_shape.items():
-            k, max_rows = key[0], key[-1]
+        for key, items in QuantLinearMethod._segments_by_shape(layers, route_limit=True).items():
+            max_rows = key[-1]
             tensor_cores = max_rows > cuda_backend.GEMV_MAX_ROWS
-            device, dtype = items[0][2][0].device, items[0][2][1].dtype
             route, picks, done = [TRITON] * (CUDA_GEMV_MAX_ROWS + 1), [], 0
             for m in ROUTE_ROWS:
                 if m > max_rows:
                     break
-                x = torch.randn(m, k, dtype=dtype, device=device)
-                out = torch.empty(m, max(it[2][0].shape[1] for it in items), dtype=dtype, device=device)
+                x, out = QuantLinearMethod._timing_buffers(items, m)
                 candidates = [TRITON] + [CUDA_CORES] * (m <= cuda_backend.GEMV_MAX_ROWS) + [TENSOR_CORES] * tensor_cores
 
                 def run(item, kernel=TRITON):
@@ -520,22 +535,11 @@ class QuantLinearMethod(LinearMethod):
         from .._ops import cuda_backend
         from .._ops.triton_quant_gemm import dequant_matmul, quant_gemm
 
-        by_shape: dict[tuple, list] = {}
-        for layer in layers:
-            method = layer.method
-            for seg in layer.quant_segments:
-                (qweight, scales, zeros), bias = method._columns(layer, seg)
-                key = (qweight.shape[0] * 32 // method.scheme.bits, qweight.shape[1], layer.quant_group_size,
-                       seg.perm is not None)
-                by_shape.setdefault(key, []).append((method, seg, (qweight, scales, zeros), bias, layer.quant_group_size))
         chosen = {}
-        for key, items in by_shape.items():
-            k = key[0]
-            device, dtype = items[0][2][0].device, items[0][2][1].dtype
+        for key, items in QuantLinearMethod._segments_by_shape(layers).items():
             wins = []
             for m in rows:
-                x = torch.randn(m, k, dtype=dtype, device=device)
-                out = torch.empty(m, max(it[2][0].shape[1] for it in items), dtype=dtype, device=device)
+                x, out = QuantLinearMethod._timing_buffers(items, m)
 
                 def run(item, kernel):
                     method, seg, (qweight, scales, zeros), bias, size = item

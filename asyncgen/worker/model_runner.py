@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 _MAX_PROMPT_GRAPH_TOKENS = 2048
 _PROMPT_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
 # Prompt graphs of up to this many tokens are also captured with this many sequence slots.
+# The general attention kernel splits the context only for batches of at most
+# triton_paged_attention._PREFILL_SPLIT_MAX_SEQS sequences: the narrow graphs must not
+# have more slots than that, or a prefix-cache hit would not split.
 _NARROW_PROMPT_TOKENS = 512
 _NARROW_PROMPT_SLOTS = 8
 

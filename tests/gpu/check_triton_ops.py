@@ -68,22 +68,9 @@ def bench(fn) -> float:
 def bench_graph(fn, reps: int = 20) -> float:
     """Milliseconds of ``fn`` replayed from a CUDA graph of ``reps`` calls (best of 5): its
     device time without the host's launch costs, as inside the engine's graphs."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
+    from asyncgen._ops import cuda_backend
+
+    return cuda_backend.graph_time_ms(lambda _: fn(), [None] * reps, passes=5)
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
