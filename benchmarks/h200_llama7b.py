@@ -11,7 +11,11 @@ as a safetensors directory, asyncgen loads that directory):
       steps (each launched before the previous one is collected) and one at a time;
   (d) with ``--profile``: the device time of each kernel in one eager decode step at
       batch 1, and the time of a prompt step over a cached prefix (78 new tokens after
-      992 cached) against the same 1,070 tokens computed from scratch.
+      992 cached) against the same 1,070 tokens computed from scratch;
+  (e) with ``--timeline``: where the wall time of (a) goes, step by step: the device time
+      of each step (CUDA events around its launch), the device's idle time between steps,
+      and the host time of each launch, summed for prompt (and mixed) steps and for decode
+      steps by context.
 
 Usage (a CUDA machine; no network): ``python benchmarks/h200_llama7b.py --tokenizer DIR``
 where DIR holds any Llama-compatible tokenizer with ids >= 32000 (SmolLM2's works); the
@@ -22,6 +26,7 @@ Prints a table at the end and writes the numbers as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -87,8 +92,81 @@ def hf_single_stream(model, prompt: list[int], new_tokens: int) -> dict:
     return {"seconds": dt, "output_tokens": new_tokens, "tokens_per_s": new_tokens / dt}
 
 
+class StepTimeline:
+    """Wraps a model runner's ``launch`` and ``collect`` to record each step: host times,
+    and CUDA events before and after its launch (device time of the step; the device's idle
+    time before it is the interval from the previous step's end event)."""
+
+    def __init__(self, runner):
+        self.runner, self.steps = runner, []
+        self._launch, self._collect = runner.launch, runner.collect
+
+    def __enter__(self):
+        def launch(out):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            step = self._launch(out)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            ctx = max((s.start_pos + len(s.token_ids) for s in out.seqs), default=0)
+            self.steps.append({"seqs": len(out.seqs), "tokens": out.num_batched_tokens, "ctx": ctx, "start": start,
+                               "end": end, "host_launch_ms": (time.perf_counter() - t0) * 1000, "step": step})
+            return step
+
+        def collect(step):
+            t0 = time.perf_counter()
+            try:
+                return self._collect(step)
+            finally:
+                for rec in reversed(self.steps):
+                    if rec["step"] is step:
+                        rec["host_collect_ms"] = (time.perf_counter() - t0) * 1000
+                        break
+
+        self.runner.launch, self.runner.collect = launch, collect
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.launch, self.runner.collect = self._launch, self._collect
+
+    def summary(self) -> dict:
+        torch.cuda.synchronize()
+        rows, prev_end = [], None
+        for rec in self.steps:
+            rows.append({
+                "seqs": rec["seqs"], "tokens": rec["tokens"], "ctx": rec["ctx"],
+                "device_ms": rec["start"].elapsed_time(rec["end"]),
+                "idle_before_ms": prev_end.elapsed_time(rec["start"]) if prev_end is not None else 0.0,
+                "host_launch_ms": rec["host_launch_ms"], "host_collect_ms": rec.get("host_collect_ms", 0.0),
+            })
+            prev_end = rec["end"]
+        decode = [r for r in rows if r["tokens"] == r["seqs"]]
+        prompt = [r for r in rows if r["tokens"] != r["seqs"]]
+        out = {"steps": len(rows), "span_ms": sum(r["device_ms"] + r["idle_before_ms"] for r in rows),
+               "prompt_steps": len(prompt), "prompt_device_ms": sum(r["device_ms"] for r in prompt),
+               "decode_steps": len(decode), "decode_device_ms": sum(r["device_ms"] for r in decode),
+               "idle_ms": sum(r["idle_before_ms"] for r in rows), "rows": rows}
+        print(f"(e) timeline of (a): {out['steps']} steps over {out['span_ms']:.0f} ms of device time line; "
+              f"prompt/mixed steps {out['prompt_steps']}: {out['prompt_device_ms']:.0f} ms; decode steps "
+              f"{out['decode_steps']}: {out['decode_device_ms']:.0f} ms; device idle between steps {out['idle_ms']:.0f} ms")
+        for r in prompt:
+            print(f"    prompt step {r['seqs']:>3} seqs {r['tokens']:>5} tokens: device {r['device_ms']:7.2f} ms, "
+                  f"idle before {r['idle_before_ms']:6.2f}, host launch {r['host_launch_ms']:6.2f}")
+        for lo in range(0, max((r["ctx"] for r in decode), default=0) + 1, 64):
+            bucket = [r for r in decode if lo <= r["ctx"] < lo + 64]
+            if bucket:
+                n = len(bucket)
+                print(f"    decode ctx {lo:>4}-{lo + 63:<4} x{n:<4} batch {max(r['seqs'] for r in bucket):>3}: device "
+                      f"{sum(r['device_ms'] for r in bucket) / n:6.2f} ms/step, idle before "
+                      f"{sum(r['idle_before_ms'] for r in bucket) / n:5.2f}, host launch "
+                      f"{sum(r['host_launch_ms'] for r in bucket) / n:5.2f}, collect {sum(r['host_collect_ms'] for r in bucket) / n:5.2f}")
+        return out
+
+
 async def asyncgen_runs(
-    path: Path, prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int, backend: str, profile: bool
+    path: Path, prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int, backend: str, profile: bool,
+    timeline: bool = False,
 ) -> dict:
     from asyncgen import AsyncEngine, SamplingParams
 
@@ -115,12 +193,16 @@ async def asyncgen_runs(
             out = await engine.generate(p, params)
             counts.append(len(out.token_ids))
 
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for p in prompts:
-                tg.start_soon(one, p)
-        dt = time.perf_counter() - t0
+        recorder = StepTimeline(engine._runner) if timeline else None
+        with recorder or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for p in prompts:
+                    tg.start_soon(one, p)
+            dt = time.perf_counter() - t0
         res["offline"] = {"seconds": dt, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / dt}
+        if recorder is not None:
+            res["offline"]["timeline"] = await engine._device.run(recorder.summary)
 
         times = []
         async for chunk in engine.stream(prompts[0], SamplingParams(max_tokens=single_tokens, ignore_eos=True)):
@@ -267,6 +349,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also run (d): kernel times and the cached-prefix step")
+    ap.add_argument("--timeline", action="store_true", help="also run (e): where the time of (a) goes, step by step")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -306,7 +389,7 @@ def main() -> None:
     ctx = prompt_len + new_tokens
     results["asyncgen"] = anyio.run(
         asyncgen_runs, work, prompts, new_tokens, single_tokens, (1, 64, 256) if not args.quick else (1, 8, 32), ctx,
-        args.backend, args.profile,
+        args.backend, args.profile, args.timeline,
     )
     bw = 4.3e12
     kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
