@@ -34,7 +34,6 @@ CSRC_SOURCES = [
     "csrc/paged_attention.cu",
     "csrc/paged_attention_bf16.cu",
     "csrc/paged_attention_fp16.cu",
-    "csrc/prefetch.cu",
 ]
 
 

@@ -19,11 +19,8 @@ class EngineConfig(BaseModel):
     on the CPU, 1 GiB, and on CUDA the part of ``gpu_memory_utilization`` of the card
     left after the weights and a profiled forward pass at the largest batch.
     ``enable_prefix_caching`` shares the KV blocks of equal prompt prefixes between
-    requests (and between the ``n`` samples of one request). ``ops_backend`` forces a
-    kernel backend ("torch", "triton" or "cuda"); "auto" picks the fastest available for
-    the device. ``prefetch_weights`` lets small decode batches on CUDA (csrc backend)
-    bring each next weight into L2 while the kernels before it run; results are the same
-    either way (``asyncgen.model.prefetch``).
+    requests (and between the ``n`` samples of one request). ``ops_backend`` forces a kernel backend ("torch", "triton" or "cuda"); "auto" picks
+    the fastest available for the device.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -40,7 +37,6 @@ class EngineConfig(BaseModel):
     ops_backend: Literal["auto", "torch", "triton", "cuda"] = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    prefetch_weights: bool = True
     trust_remote_code: bool = False
 
     @property

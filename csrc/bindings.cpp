@@ -18,7 +18,6 @@ TORCH_LIBRARY(asyncgen_C, m) {
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, int kernel=0) -> ()");
-  m.def("prefetch_l2(Tensor t, int max_bytes) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -26,7 +25,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
-  m.impl("prefetch_l2", &asyncgen::prefetch_l2);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

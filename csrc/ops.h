@@ -31,8 +31,4 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t kernel);
 
-// Asks for the first min(max_bytes, t.nbytes()) bytes of the contiguous tensor t to be
-// brought into L2 and returns at once (rounded down to 16 bytes; nothing is written).
-void prefetch_l2(const at::Tensor& t, int64_t max_bytes);
-
 }  // namespace asyncgen

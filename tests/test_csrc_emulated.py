@@ -201,16 +201,3 @@ def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_siz
     assert relative_error(out, exact) < 2e-3
     with pytest.raises(AssertionError, match="too many rows"):  # the CUDA-core kernel stops at 8
         emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False)
-
-
-@pytest.mark.parametrize("num_bytes", [0, 16, 4096, 4096 + 48, 3 * 4096 * 64 + 160, 64 * 16 * 4096 * 2 + 4096 * 5])
-def test_prefetch_covers_the_range_once_in_chunks(emu, num_bytes):
-    ranges, blocks = emu.prefetch_l2(num_bytes)
-    covered = sorted(ranges)
-    # Every byte once: the chunks tile [0, num_bytes) with no overlap and no gap.
-    pos = 0
-    for offset, size in covered:
-        assert offset == pos and 16 <= size <= 4096 and size % 16 == 0 and offset % 4096 == 0
-        pos += size
-    assert pos == num_bytes
-    assert blocks <= 16 and (blocks > 0) == (num_bytes > 0)

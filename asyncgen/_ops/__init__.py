@@ -1,8 +1,7 @@
 """Kernels behind typed launchers, grouped into interchangeable backends.
 
 A backend is an :class:`Ops` bundle with the same five functions, each defined by its
-plain-torch reference in :mod:`asyncgen._ops.reference`, and optionally ``prefetch_l2``
-(a hint with no effect on results; see :func:`asyncgen._ops.cuda_backend.prefetch_l2`):
+plain-torch reference in :mod:`asyncgen._ops.reference`:
 
 - ``"torch"``: the references themselves; runs anywhere (the CPU path).
 - ``"triton"``: Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests).
@@ -15,7 +14,7 @@ The model receives one ``Ops`` at construction; nothing here is global state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable
 
 __all__ = ["Ops", "get_ops"]
 
@@ -30,7 +29,6 @@ class Ops:
     silu_and_mul: Callable
     store_kv_cache: Callable
     paged_attention: Callable
-    prefetch_l2: Optional[Callable] = None  # (tensor, max_bytes) -> None; None: not offered
 
 
 def get_ops(backend: str) -> Ops:

@@ -18,8 +18,6 @@ the argument on bad input):
   layers check their weight once (``*_weight_ok``), each input with
   :func:`gemv_input_ok`, and call the ``launch_*`` forms, which skip the Python checks.
   :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
-- ``prefetch_l2``: csrc; a hint that brings the start of a weight into L2 (results never
-  depend on it), issued by :class:`asyncgen.model.prefetch.WeightPrefetch`.
 - ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
   bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
   lengths; Triton for everything else (prefill chunks, mixed batches, other shapes).
@@ -40,7 +38,7 @@ from . import Ops
 
 __all__ = [
     "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
-    "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "prefetch_l2", "quant_gemv_4bit",
+    "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
@@ -79,7 +77,7 @@ def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)
     if register is None:  # torch < 2.4
         return
-    for name in ("store_kv_cache", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit", "prefetch_l2"):
+    for name in ("store_kv_cache", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -95,7 +93,7 @@ def is_available() -> bool:
 
 
 def ops() -> Ops:
-    """The op bundle: csrc attention, cache write and L2 prefetch, Triton norm/rotary/activation."""
+    """The op bundle: csrc attention and cache write, Triton norm/rotary/activation."""
     if _extension() is None:
         raise RuntimeError(f"{BUILD_HINT} ({_load()[1]})")
     if not torch.cuda.is_available():
@@ -103,7 +101,7 @@ def ops() -> Ops:
     from . import triton_backend
 
     t = triton_backend.ops()
-    return Ops("cuda", t.rms_norm, t.rotary_embedding, t.silu_and_mul, store_kv_cache, paged_attention, prefetch_l2)
+    return Ops("cuda", t.rms_norm, t.rotary_embedding, t.silu_and_mul, store_kv_cache, paged_attention)
 
 
 # ----------------------------------------------------------------------------------------
@@ -193,24 +191,6 @@ def store_kv_cache(
     from . import triton_backend
 
     triton_backend.ops().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-
-
-def prefetch_l2(t: torch.Tensor, max_bytes: int) -> None:
-    """Asks for the first ``min(max_bytes, t.nbytes)`` bytes of ``t`` (rounded down to 16)
-    to be brought into the L2 cache, on the current stream, and returns without waiting:
-    the kernel only issues the requests (``csrc/prefetch.cuh``). Nothing is written, so no
-    result depends on it; only later reads of those bytes get faster. ``t`` must be a
-    contiguous CUDA tensor starting 16-byte aligned."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"t must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
-        raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-    if t.device.type != "cuda":
-        raise ValueError(f"t is on {t.device}; the cuda backend needs CUDA tensors")
-    if not t.is_contiguous() or t.data_ptr() % 16 != 0:
-        raise ValueError(f"t must be contiguous and 16-byte aligned, got strides {t.stride()} at {t.data_ptr():#x}")
-    if max_bytes >= 16:
-        torch.ops.asyncgen_C.prefetch_l2(t, max_bytes)
 
 
 def paged_attention(

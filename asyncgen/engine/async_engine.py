@@ -107,8 +107,7 @@ class AsyncEngine:
         Checks the arguments and, for a local directory, its ``config.json`` right away
         (cheap); the weights are loaded by ``start()`` on the device thread. Other
         keyword arguments are :class:`~asyncgen.config.EngineConfig` fields
-        (``gpu_memory_utilization``, ``ops_backend``, ``enforce_eager``,
-        ``prefetch_weights``).
+        (``gpu_memory_utilization``, ``ops_backend``, ``enforce_eager``).
         """
         config = EngineConfig(
             dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -41,11 +41,6 @@ class LinearMethod:
     def finalize(self, layer: "LinearBase") -> None:
         pass
 
-    def weight_tensors(self, layer: "LinearBase") -> list[torch.Tensor]:
-        """The contiguous tensors ``apply`` reads in full on every call (what a prefetch
-        of the layer's weight brings in)."""
-        return [layer.weight]
-
 
 def check_shape(full_name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
     if tuple(expected) != tuple(got):

@@ -6,10 +6,7 @@ One forward pass computes a flat batch of tokens from many sequences::
     embed -> L x (norm -> qkv -> rotary -> cache write -> paged attention -> o_proj
                   -> norm -> gate_up -> silu*mul -> down) -> norm -> hidden [T, hidden]
 
-and ``compute_logits`` projects only the rows that sample. Given a
-:class:`~asyncgen.model.prefetch.WeightPrefetch`, the forward pass asks for each linear
-layer's weight where the kernels before it begin (the runner passes one for small decode
-batches); the values computed are the same either way. Every op comes from the
+and ``compute_logits`` projects only the rows that sample. Every op comes from the
 ``Ops`` bundle chosen at construction, so the same module runs the torch reference on
 the CPU and the Triton/CUDA kernels on a GPU.
 """
@@ -25,7 +22,6 @@ from torch import nn
 from .._ops import Ops
 from .config import ModelConfig
 from .linear import LinearMethod, MergedLinear, QKVLinear, RowLinear
-from .prefetch import WeightPrefetch
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM"]
 
@@ -73,11 +69,9 @@ class Attention(nn.Module):
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
 
-    def forward(self, positions, x, meta: AttentionMetadata, cos_sin_cache, prefetch: Optional[WeightPrefetch] = None):
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin_cache):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if prefetch is not None:
-            prefetch.ahead(self.o_proj)
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
@@ -104,11 +98,8 @@ class MLP(nn.Module):
             method_factory(f"{prefix}.down_proj"),
         )
 
-    def forward(self, x, prefetch: Optional[WeightPrefetch] = None):
-        h = self.gate_up_proj(x)
-        if prefetch is not None:
-            prefetch.ahead(self.down_proj)
-        return self.down_proj(self.ops.silu_and_mul(h))
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,15 +110,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
         self.mlp = MLP(cfg, f"{prefix}.mlp", ops, dtype, device, method_factory)
 
-    def forward(self, positions, x, residual, meta, cos_sin_cache, prefetch: Optional[WeightPrefetch] = None):
-        if prefetch is not None:
-            prefetch.ahead(self.self_attn.qkv_proj)
+    def forward(self, positions, x, residual, meta, cos_sin_cache):
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, meta, cos_sin_cache, prefetch)
-        if prefetch is not None:
-            prefetch.ahead(self.mlp.gate_up_proj)
+        h = self.self_attn(positions, h, meta, cos_sin_cache)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, prefetch), residual
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,21 +151,13 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        prefetch: Optional[WeightPrefetch] = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta, self.cos_sin_cache, prefetch)
+            x, residual = layer(positions, x, residual, meta, self.cos_sin_cache)
         x, _ = self.norm(x, residual)
-        if prefetch is not None:
-            prefetch.join()
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -405,11 +405,6 @@ class QuantLinearMethod(LinearMethod):
         return (layer.qweight[:, cols], layer.scales[:, cols], layer.zeros[:, cols]), bias
 
     # --- forward -------------------------------------------------------------------------------
-    def weight_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
-        if layer.quant_kernel == "dense":
-            return [layer.weight]
-        return [layer.qweight, layer.scales, layer.zeros]
-
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if layer.quant_kernel == "dense":
             return torch.nn.functional.linear(x, layer.weight, layer.bias)

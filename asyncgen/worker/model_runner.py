@@ -30,7 +30,6 @@ from ..engine.scheduler import SchedulerOutput
 from ..model.config import ModelConfig
 from ..model.llama import AttentionMetadata, LlamaForCausalLM
 from ..model.loader import load_weights
-from ..model.prefetch import WeightPrefetch
 from ..outputs import TokenLogprob
 from .sampler import PendingSample, SamplingRow, sample_async
 
@@ -48,10 +47,6 @@ _PROMPT_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 20
 # have more slots than that, or a prefix-cache hit would not split.
 _NARROW_PROMPT_TOKENS = 512
 _NARROW_PROMPT_SLOTS = 8
-# Decode graphs of up to this many sequences prefetch each next weight into L2 (where the
-# ops backend offers it and ``prefetch_weights`` is on), asking for this much of each.
-_PREFETCH_MAX_BATCH = 16
-_PREFETCH_MAX_BYTES = 64 << 20
 
 
 def _prompt_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
@@ -149,8 +144,6 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy]
         self._staging_next = 0
-        self._weight_prefetch: Optional[WeightPrefetch] = None  # set in load() where it applies
-        self._prefetch_max_batch = _PREFETCH_MAX_BATCH
 
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
@@ -243,8 +236,6 @@ class ModelRunner:
             self.num_blocks * kv_block_bytes(self.model_cfg, self.block_size, self.dtype) / 2**20,
             self.num_blocks / per_seq, self.max_model_len,
         )
-        if self.device.type == "cuda" and self.cfg.prefetch_weights and ops.prefetch_l2 is not None:
-            self._weight_prefetch = WeightPrefetch(ops.prefetch_l2, _PREFETCH_MAX_BYTES, torch.cuda.Stream(self.device))
         self.capture_graphs()
         return self.num_blocks
 
@@ -324,7 +315,6 @@ class ModelRunner:
         self.model = None
         self._graphs.clear()
         self._graph_inputs = None
-        self._weight_prefetch = None
         self._prompt_graphs, self._prompt_inputs, self._prompt_graph_keys = {}, None, []
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
@@ -334,28 +324,15 @@ class ModelRunner:
 
     # --- CUDA graphs (device thread) --------------------------------------------------------
     def capture_graphs(self) -> None:
-        """Captures the decode step (forward + logits) at a ladder of batch sizes, then the
-        prompt steps (:meth:`_capture_prompt_graphs`)."""
-        if self.device.type != "cuda" or self.cfg.enforce_eager:
-            return
-        self._capture_prompt_graphs(self._capture_decode_graphs())
-
-    def _weight_prefetch_for(self, batch: int) -> Optional[WeightPrefetch]:
-        """The prefetcher a decode graph of ``batch`` sequences uses, or None."""
-        if self._weight_prefetch is None or batch > self._prefetch_max_batch:
-            return None
-        return self._weight_prefetch
-
-    def _capture_decode_graphs(self, pool=None):
-        """Captures the decode step (forward + logits) at a ladder of batch sizes; returns
-        the graphs' memory pool.
+        """Captures the decode step (forward + logits) at a ladder of batch sizes.
 
         A decode batch of ``B`` sequences replays the smallest captured size >= B with the
         extra rows padded (slot -1: nothing written; length 1; outputs ignored). Kernel
         launch settings depend only on shapes and on ``max_seq_len``, which is fixed at
-        ``max_model_len`` for the captured graphs. Sizes up to ``_prefetch_max_batch``
-        prefetch each next weight into L2 (:mod:`asyncgen.model.prefetch`).
+        ``max_model_len`` for the captured graphs.
         """
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
+            return
         t0 = time.perf_counter()
         max_bs = min(self.cfg.max_num_seqs, 512)
         sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs) if b <= max_bs})
@@ -370,26 +347,25 @@ class ModelRunner:
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
         self._graphs = {}
+        pool = None
         for b in reversed(sizes):
             meta = AttentionMetadata(
                 g["slot_mapping"][:b], g["block_tables"][:b], g["seq_lens"][:b], g["query_start_loc"][: b + 1],
                 max_query_len=1, max_seq_len=self.max_model_len,
             )
-            prefetch = self._weight_prefetch_for(b)
             with torch.inference_mode():
                 for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
-                    self.model.compute_logits(self.model(g["input_ids"][:b], g["positions"][:b], meta, prefetch))
+                    self.model.compute_logits(self.model(g["input_ids"][:b], g["positions"][:b], meta))
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(g["input_ids"][:b], g["positions"][:b], meta, prefetch))
+                    logits = self.model.compute_logits(self.model(g["input_ids"][:b], g["positions"][:b], meta))
                 pool = graph.pool()
             self._graphs[b] = (graph, logits)
         self._graph_sizes = sizes
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s (L2 weight prefetch up to batch %s)",
-                 sizes, time.perf_counter() - t0, self._prefetch_max_batch if self._weight_prefetch else "none")
-        return pool
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
+        self._capture_prompt_graphs(pool)
 
     def _capture_prompt_graphs(self, pool) -> None:
         """Captures steps that compute prompt tokens (alone or with decodes) at a ladder of

@@ -3,16 +3,9 @@
 // with the same layout as the C++ ones.
 #include "emu_runtime.h"
 
-#include <utility>
-
-// Each bulk prefetch the kernel issues, as (byte offset from the range's start, size).
-static std::vector<std::pair<const char*, uint32_t>> g_prefetches;
-#define AG_EMU_PREFETCH(ptr, size) g_prefetches.emplace_back((ptr), (size))
-
 #include "cache_kernels.cuh"
 #include "gemv.cuh"
 #include "paged_attention.cuh"
-#include "prefetch.cuh"
 
 using asyncgen::DecodeParams;
 using asyncgen::DenseGemvParams;
@@ -61,23 +54,6 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
 }
 
 int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
-
-// Runs prefetch_l2's kernel over [0, bytes) of a fake base and writes up to `capacity`
-// (offset, size) pairs of what it issued; returns how many it issued and, in *blocks, the
-// grid it was launched with.
-int ag_prefetch_l2(int64_t bytes, int64_t* offsets, int64_t* sizes, int capacity, int* blocks) {
-  static char base[16] alignas(16);
-  g_prefetches.clear();
-  asyncgen::PrefetchParams p{base, bytes};
-  asyncgen::launch_prefetch_l2(p, nullptr);
-  *blocks = bytes > 0 ? asyncgen::prefetch_num_blocks(bytes) : 0;
-  const int n = static_cast<int>(g_prefetches.size());
-  for (int i = 0; i < n && i < capacity; ++i) {
-    offsets[i] = g_prefetches[i].first - base;
-    sizes[i] = g_prefetches[i].second;
-  }
-  return n;
-}
 
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }

@@ -153,8 +153,6 @@ class Emulator:
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
-        lib.ag_prefetch_l2.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.POINTER(ctypes.c_int)]
 
     def plan(self, num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window, num_sms,
              partition_size) -> tuple[int, int]:
@@ -223,14 +221,3 @@ class Emulator:
         )
         assert self.lib.ag_quant_gemv_4bit(ctypes.byref(p), int(tensor_cores)) == 0, "too many rows"
         return bool(tensor_cores and self.lib.ag_quant_gemv_4bit_mma_ok(ctypes.byref(p)))
-
-    def prefetch_l2(self, num_bytes: int) -> tuple[list[tuple[int, int]], int]:
-        """The (offset, size) ranges the prefetch kernel issues over ``num_bytes`` (a
-        multiple of 16, as the glue passes it), in issue order, and its grid size."""
-        capacity = max(1, -(-num_bytes // 4096) + 8)
-        offsets = torch.zeros(capacity, dtype=torch.int64)
-        sizes = torch.zeros(capacity, dtype=torch.int64)
-        blocks = ctypes.c_int()
-        n = self.lib.ag_prefetch_l2(num_bytes, offsets.data_ptr(), sizes.data_ptr(), capacity, ctypes.byref(blocks))
-        assert n <= capacity, f"the kernel issued {n} prefetches, more than the {capacity} expected at most"
-        return list(zip(offsets[:n].tolist(), sizes[:n].tolist())), blocks.value

@@ -11,8 +11,7 @@ cache slot no sequence owns, shuffled block ids, ragged lengths, partial last bl
 GQA 1/4/6/8/12, head_dim 64/128/256, fp16/bf16, split-K off/forced/automatic, sliding
 window, an empty padded sequence, CUDA-graph replay with new lengths), and the GEMV ops
 (dense fp16/bf16 against ``F.linear``, 4-bit against dequantize-then-matmul, at 7B
-layer shapes and 1-8 rows), and prefetch_l2 (writes nothing; a product after a
-latency-bound stretch, with and without its weight prefetched). Timing: the decode
+layer shapes and 1-8 rows). Timing: the decode
 kernel for a 7B shape at batch 1/64/256 and 1k-4k context, in GB/s of K/V read against
 ~4.3 TB/s, next to the Triton decode kernel when asyncgen._ops.triton_backend imports;
 the GEMVs at 7B decode shapes next to cuBLAS and the Triton 4-bit GEMV.
@@ -345,68 +344,6 @@ def check_errors() -> None:
             check(f"TORCH_CHECK names {name}", name in str(e), str(e).splitlines()[0])
 
 
-def check_prefetch() -> None:
-    """prefetch_l2 writes nothing (in a CUDA graph with a side stream too), refuses bad
-    arguments by name, and makes a product that follows a latency-bound stretch faster:
-    8 weights of 4096 x 4096 fp16 (past L2 together), each product after a 12 us spin, with
-    and without the weight prefetched on a side stream when the spin starts."""
-    print("prefetch_l2")
-    w = torch.randn(4096, 4096, device=DEVICE, dtype=torch.float16)
-    before = w.clone()
-    cuda_backend.prefetch_l2(w, 1 << 30)
-    cuda_backend.prefetch_l2(w[7:].contiguous(), 100)  # a size that is not a multiple of 16
-    torch.cuda.synchronize()
-    check("prefetch_l2 leaves the tensor as it was", torch.equal(w, before))
-    for name, args in (("max_bytes", (w, -1)), ("t", (w.cpu(), 16)), ("contiguous", (w.t(), 16))):
-        try:
-            cuda_backend.prefetch_l2(*args)
-            check(f"prefetch_l2 refuses a bad {name}", False, "no error raised")
-        except ValueError as e:
-            check(f"prefetch_l2 refuses a bad {name}", name in str(e) or "contiguous" in str(e), str(e))
-
-    weights = [torch.randn(4096, 4096, device=DEVICE, dtype=torch.float16) for _ in range(8)]
-    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.float16)
-    side = torch.cuda.Stream()
-    spin = int(12e-6 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # ~12 us of cycles
-
-    def layers(prefetch: bool):
-        outs = []
-        for wt in weights:
-            if prefetch:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    cuda_backend.prefetch_l2(wt, 1 << 30)
-            torch.cuda._sleep(spin)
-            outs.append(torch.nn.functional.linear(x, wt))
-        if prefetch:
-            torch.cuda.current_stream().wait_stream(side)
-        return outs
-
-    times = {}
-    for prefetch in (False, True):
-        layers(prefetch)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = layers(prefetch)
-        graph.replay()
-        torch.cuda.synchronize()
-        ok = all(relative_error(o, torch.nn.functional.linear(x, wt)) < 1e-3 for o, wt in zip(outs, weights))
-        check(f"graph with{'' if prefetch else 'out'} a prefetching side stream computes the products", ok)
-        best = float("inf")
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 10 / len(weights) * 1000)
-        times[prefetch] = best
-    print(f"    spin + 4096x4096 product: {times[False]:.1f} us without prefetch, {times[True]:.1f} us with "
-          f"({times[False] - times[True]:+.1f} us per layer)")
-
-
 # ----------------------------------------------------------------------------------------
 # Timing
 
@@ -522,7 +459,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
 
     for step in (check_store_kv_cache, lambda: check_decode(args.quick), check_cuda_graph, check_launcher,
-                 check_dense_gemv, check_quant_gemv, check_errors, check_prefetch):
+                 check_dense_gemv, check_quant_gemv, check_errors):
         try:
             step()
         except Exception:
