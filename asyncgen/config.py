@@ -19,8 +19,12 @@ class EngineConfig(BaseModel):
     on the CPU, 1 GiB, and on CUDA the part of ``gpu_memory_utilization`` of the card
     left after the weights and a profiled forward pass at the largest batch.
     ``enable_prefix_caching`` shares the KV blocks of equal prompt prefixes between
-    requests (and between the ``n`` samples of one request). ``ops_backend`` forces a kernel backend ("torch", "triton" or "cuda"); "auto" picks
-    the fastest available for the device.
+    requests (and between the ``n`` samples of one request). ``ops_backend`` forces a
+    kernel backend ("torch", "triton" or "cuda"); "auto" picks the fastest available for
+    the device. ``freeze_gc`` (on by default) moves every object alive when the engine
+    has loaded out of the cyclic garbage collector's reach until the last engine closes,
+    so that the collector's full passes stop pausing the process for hundreds of
+    milliseconds (``asyncgen.engine.heap``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -37,6 +41,7 @@ class EngineConfig(BaseModel):
     ops_backend: Literal["auto", "torch", "triton", "cuda"] = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    freeze_gc: bool = True
     trust_remote_code: bool = False
 
     @property

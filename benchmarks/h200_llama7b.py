@@ -15,7 +15,9 @@ as a safetensors directory, asyncgen loads that directory):
   (e) with ``--timeline``: where the wall time of (a) goes, step by step: the device time
       of each step (CUDA events around its launch), the device's idle time between steps,
       and the host time of each launch, summed for prompt (and mixed) steps and for decode
-      steps by context.
+      steps by context; and the garbage collector's passes meanwhile. ``--compare-gc``
+      first runs (a) on other prompts with the collector walking the whole heap (as with
+      ``freeze_gc=False``), timed the same way.
 
 Usage (a CUDA machine; no network): ``python benchmarks/h200_llama7b.py --tokenizer DIR``
 where DIR holds any Llama-compatible tokenizer with ids >= 32000 (SmolLM2's works); the
@@ -147,7 +149,7 @@ class StepTimeline:
                "prompt_steps": len(prompt), "prompt_device_ms": sum(r["device_ms"] for r in prompt),
                "decode_steps": len(decode), "decode_device_ms": sum(r["device_ms"] for r in decode),
                "idle_ms": sum(r["idle_before_ms"] for r in rows), "rows": rows}
-        print(f"(e) timeline of (a): {out['steps']} steps over {out['span_ms']:.0f} ms of device time line; "
+        print(f"    timeline: {out['steps']} steps over {out['span_ms']:.0f} ms of device time line; "
               f"prompt/mixed steps {out['prompt_steps']}: {out['prompt_device_ms']:.0f} ms; decode steps "
               f"{out['decode_steps']}: {out['decode_device_ms']:.0f} ms; device idle between steps {out['idle_ms']:.0f} ms")
         for r in prompt:
@@ -164,9 +166,40 @@ class StepTimeline:
         return out
 
 
+class GcPauses:
+    """Records the duration of every garbage-collector pass, by generation."""
+
+    def __init__(self):
+        self.passes: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.passes.append((info["generation"], (time.perf_counter() - self._start) * 1000))
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        out = {}
+        for g in range(3):
+            ms = [d for gen, d in self.passes if gen == g]
+            out[f"gen{g}"] = {"passes": len(ms), "total_ms": sum(ms), "max_ms": max(ms, default=0.0)}
+        print("    garbage collector: " + "; ".join(
+            f"gen {g} {v['passes']} passes, {v['total_ms']:.1f} ms, longest {v['max_ms']:.1f} ms"
+            for g, v in ((g, out[f"gen{g}"]) for g in range(3))), flush=True)
+        return out
+
+
 async def asyncgen_runs(
-    path: Path, prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int, backend: str, profile: bool,
-    timeline: bool = False,
+    path: Path, prompts, warm_prompts, compare_prompts, new_tokens: int, single_tokens: int, step_batches, ctx: int,
+    backend: str, profile: bool, timeline: bool = False, compare_gc: bool = False,
 ) -> dict:
     from asyncgen import AsyncEngine, SamplingParams
 
@@ -181,28 +214,40 @@ async def asyncgen_runs(
     res["num_kv_blocks"] = engine.stats().num_total_blocks
     res["ops_backend"] = engine._runner.ops_backend
     try:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        # Warm-up: the same requests with 2 output tokens, so every kernel variant the timed
-        # run needs (Triton compiles one per shape class on first use) exists beforehand.
-        async with anyio.create_task_group() as tg:
-            for p in prompts:
-                tg.start_soon(engine.generate, p, SamplingParams(max_tokens=2, ignore_eos=True))
-        counts = []
+        async def offline(batch, max_tokens: int, record: bool = False, label: str = "(a)") -> dict:
+            counts = []
 
-        async def one(p):
-            out = await engine.generate(p, params)
-            counts.append(len(out.token_ids))
+            async def one(p):
+                out = await engine.generate(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+                counts.append(len(out.token_ids))
 
-        recorder = StepTimeline(engine._runner) if timeline else None
-        with recorder or contextlib.nullcontext():
-            t0 = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                for p in prompts:
-                    tg.start_soon(one, p)
-            dt = time.perf_counter() - t0
-        res["offline"] = {"seconds": dt, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / dt}
-        if recorder is not None:
-            res["offline"]["timeline"] = await engine._device.run(recorder.summary)
+            recorder = StepTimeline(engine._runner) if record else None
+            pauses = GcPauses() if record else None
+            with recorder or contextlib.nullcontext(), pauses or contextlib.nullcontext():
+                t0 = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    for p in batch:
+                        tg.start_soon(one, p)
+                dt = time.perf_counter() - t0
+            out = {"seconds": dt, "output_tokens": sum(counts), "tokens_per_s": sum(counts) / dt}
+            if record:
+                print(f"(e) {label}: {out['tokens_per_s']:.0f} tok/s", flush=True)
+                out["timeline"] = await engine._device.run(recorder.summary)
+                out["gc_pauses"] = pauses.summary()
+            return out
+
+        # Warm-up: the same shapes (other prompts of the same length, so that no timed prompt
+        # is in the prefix cache) with 2 output tokens, so every kernel variant the timed run
+        # needs (Triton compiles one per shape class on first use) exists beforehand.
+        await offline(warm_prompts, 2)
+        if compare_gc:
+            # The same workload on other prompts with the collector walking the whole heap,
+            # as it does with freeze_gc=False; then frozen again as the engine left it.
+            gc.unfreeze()
+            res["offline_gc_unfrozen"] = await offline(compare_prompts, new_tokens, True, "(a) with the heap unfrozen")
+            gc.collect()
+            gc.freeze()
+        res["offline"] = await offline(prompts, new_tokens, record=timeline)
 
         times = []
         async for chunk in engine.stream(prompts[0], SamplingParams(max_tokens=single_tokens, ignore_eos=True)):
@@ -350,6 +395,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also run (d): kernel times and the cached-prefix step")
     ap.add_argument("--timeline", action="store_true", help="also run (e): where the time of (a) goes, step by step")
+    ap.add_argument("--compare-gc", action="store_true",
+                    help="also run (a) once on other prompts with the heap unfrozen (as with freeze_gc=False), timed as (e)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -363,6 +410,10 @@ def main() -> None:
         n_req, prompt_len, new_tokens, single_tokens = 256, 128, 256, 256
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 32000, (n_req, prompt_len), generator=gen).tolist()
+    # Same shapes, other tokens: the warm-up's and the comparison run's prompts share no
+    # block with the timed ones, so the timed run computes every prompt token.
+    warm_prompts = torch.randint(0, 32000, (n_req, prompt_len), generator=gen).tolist()
+    compare_prompts = torch.randint(0, 32000, (n_req, prompt_len), generator=gen).tolist()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncgen-7b-"))
     work.mkdir(parents=True, exist_ok=True)
     results = {"config": cfg, "requests": n_req, "prompt_len": prompt_len, "new_tokens": new_tokens,
@@ -388,8 +439,8 @@ def main() -> None:
 
     ctx = prompt_len + new_tokens
     results["asyncgen"] = anyio.run(
-        asyncgen_runs, work, prompts, new_tokens, single_tokens, (1, 64, 256) if not args.quick else (1, 8, 32), ctx,
-        args.backend, args.profile, args.timeline,
+        asyncgen_runs, work, prompts, warm_prompts, compare_prompts, new_tokens, single_tokens,
+        (1, 64, 256) if not args.quick else (1, 8, 32), ctx, args.backend, args.profile, args.timeline, args.compare_gc,
     )
     bw = 4.3e12
     kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
@@ -408,6 +459,11 @@ def main() -> None:
         print(f"; HF generate {hf:.0f} tok/s ({a['offline']['tokens_per_s'] / hf:.1f}x); HF generate_batch {results['hf_generate_batch'].get('tokens_per_s', float('nan')):.0f} tok/s")
     else:
         print()
+    if "offline_gc_unfrozen" in a:
+        u = a["offline_gc_unfrozen"]
+        print(f"    the same workload with the heap unfrozen (freeze_gc=False): {u['tokens_per_s']:.0f} tok/s, "
+              f"device idle between steps {u['timeline']['idle_ms']:.0f} ms (frozen: "
+              f"{a['offline'].get('timeline', {}).get('idle_ms', float('nan')):.0f} ms)")
     print(f"(b) single stream: asyncgen {a['single_stream']['tokens_per_s']:.1f} tok/s", end="")
     if not args.skip_hf:
         print(f"; HF generate {results['hf_single_stream']['tokens_per_s']:.1f} tok/s")

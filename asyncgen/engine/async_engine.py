@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
+from . import heap
 from .core import EngineCore, RequestGroup
 from .device_thread import DeviceThread, current_async_library, threadsafe_caller
 
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._pending_aborts: deque[str] = deque()
         self._dead_error: Optional[EngineDeadError] = None
         self._task = None
+        self._heap_frozen = False  # this engine holds a heap.freeze() (freeze_gc)
         self.model_name = str(model)
         self.max_model_len = 0
         self.vocab_size = 0
@@ -107,7 +109,7 @@ class AsyncEngine:
         Checks the arguments and, for a local directory, its ``config.json`` right away
         (cheap); the weights are loaded by ``start()`` on the device thread. Other
         keyword arguments are :class:`~asyncgen.config.EngineConfig` fields
-        (``gpu_memory_utilization``, ``ops_backend``, ``enforce_eager``).
+        (``gpu_memory_utilization``, ``ops_backend``, ``enforce_eager``, ``freeze_gc``).
         """
         config = EngineConfig(
             dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -179,6 +181,9 @@ class AsyncEngine:
             tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
             self.config.max_num_batched_tokens, max_len, eos_ids, self.config.enable_prefix_caching,
         )
+        if self.config.freeze_gc:  # last: everything loading made is long-lived now
+            heap.freeze()
+            self._heap_frozen = True
 
     async def aclose(self) -> None:
         """Stops the engine: live requests end with finish_reason "abort", the loop
@@ -200,6 +205,9 @@ class AsyncEngine:
             await self._device.run(self._runner.shutdown)
         self._device.stop()
         self._runner = None
+        if self._heap_frozen:
+            self._heap_frozen = False
+            heap.release()
 
     async def __aenter__(self) -> "AsyncEngine":
         await self.start()
