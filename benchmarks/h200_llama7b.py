@@ -236,10 +236,11 @@ async def asyncgen_runs(
                 out["gc_pauses"] = pauses.summary()
             return out
 
-        # Warm-up: the same shapes (other prompts of the same length, so that no timed prompt
-        # is in the prefix cache) with 2 output tokens, so every kernel variant the timed run
-        # needs (Triton compiles one per shape class on first use) exists beforehand.
-        await offline(warm_prompts, 2)
+        # Warm-up: the same workload on other prompts of the same length (so that no timed
+        # prompt is in the prefix cache), so that every kernel variant the timed run needs
+        # exists beforehand and the batch goes through the same compositions of prompt
+        # chunks and decodes.
+        await offline(warm_prompts, new_tokens)
         if compare_gc:
             # The same workload on other prompts with the collector walking the whole heap,
             # as it does with freeze_gc=False; then frozen again as the engine left it.

@@ -298,6 +298,21 @@ def test_paged_attention_batches(dtype, scenario):
     assert_close(actual, expected, dtype)
 
 
+def test_paged_attention_more_sequences_than_one_chunk_of_starts():
+    # 150 sequences: the general kernel finds each program's sequence over three chunks
+    # of 64 starts (the last one partial); idle sequences and chunks of several tokens
+    # sit on both sides of the chunk boundaries.
+    gen = torch.Generator().manual_seed(5)
+    q_lens = [int(n) for n in torch.randint(0, 4, (150,), generator=gen)]
+    q_lens[63], q_lens[64], q_lens[127], q_lens[128] = 3, 2, 0, 5
+    seq_lens = [q + int(c) for q, c in zip(q_lens, torch.randint(0, 40, (150,), generator=gen))]
+    seq_lens = [max(n, 1) for n in seq_lens]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32,
+                                 block_size=16, dtype=torch.float32, seed=12)
+    actual, expected = run_both(batch, max_query_len=max(q_lens))
+    assert_close(actual, expected, torch.float32)
+
+
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_attention_gqa_and_head_dims(group, head_dim):

@@ -28,8 +28,8 @@ Three kernels:
 - ``_paged_attention_kernel`` (any batch): grid ``(T // BLOCK_Q + B, num_kv_heads, num_splits)``.
   Sequence ``b`` owns the program ids from ``query_start_loc[b] // BLOCK_Q + b`` on, which
   leaves room for its ``ceil(q_len / BLOCK_Q)`` query tiles whatever the lengths; a
-  program finds its sequence by counting the starts below its id (one vector load, no
-  host sync) and exits when its tile is past the sequence's queries. Key tiles entirely
+  program finds its sequence by counting the starts below its id (vector loads of 64
+  starts, no host sync) and exits when its tile is past the sequence's queries. Key tiles entirely
   below every query row's position skip the causal mask. When too few query tiles would
   fill the GPU (a short chunk after a long cached prefix), the context is split as in
   decode: a third grid axis of ``num_splits`` and partials per token.
@@ -90,6 +90,12 @@ _MAX_PARTIAL_BYTES = 64 << 20
 # that many sequence slots (model_runner._NARROW_PROMPT_SLOTS).
 _PREFILL_SPLIT_MAX_SEQS = 8
 _PREFILL_SPLITS = 4
+# Integer arguments that change from step to step (the sequence count, the block-table
+# width of an eager step) are not specialized (``do_not_specialize``): Triton would
+# otherwise compile a variant per value class (1, a multiple of 16, other) the first time
+# one occurs, stalling that step for the compile (about a second for the general kernel)
+# while serving.
+_SEQ_CHUNK = 64  # sequences whose starts the general kernel loads at a time
 
 
 @triton.jit
@@ -160,7 +166,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [T, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -191,7 +197,7 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_SEQS: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -206,11 +212,14 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Which sequence owns this program: the last one whose first program id is <= pid.
-    offs_b = tl.arange(0, BLOCK_SEQS)
-    starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0).to(tl.int32)
-    first_pids = tl.where(offs_b < num_seqs, starts // BLOCK_Q + offs_b, 2147483647)
-    seq = tl.sum((first_pids <= pid).to(tl.int32), axis=0) - 1
+    # Which sequence owns this program: the last one whose first program id is <= pid,
+    # counted over the sequences SEQ_CHUNK at a time (one compiled kernel for any count).
+    seq = pid * 0 - 1
+    for chunk in range(0, num_seqs, SEQ_CHUNK):
+        offs_b = chunk + tl.arange(0, SEQ_CHUNK)
+        starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0).to(tl.int32)
+        first_pids = tl.where(offs_b < num_seqs, starts // BLOCK_Q + offs_b, 2147483647)
+        seq += tl.sum((first_pids <= pid).to(tl.int32), axis=0)
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
@@ -284,7 +293,7 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(
     q_ptr,  # [T, num_heads, HEAD_DIM]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
@@ -388,7 +397,7 @@ def _paged_decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _reduce_splits_kernel(
     out_ptr,  # [T, num_heads, HEAD_DIM]
     part_max_ptr,  # [B, num_heads, NUM_SPLITS]
@@ -658,7 +667,7 @@ def paged_attention(
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_SEQS=next_power_of_2(num_seqs),
+        SEQ_CHUNK=_SEQ_CHUNK,
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,

@@ -115,7 +115,7 @@ def dequant_tile_unpacked_once(
     return w.to(scales_ptr.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes every step: one variant for all
 def _quant_gemm_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [K // pack, N] int32

@@ -32,7 +32,7 @@ __all__ = ["MAX_ROWS", "quant_gemv"]
 MAX_ROWS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes every step: one variant for all
 def _quant_gemv_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [K // pack, N] int32

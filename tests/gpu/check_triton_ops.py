@@ -427,6 +427,48 @@ def check_cuda_graph(ops, dtype):
 # ----------------------------------------------------------------------------------------
 
 
+def compiled_variants(kernel) -> int | None:
+    """How many variants of a Triton kernel are compiled (on any device), or None where
+    this Triton keeps them elsewhere."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def check_no_compile_while_serving(ops, dtype) -> None:
+    """Steps that differ only in how many sequences they hold (1, a multiple of 16, other)
+    and in their block-table width reuse the attention kernels compiled for the first of
+    them: a new batch composition never stalls an eager step for a Triton compile."""
+    kernels = (tpa._paged_attention_kernel, tpa._paged_decode_kernel, tpa._reduce_splits_kernel)
+    scale = HEAD_DIM ** -0.5
+    counts = None
+    ok, cases = True, 0
+    for num_seqs, extra_width in ((3, 0), (16, 5), (1, 1), (17, 16), (191, 3), (254, 0)):
+        # (Split counts fixed: a different count is a different kernel by design.)
+        for q_len, hints in ((1, dict(max_query_len=1, max_seq_len=2048, num_splits=2)),
+                             (5, dict(max_query_len=5, num_splits=2))):
+            lens = [200 + 7 * i for i in range(num_seqs)]
+            batch = make_batch([q_len] * num_seqs, lens, 8, dtype)
+            if extra_width:  # a wider table, as an eager step with a longer sequence has
+                pad = torch.zeros(num_seqs, extra_width, dtype=batch["block_tables"].dtype, device="cuda")
+                batch["block_tables"] = torch.cat([batch["block_tables"], pad], dim=1)
+            got = ops.paged_attention(**batch, scale=scale, **hints)
+            err_ok = compare(got, ref.paged_attention(**batch, scale=scale), dtype)
+            ok &= err_ok[1]
+            cases += 1
+        now = [compiled_variants(k) for k in kernels]
+        if None in now:
+            print("    (this Triton keeps compiled variants where the check cannot count them)")
+            break
+        if counts is None:
+            counts = now
+        elif now != counts:
+            ok = False
+            print(f"    {num_seqs} sequences compiled new variants: {counts} -> {now}")
+    record("no compile", f"{cases} steps of 1-254 seqs, tables of 5 widths", (0.0, ok), float("nan"), 0.0)
+
+
 def print_table() -> None:
     print()
     header = (f"{'op':<16} {'case':<44} {'ok':<4} {'max err':>9} {'time us':>9} {'floor us':>9} "
@@ -473,6 +515,7 @@ def main() -> int:
     check_attention(ops, dtype, args.quick, args.sweep)
     if not args.no_graph:
         check_cuda_graph(ops, dtype)
+    check_no_compile_while_serving(ops, dtype)
     print_table()
     failed = [r for r in ROWS if not r.ok]
     print(f"\n{len(ROWS) - len(failed)} / {len(ROWS)} checks passed")
