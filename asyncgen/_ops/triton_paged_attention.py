@@ -29,10 +29,10 @@ Three kernels:
   Sequence ``b`` owns the program ids from ``query_start_loc[b] // BLOCK_Q + b`` on, which
   leaves room for its ``ceil(q_len / BLOCK_Q)`` query tiles whatever the lengths; a
   program finds its sequence by counting the starts below its id (vector loads of 64
-  starts, no host sync) and exits when its tile is past the sequence's queries. Key tiles entirely
-  below every query row's position skip the causal mask. When too few query tiles would
-  fill the GPU (a short chunk after a long cached prefix), the context is split as in
-  decode: a third grid axis of ``num_splits`` and partials per token.
+  starts, no host sync) and exits when its tile is past the sequence's queries. Key
+  tiles entirely below every query row's position skip the causal mask. When too few
+  query tiles would fill the GPU (a short chunk after a long cached prefix), the context
+  is split as in decode: a third grid axis of ``num_splits`` and partials per token.
 - ``_paged_decode_kernel`` (every sequence has at most one query, ``max_query_len=1``):
   grid ``(B, num_kv_heads, num_splits)``; the query tile is the head group padded to 16
   rows (masked), so ``tl.dot`` keeps shapes >= 16. With ``num_splits > 1`` (flash-decoding)
