@@ -202,6 +202,7 @@ async def asyncgen_runs(
     backend: str, profile: bool, timeline: bool = False, compare_gc: bool = False,
 ) -> dict:
     from asyncgen import AsyncEngine, SamplingParams
+    from asyncgen.engine import heap
 
     res = {}
     t0 = time.perf_counter()
@@ -243,11 +244,11 @@ async def asyncgen_runs(
         await offline(warm_prompts, new_tokens)
         if compare_gc:
             # The same workload on other prompts with the collector walking the whole heap,
-            # as it does with freeze_gc=False; then frozen again as the engine left it.
-            gc.unfreeze()
+            # as it does with freeze_gc=False: the engine's freeze (the only one held) is
+            # released, then taken again as the engine left it.
+            heap.release()
             res["offline_gc_unfrozen"] = await offline(compare_prompts, new_tokens, True, "(a) with the heap unfrozen")
-            gc.collect()
-            gc.freeze()
+            heap.freeze()
         res["offline"] = await offline(prompts, new_tokens, record=timeline)
 
         times = []
