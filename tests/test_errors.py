@@ -257,7 +257,8 @@ async def test_aclose_while_streaming_ends_streams_with_abort(smollm2_path):
 
     async def consume():
         last = None
-        async for c in engine.stream("Tell me a story", SamplingParams(max_tokens=100)):
+        # ignore_eos: a sampled end of text must not finish a stream before aclose() does.
+        async for c in engine.stream("Tell me a story", SamplingParams(max_tokens=100, ignore_eos=True)):
             last = c
         reasons.append(last.finish_reason)
 
