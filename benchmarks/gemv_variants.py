@@ -4,14 +4,17 @@ Each variant is the same kernel source compiled with other values of its tuning 
 built side by side with ``torch.utils.cpp_extension``. ``CxUxL`` is the CUDA-core kernel
 (``AG_QGEMV_COL_THREADS``: column threads per block, 4 columns each; ``AG_QGEMV_UNROLL``:
 packed rows per load batch; ``AG_QGEMV_LOAD``: 0 plain loads, 1 the read-only path, 2
-streaming loads); ``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
+streaming loads; these build without the one-row streaming kernel); ``sCxTxD`` is the
+one-row streaming kernel (``AG_QGEMV1_COLS`` column threads, ``AG_QGEMV1_THREADS`` threads
+a block, ``AG_QGEMV1_DEPTH`` pairs of packed rows in flight a thread), ``s`` its default shapes;
+``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
 block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes.
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
 shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
 out of L2 (as in a model, where each layer's weight is read once per step). The Triton
 4-bit GEMV and an fp16 cuBLAS ``F.linear`` are timed the same way for reference.
 
-    PYTHONPATH=. python3 benchmarks/gemv_variants.py [--variants 4x4x0,8x4x1,...]
+    PYTHONPATH=. python3 benchmarks/gemv_variants.py [--variants 4x4x0,8x4x1,s4x256x4,...] [--rows 1]
 """
 
 from __future__ import annotations
@@ -45,12 +48,18 @@ def build(variant: str):
 
     if variant == "mma":  # the default: warps by layer width
         macros = []
+    elif variant == "s":  # the default: shapes by layer width
+        macros = ["-DAG_QGEMV_MMA=0"]
+    elif variant.startswith("s"):
+        cols, threads, depth = (int(v) for v in variant[1:].split("x"))
+        macros = ["-DAG_QGEMV_MMA=0", f"-DAG_QGEMV1_COLS={cols}", f"-DAG_QGEMV1_THREADS={threads}",
+                  f"-DAG_QGEMV1_DEPTH={depth}"]
     elif variant.startswith("mma"):
         warps, depth = (int(v) for v in variant[3:].split("x"))
         macros = [f"-DAG_QGEMV_MMA_WARPS={warps}", f"-DAG_QGEMV_MMA_DEPTH={depth}"]
     else:
         cols, unroll, load = (int(v) for v in variant.split("x"))
-        macros = ["-DAG_QGEMV_MMA=0", f"-DAG_QGEMV_COL_THREADS={cols}", f"-DAG_QGEMV_UNROLL={unroll}",
+        macros = ["-DAG_QGEMV_MMA=0", "-DAG_QGEMV1=0", f"-DAG_QGEMV_COL_THREADS={cols}", f"-DAG_QGEMV_UNROLL={unroll}",
                   f"-DAG_QGEMV_LOAD={load}"]
     return load_inline(
         name=f"ag_qgemv_{variant}",
@@ -79,8 +88,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="4x4x2,8x4x2,mma,mma8x8,mma16x8",
                     help="COL_THREADSxUNROLLxLOAD or mmaWARPSxDEPTH, comma-separated")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to time, comma-separated")
     args = ap.parse_args()
     variants = args.variants.split(",")
+    rows = [int(v) for v in args.rows.split(",")]
     with ProcessPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
         list(pool.map(_build_in_child, variants))  # compile in parallel, before CUDA starts here
     modules = {v: build(v) for v in variants}
@@ -107,7 +118,7 @@ def main() -> int:
                             torch.randint(0, 16, (groups, n), generator=gen, device="cuda").half()))
         dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
         dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
-        for m in ROWS:
+        for m in rows:
             x = torch.randn(m, k, generator=gen, device="cuda").half()
             out = torch.empty(m, n, dtype=torch.float16, device="cuda")
             q, s, z = weights[0]
@@ -119,11 +130,17 @@ def main() -> int:
             t = graph_us([lambda w=w: triton(x, *w, 4, 128, out=out) for w in weights])
             row.append(f"{t:>8.1f}")
             for v, mod in modules.items():
-                if m > 8 and not v.startswith("mma"):
+                if (m > 8 and not v.startswith("mma")) or (m > 1 and v.startswith("s")):
                     row.append(f"{'-':>8}")
                     continue
                 out.fill_(float("nan"))
-                mod.run(out, x, q, s, z, 128)
+                try:
+                    mod.run(out, x, q, s, z, 128)
+                except RuntimeError as exc:  # a launch the variant cannot make: report it, go on
+                    failures += 1
+                    print(f"  FAIL {v} {k}x{n} M={m}: {str(exc).splitlines()[0]}")
+                    row.append(f"{'err':>8}")
+                    continue
                 err = ((out.float() - want).abs().max() / want.abs().max()).item()
                 if not err < 2e-3:
                     failures += 1

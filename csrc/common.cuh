@@ -182,4 +182,36 @@ AG_DEVICE float block_sum(float v, float* scratch) {
   return r;
 }
 
+// ---------------------------------------------------------------------------------------
+// Asynchronous 16-byte copies from global to shared memory (sm_80+): they hold no
+// registers while in flight. `pred` false writes zeros and reads nothing. A thread's
+// copies become visible to it after cp_async_wait<N> leaves at most N of its commit groups
+// pending. Elsewhere (the CPU emulation) the copy is immediate.
+
+AG_DEVICE void cp_async16(void* smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(pred ? 16 : 0));
+#else
+  if (pred) {
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+  } else {
+    *reinterpret_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
+  }
+#endif
+}
+
+AG_DEVICE void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int N>
+AG_DEVICE void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 }  // namespace asyncgen

@@ -165,6 +165,12 @@ AG_DEVICE __half2 bits_to_half2(uint32_t bits) {
   return h;
 }
 
+AG_DEVICE uint32_t half2_to_bits(__half2 h) {
+  uint32_t bits;
+  memcpy(&bits, &h, sizeof(bits));
+  return bits;
+}
+
 AG_DEVICE uint4 load_weights16(const int32_t* ptr) {
 #if defined(__CUDA_ARCH__) && AG_QGEMV_LOAD == 1
   return __ldg(reinterpret_cast<const uint4*>(ptr));
@@ -321,6 +327,274 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 }
 
 // ---------------------------------------------------------------------------------------
+// 4-bit, one row of x: the streaming kernel
+//
+// Decode of a single stream multiplies one row. Nsight Compute on an H200 found the
+// CUDA-core kernel above issuing about 35 instructions per packed word (12.2 M warp
+// instructions for gate|up's 11.3 M words) with 69 registers a thread, which limits an SM
+// to 3 of its blocks: half the issue slots busy, and the DRAM 44 % busy. This kernel:
+//
+// - stages x once per block in shared memory, already in the order the codes come out of
+//   a word (packed row r as the half2 pairs (x[8r + j], x[8r + j + 4]), j = 0..3), so a
+//   row's x is one 16-byte shared load for 4 columns, with no permutes in the loop; rows
+//   sit at slot r + r / 8, so K lanes a multiple of 8 rows apart use different banks;
+// - takes a word's 8 codes minus the zero point as 4 half2 with 1 shift, 4 LOP3 (the masks
+//   kept in registers: with two immediates the compiler splits each into an AND and an
+//   OR) and 4 half2 operations (the 0x6400 trick of dequant_word below, fields j and j + 4
+//   in one register), then 4 HFMA2 with x. Two packed rows accumulate in one half2 (8
+//   products a half) before it is converted and scaled into the fp32 total: within a
+//   group sum_k x_k (c_k - z) s = s * sum_k x_k (c_k - z), and lane ranges start on even
+//   rows, so a pair never straddles a group (group_size % 16 == 0);
+// - keeps DEPTH pairs of packed rows of its 4 columns in flight per thread with cp.async
+//   into a ring in shared memory, which holds no registers while the bytes travel; the
+//   first DEPTH pairs are requested before x is staged, and a group's successor's scales
+//   and zeros are loaded when the group starts;
+// - uses small blocks that each own 4 * COL_THREADS columns and all of K.
+//
+// At one row on an H200 (per call, weights cycled past L2; gemv_variants.py --rows 1) this
+// took q|k|v from 13.2 to 11.1 us, o_proj 6.8 -> 6.0, gate|up 22.8 -> 18.4 and down_proj
+// 14.3 -> 11.5 (the best of the CUDA-core and tensor-core kernels before it), 47.0 against
+// 57.1 us a layer. A plain read of the same bytes takes 36.6 us (8.5 + 4.5 + 15.1 + 8.5):
+// at these sizes (9-48 MB) launch, ramp-up and drain are a large part of any kernel.
+// Neither deeper rings (8-16 pairs) nor a layout with each block's columns contiguous in
+// memory did better (docs/BENCHMARKS.md).
+#ifndef AG_QGEMV1  // 0 keeps one-row calls on the CUDA-core kernel above
+#define AG_QGEMV1 1
+#endif
+
+constexpr int kQgemv1MaxSmem = 48 * 1024;  // the ring and x stay within the default limit
+
+struct StreamGroup {  // one group's constants for a thread's 4 columns
+  __half2 low[4];     // (1024 + z, 1024 + z)
+  __half2 high[4];    // -(64 + z) twice
+  float scale[4];
+};
+
+AG_DEVICE StreamGroup make_stream_group(uint2 zeros, uint2 scales) {
+  StreamGroup grp;
+  const __half* z = reinterpret_cast<const __half*>(&zeros);
+  const __half* s = reinterpret_cast<const __half*>(&scales);
+  const __half2 magic = bits_to_half2(0x64006400u);       // (1024, 1024)
+  const __half2 sixty_four = bits_to_half2(0x54005400u);  // (64, 64)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __half2 z2 = __half2half2(z[j]);
+    grp.low[j] = __hadd2(z2, magic);
+    grp.high[j] = __hneg2(__hadd2(z2, sixty_four));
+    grp.scale[j] = __half2float(s[j]);
+  }
+  return grp;
+}
+
+// (a & b) | c in one LOP3. With two immediates the compiler emits an AND and an OR; with
+// the masks in registers (asm operands) it is one instruction.
+AG_DEVICE uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  return (a & b) | c;
+#endif
+}
+
+// acc + the 8 products of one word's codes (minus z) with x pairs xv (see above); m_lo, m_hi
+// and magic hold 0x000F000F, 0x00F000F0 and 0x64006400 (registers, for and_or).
+AG_DEVICE __half2 dot_word(uint32_t word, const uint4& xv, __half2 low, __half2 high, __half2 acc, uint32_t m_lo,
+                           uint32_t m_hi, uint32_t magic) {
+  const __half2 sixteenth = bits_to_half2(0x2C002C00u);  // (1/16, 1/16)
+  const uint32_t shifted = word >> 8;
+  const __half2 d0 = __hsub2(bits_to_half2(and_or(word, m_lo, magic)), low);
+  const __half2 d1 = hfma2(bits_to_half2(and_or(word, m_hi, magic)), sixteenth, high);
+  const __half2 d2 = __hsub2(bits_to_half2(and_or(shifted, m_lo, magic)), low);
+  const __half2 d3 = hfma2(bits_to_half2(and_or(shifted, m_hi, magic)), sixteenth, high);
+  acc = hfma2(d0, bits_to_half2(xv.x), acc);
+  acc = hfma2(d1, bits_to_half2(xv.y), acc);
+  acc = hfma2(d2, bits_to_half2(xv.z), acc);
+  return hfma2(d3, bits_to_half2(xv.w), acc);
+}
+
+AG_DEVICE uint2 load8(const void* ptr) { return *reinterpret_cast<const uint2*>(ptr); }
+
+// The staged x: packed row r at slot r + r / 8, so that K lanes a multiple of 8 rows apart
+// read different banks.
+AG_DEVICE int x_slot(int r) { return r + (r >> 3); }
+__host__ __device__ __forceinline__ int quant_gemv1_x_slots(int k) { return k / 8 + k / 64 + 1; }
+
+// Dynamic shared memory of a launch: the ring, then x.
+__host__ __device__ __forceinline__ int quant_gemv1_smem(int k, int threads, int depth) {
+  return depth * 2 * threads * 16 + 16 * quant_gemv1_x_slots(k);
+}
+
+// Whether the streaming kernel takes `p`.
+inline bool quant_gemv1_ok(const QuantGemvParams& p) {
+  const auto aligned8 = [](const void* ptr, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(ptr) % 8 == 0 && stride % 4 == 0;
+  };
+  return AG_QGEMV1 && p.m == 1 && p.k % 16 == 0 && p.group_size % 16 == 0 && p.k % p.group_size == 0 &&
+         quant_gemv1_smem(p.k, 128, 2) <= kQgemv1MaxSmem && aligned8(p.scales, p.scales_stride) &&
+         aligned8(p.zeros, p.zeros_stride);
+}
+
+template <int COL_THREADS, int THREADS, int DEPTH>
+__global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGemvParams p) {
+  static_assert(COL_THREADS >= 1 && COL_THREADS <= kWarpSize && kWarpSize % COL_THREADS == 0);
+  static_assert(THREADS % kWarpSize == 0 && DEPTH >= 1);
+  constexpr int kCols = 4 * COL_THREADS;
+  constexpr int kLanes = THREADS / COL_THREADS;  // K lanes
+  constexpr int kWarps = THREADS / kWarpSize;
+  // Dynamic shared memory: the weight ring [DEPTH][2][THREADS] (each thread's pairs of
+  // packed rows in flight), then x [x slots].
+  AG_DYNAMIC_SMEM(staged);
+  uint4* ring = reinterpret_cast<uint4*>(staged);
+  uint4* xs = ring + DEPTH * 2 * THREADS;
+  __shared__ float partial[kWarps][kCols];
+
+  const int tid = threadIdx.x;
+  const int col_thread = tid % COL_THREADS;
+  const int k_lane = tid / COL_THREADS;
+  const int col0 = blockIdx.x * kCols + 4 * col_thread;
+  const bool active = col0 < p.n;  // n % 4 == 0 (checked by the glue)
+  const int rows = p.k / 8;        // packed rows, even
+  const int per_lane = 2 * ceil_div(ceil_div(rows, kLanes), 2);
+  const int begin = imin(k_lane * per_lane, rows);
+  const int end = active ? imin(begin + per_lane, rows) : begin;
+  const int pairs = (end - begin) / 2;
+  const int64_t row_stride = p.qweight_stride;
+  const int32_t* wp = p.qweight + static_cast<int64_t>(begin) * p.qweight_stride + (active ? col0 : 0);
+
+  // Pair i (rows begin + 2i, + 1) goes to stage i % DEPTH; one commit group per pair, empty
+  // past the end, so that "at most DEPTH - 1 groups pending" means pair i has landed.
+  auto request = [&](int stage, int i) {
+    const bool live = i < pairs;
+    const int32_t* src = live ? wp + static_cast<int64_t>(2 * i) * row_stride : p.qweight;
+    cp_async16(ring + (2 * stage) * THREADS + tid, src, live);
+    cp_async16(ring + (2 * stage + 1) * THREADS + tid, live ? src + row_stride : src, live);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int u = 0; u < DEPTH; ++u) request(u, u);
+
+  const int rows_per_group = p.group_size / 8;
+  int group = begin / rows_per_group;
+  int group_end = (group + 1) * rows_per_group;  // first packed row past the group
+  const __half* scales = static_cast<const __half*>(p.scales) + col0;
+  const __half* zeros = static_cast<const __half*>(p.zeros) + col0;
+  uint2 z_next = make_uint2(0, 0), s_next = make_uint2(0, 0);
+  StreamGroup grp{};
+  if (pairs > 0) {
+    grp = make_stream_group(load8(zeros + static_cast<int64_t>(group) * p.zeros_stride),
+                            load8(scales + static_cast<int64_t>(group) * p.scales_stride));
+    if (group_end < end) {
+      z_next = load8(zeros + static_cast<int64_t>(group + 1) * p.zeros_stride);
+      s_next = load8(scales + static_cast<int64_t>(group + 1) * p.scales_stride);
+    }
+  }
+
+  const __half* x = static_cast<const __half*>(p.x);
+  for (int r = tid; r < rows; r += THREADS) {
+    const uint4 raw = load16(x + 8 * r);
+    const __half* h = reinterpret_cast<const __half*>(&raw);
+    __half2 pr[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
+    xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
+  }
+  __syncthreads();
+
+  // The LOP3 masks, kept in registers: read from shared memory, the compiler cannot fold
+  // them back into immediates.
+  __shared__ uint32_t masks[3];
+  if (tid == 0) {
+    masks[0] = 0x000F000Fu;
+    masks[1] = 0x00F000F0u;
+    masks[2] = 0x64006400u;
+  }
+  __syncthreads();
+  const uint32_t m_lo = masks[0], m_hi = masks[1], magic = masks[2];
+
+  float total[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int base = 0; base < pairs; base += DEPTH) {
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u) {
+      const int i = base + u;
+      if (i < pairs) {
+        const int r = begin + 2 * i;
+        if (r >= group_end) {  // a new group: its constants were loaded when the last one began
+          grp = make_stream_group(z_next, s_next);
+          ++group;
+          group_end += rows_per_group;
+          if (group_end < end) {
+            z_next = load8(zeros + static_cast<int64_t>(group + 1) * p.zeros_stride);
+            s_next = load8(scales + static_cast<int64_t>(group + 1) * p.scales_stride);
+          }
+        }
+        cp_async_wait<DEPTH - 1>();
+        const uint4 wa4 = ring[(2 * u) * THREADS + tid], wb4 = ring[(2 * u + 1) * THREADS + tid];
+        const uint4 xa = xs[x_slot(r)], xb = xs[x_slot(r + 1)];
+        const uint32_t wa[4] = {wa4.x, wa4.y, wa4.z, wa4.w};
+        const uint32_t wb[4] = {wb4.x, wb4.y, wb4.z, wb4.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          __half2 sum = dot_word(wa[c], xa, grp.low[c], grp.high[c], __float2half2_rn(0.f), m_lo, m_hi, magic);
+          sum = dot_word(wb[c], xb, grp.low[c], grp.high[c], sum, m_lo, m_hi, magic);
+          const float2 f = __half22float2(sum);
+          total[c] = fmaf(grp.scale[c], f.x + f.y, total[c]);
+        }
+        request(u, i + DEPTH);  // the stage's words are in registers and used: refill it
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Sum over the K lanes: those of a warp (lanes that differ above the column thread's
+  // bits) with shuffles, then the warps in shared memory.
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float v = warp_sum<COL_THREADS>(total[c]);
+    if (lane < COL_THREADS) partial[warp][4 * lane + c] = v;
+  }
+  __syncthreads();
+  if (tid < kCols) {
+    const int n = blockIdx.x * kCols + tid;
+    if (n < p.n) {
+      float v = 0.f;
+#pragma unroll
+      for (int k = 0; k < kWarps; ++k) v += partial[k][tid];
+      if (p.bias != nullptr) v += __half2float(static_cast<const __half*>(p.bias)[n]);
+      static_cast<__half*>(p.out)[n] = __float2half_rn(v);
+    }
+  }
+}
+
+template <int COL_THREADS, int THREADS, int DEPTH>
+void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream) {
+  void (*kernel)(const QuantGemvParams) = quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH>;
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, 4 * COL_THREADS)), dim3(THREADS),
+                   quant_gemv1_smem(p.k, THREADS, DEPTH), stream, p);
+}
+
+// The block shapes, timed on an H200 at the 7B shapes (benchmarks/gemv_variants.py, which
+// compiles variants with AG_QGEMV1_COLS / _THREADS / _DEPTH set to force one): wide layers
+// (N >= 8192) 8 column threads in 128 threads, 4 pairs deep; narrow ones 4 in 256, 2 deep.
+// Where K is too long for the ring and x to fit the default 48 KiB, a 128-thread block with
+// half the ring (quant_gemv1_ok checks that this one fits).
+inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream) {
+#if defined(AG_QGEMV1_COLS) && defined(AG_QGEMV1_THREADS) && defined(AG_QGEMV1_DEPTH)
+  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream);
+#else
+  const bool wide = p.n >= kQuantWideN;
+  if (quant_gemv1_smem(p.k, wide ? 128 : 256, wide ? 4 : 2) <= kQgemv1MaxSmem) {
+    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream);
+  } else {
+    wide ? launch_quant_gemv1_shaped<8, 128, 2>(p, stream) : launch_quant_gemv1_shaped<4, 128, 2>(p, stream);
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
 // 4-bit on tensor cores (sm_80+), up to 64 rows
 //
 // The same product, with the multiply-adds done by mma.sync m16n8k16 (see mma_m16n8k16
@@ -387,12 +661,6 @@ AG_DEVICE MmaGroup make_group(uint2 zeros, uint2 scales) {
     grp.scale[j] = __half2float(s[j]);
   }
   return grp;
-}
-
-AG_DEVICE uint32_t half2_to_bits(__half2 h) {
-  uint32_t bits;
-  memcpy(&bits, &h, sizeof(bits));
-  return bits;
 }
 
 // The codes minus z of one packed word (times the scale with SCALED), as half2 pairs of
@@ -633,6 +901,10 @@ inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream
     return true;
   }
   if (p.m > kGemvMaxRows) return false;
+  if (quant_gemv1_ok(p)) {
+    launch_quant_gemv1(p, stream);
+    return true;
+  }
 #if defined(AG_QGEMV_COL_THREADS) && defined(AG_QGEMV_UNROLL)
   return launch_quant_gemv_4bit_shaped<AG_QGEMV_COL_THREADS, AG_QGEMV_UNROLL>(p, stream);
 #else

@@ -179,6 +179,40 @@ def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size, tensor_core
 
 
 @pytest.mark.parametrize(
+    "n, k, group_size, bias, kernel",
+    [
+        (72, 2048, 32, True, "stream"),     # a lane per group; a partial block of columns
+        (40, 11008, 128, False, "stream"),  # 22 rows a lane: groups change inside lanes; the last lanes short or empty
+        (8196, 128, 64, True, "stream"),    # the wide block shape, 4 columns in the last block
+        (36, 256, 256, False, "stream"),    # one group (per-channel scales)
+        (24, 6144, 48, True, "stream"),     # groups of 6 packed rows, 12 rows a lane: a change at its third pair
+        (20, 16384, 128, False, "stream"),  # x too long for the 256-thread ring: the 128-thread block
+        (20, 20480, 128, False, "cores"),   # x alone past the shared-memory budget: the CUDA-core kernel
+        (36, 264, 264, False, "cores"),     # K % 16 != 0: the CUDA-core kernel
+        (36, 256, 8, False, "cores"),       # groups of one packed row: the CUDA-core kernel
+    ],
+)
+def test_quant_gemv_4bit_one_row(emu, n, k, group_size, bias, kernel):
+    """One row without tensor cores takes the streaming kernel where its conditions hold."""
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(n + k + group_size)
+    groups = k // group_size
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    x = torch.randn(1, k, generator=g).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    out = torch.full((1, n), float("nan"), dtype=torch.float16)
+    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, b, tensor_cores=False)
+    assert emu.last_quant_kernel == kernel
+    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
+    if b is not None:
+        exact += b.float()
+    assert relative_error(out, exact) < 2e-3
+
+
+@pytest.mark.parametrize(
     "m, n, k, group_size",
     [
         (9, 40, 512, 64),    # 2 tiles of x rows, the second with one row

@@ -151,6 +151,8 @@ class Emulator:
         lib.ag_dense_gemv.argtypes = [ctypes.POINTER(DenseGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
+        lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
+        self.last_quant_kernel = ""
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
 
@@ -213,11 +215,15 @@ class Emulator:
     def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, tensor_cores=True):
         """out = x @ dequant(qweight) (+ bias), fp16, 4-bit codes packed along K. With
         ``tensor_cores`` the launcher takes the mma kernel where it accepts the shape (as on
-        sm_80+); returns whether it did."""
+        sm_80+); returns whether it did. ``last_quant_kernel`` names the kernel that ran:
+        "mma", "stream" (one row) or "cores"."""
         p = QuantGemvParams(
             _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
             out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
             x.shape[0], qweight.shape[1], x.shape[1], group_size,
         )
         assert self.lib.ag_quant_gemv_4bit(ctypes.byref(p), int(tensor_cores)) == 0, "too many rows"
-        return bool(tensor_cores and self.lib.ag_quant_gemv_4bit_mma_ok(ctypes.byref(p)))
+        used_mma = bool(tensor_cores and self.lib.ag_quant_gemv_4bit_mma_ok(ctypes.byref(p)))
+        stream = bool(self.lib.ag_quant_gemv1_ok(ctypes.byref(p)))
+        self.last_quant_kernel = "mma" if used_mma else "stream" if stream else "cores"
+        return used_mma
