@@ -11,17 +11,21 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "store_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
   m.def(
+      "rotary_store_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos_sin_cache, "
+      "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, int sliding_window, "
       "int partition_size=-1) -> ()");
   m.def("dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
-      "int group_size, Tensor? bias, int kernel=0) -> ()");
+      "int group_size, Tensor? bias, int kernel=0, bool gated=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("store_kv_cache", &asyncgen::store_kv_cache);
+  m.impl("rotary_store_kv", &asyncgen::rotary_store_kv);
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);

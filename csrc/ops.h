@@ -11,6 +11,12 @@ namespace asyncgen {
 void store_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& slot_mapping);
 
+// Rotary embedding (rotate-half) applied to q and k in place, then store_kv_cache of the
+// rotated k and of v, in one launch. cos_sin_cache: [max_position, head_dim] fp32.
+void rotary_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                     const at::Tensor& cos_sin_cache, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slot_mapping);
+
 // Decode attention (one query token per sequence) into `out`. max_seq_len must bound
 // seq_lens from above; it sizes the split-K partitions. sliding_window <= 0: no window.
 // partition_size: < 0 automatic, 0 single pass, > 0 split-K with that many tokens each.
@@ -26,9 +32,10 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 // out = x @ W (+ bias) for 1 to 64 rows of fp16 x, W given as 4-bit codes packed along K
 // (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].
 // kernel: 0 the tensor-core kernel where it takes the call, else the CUDA-core one (up to
-// 8 rows); 1 the CUDA-core kernel; 2 the tensor-core kernel.
+// 8 rows); 1 the CUDA-core kernel; 2 the tensor-core kernel. gated (kernel 1, one row): x is
+// a gate|up row [1, 2K] and the product takes silu(gate) * up.
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel);
+                     const c10::optional<at::Tensor>& bias, int64_t kernel, bool gated);
 
 }  // namespace asyncgen

@@ -128,6 +128,46 @@ def test_store_kv_cache_matches_reference(emu, dtype, head_dim, slot_dtype):
     assert torch.equal(case.v_cache, v_ref)
 
 
+@pytest.mark.parametrize(
+    "dtype, num_heads, num_kv_heads, head_dim, slot_dtype, pos_dtype",
+    [
+        (torch.float16, 4, 4, 128, torch.int64, torch.int64),
+        (torch.bfloat16, 8, 2, 64, torch.int32, torch.int64),  # GQA
+        (torch.float32, 6, 2, 64, torch.int64, torch.int32),
+        (torch.float16, 32, 8, 128, torch.int32, torch.int32),  # more tasks than the blocks of a token take at once
+    ],
+)
+def test_rotary_store_kv_matches_reference(emu, dtype, num_heads, num_kv_heads, head_dim, slot_dtype, pos_dtype):
+    """Rotary in place on q and k, then the cache write of the rotated k and of v, as the
+    two reference ops do it in turn; q, k, v are views of one fused qkv row, as in the model."""
+    g = torch.Generator().manual_seed(num_heads * head_dim)
+    num_tokens, block_size, num_blocks, max_pos = 5, 16, 6, 300
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=g).to(pos_dtype)
+    angles = torch.rand(max_pos, head_dim // 2, generator=g) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[2] = -1  # a padding token: rotated, not stored
+    slot_mapping = slots.to(slot_dtype)
+
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    reference.rotary_embedding(positions.long(), q_ref, k_ref, cos_sin)
+    reference.store_kv_cache(k_ref, v_ref, kc_ref, vc_ref, slot_mapping.long())
+    emu.rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    ulp = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
+    for got, want in ((q, q_ref), (k, k_ref), (k_cache, kc_ref)):
+        assert (got.float() - want.float()).abs().max().item() <= ulp * want.float().abs().max().item()
+    assert torch.equal(v, v_ref)
+    assert torch.equal(v_cache, vc_ref)
+
+
 # --- GEMV (csrc/gemv.cuh) ---------------------------------------------------------------
 
 
@@ -209,6 +249,27 @@ def test_quant_gemv_4bit_one_row(emu, n, k, group_size, bias, kernel):
     exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
     if b is not None:
         exact += b.float()
+    assert relative_error(out, exact) < 2e-3
+
+
+@pytest.mark.parametrize("n, k, group_size", [(40, 2048, 128), (24, 11008, 128), (8196, 256, 64)])
+def test_quant_gemv1_gated_matches_silu_then_product(emu, n, k, group_size):
+    """The down projection with SiLU-and-multiply staged equals the activation kernel's
+    output (its rounding: silu to fp16, then the product) times the weight."""
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(n + k)
+    groups = k // group_size
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    gate_up = (torch.randn(1, 2 * k, generator=g) * 2).half()
+    bias = torch.randn(n, generator=g).half()
+    out = torch.full((1, n), float("nan"), dtype=torch.float16)
+    emu.quant_gemv1_gated(out, gate_up, qweight, scales, zeros, group_size, bias)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    h = (torch.nn.functional.silu(gate).half().float() * up).half()
+    exact = h.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float() + bias.float()
     assert relative_error(out, exact) < 2e-3
 
 

@@ -1,12 +1,13 @@
 """Kernels behind typed launchers, grouped into interchangeable backends.
 
-A backend is an :class:`Ops` bundle with the same five functions, each defined by its
-plain-torch reference in :mod:`asyncgen._ops.reference`:
+A backend is an :class:`Ops` bundle with the same six functions, each defined by its
+plain-torch reference in :mod:`asyncgen._ops.reference` (``rotary_store_kv`` is rotary
+then the cache write, which a backend may fuse):
 
 - ``"torch"``: the references themselves; runs anywhere (the CPU path).
 - ``"triton"``: Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests).
-- ``"cuda"``: the compiled csrc extension for attention and the cache write, Triton for
-  the rest; only where the extension was built.
+- ``"cuda"``: the compiled csrc extension for attention, the cache write and the fused
+  rotary + cache write, Triton for the rest; only where the extension was built.
 
 The model receives one ``Ops`` at construction; nothing here is global state.
 """
@@ -29,6 +30,7 @@ class Ops:
     silu_and_mul: Callable
     store_kv_cache: Callable
     paged_attention: Callable
+    rotary_store_kv: Callable
 
 
 def get_ops(backend: str) -> Ops:
@@ -36,7 +38,8 @@ def get_ops(backend: str) -> Ops:
     if backend == "torch":
         from . import reference as r
 
-        return Ops("torch", r.rms_norm, r.rotary_embedding, r.silu_and_mul, r.store_kv_cache, r.paged_attention)
+        return Ops("torch", r.rms_norm, r.rotary_embedding, r.silu_and_mul, r.store_kv_cache, r.paged_attention,
+                   r.rotary_store_kv)
     if backend == "triton":
         from . import triton_backend
 

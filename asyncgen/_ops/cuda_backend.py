@@ -1,5 +1,5 @@
 """The ``"cuda"`` backend: the compiled csrc extension (``asyncgen._C``) for the KV-cache
-write and decode attention, Triton for the rest.
+write (alone and fused with rotary) and decode attention, Triton for the rest.
 
 The extension is built in place by ``python3 setup.py build_ext --inplace`` (or
 ``pip install -e . --no-build-isolation``) on a machine with the CUDA toolkit and a CUDA
@@ -12,6 +12,9 @@ the argument on bad input):
 
 - ``store_kv_cache``: csrc when key and cache share a 2- or 4-byte dtype and each cache
   block is contiguous; Triton otherwise.
+- ``rotary_store_kv`` (what the attention layer calls): one csrc kernel for the rotary
+  of q and k and the cache write when the cos/sin cache is fp32 and the caches' blocks
+  are contiguous in q's dtype; the Triton rotary and ``store_kv_cache`` otherwise.
 - ``dense_gemv`` / ``quant_gemv_4bit``: csrc matrix-vector products for up to
   :data:`GEMV_MAX_ROWS` rows (decode at small batch); the ``*_supported`` functions say
   whether a call's tensors fit the kernels (the linear layers fall back otherwise). The
@@ -39,7 +42,8 @@ from . import Ops
 __all__ = [
     "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
     "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
-    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
+    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv1_gated_ok", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported",
+    "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -77,7 +81,7 @@ def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)
     if register is None:  # torch < 2.4
         return
-    for name in ("store_kv_cache", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit"):
+    for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -101,7 +105,8 @@ def ops() -> Ops:
     from . import triton_backend
 
     t = triton_backend.ops()
-    return Ops("cuda", t.rms_norm, t.rotary_embedding, t.silu_and_mul, store_kv_cache, paged_attention)
+    return Ops("cuda", t.rms_norm, t.rotary_embedding, t.silu_and_mul, store_kv_cache, paged_attention,
+               rotary_store_kv)
 
 
 # ----------------------------------------------------------------------------------------
@@ -191,6 +196,69 @@ def store_kv_cache(
     from . import triton_backend
 
     triton_backend.ops().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotary embedding of ``q`` and ``k`` in place, then the cache write of the rotated
+    ``k`` and of ``v`` (see the reference), in one csrc kernel. Inputs it does not take (a
+    cos/sin cache other than fp32, caches whose blocks are not contiguous, dtypes that
+    differ) go to the two separate ops, which check them."""
+    _check_tensor("positions", positions, 1, _INDEX_DTYPES)
+    _check_tensor("q", q, 3, _FLOAT_DTYPES)
+    _check_tensor("k", k, 3, (q.dtype,))
+    _check_tensor("v", v, 3, (q.dtype,))
+    _check_tensor("cos_sin_cache", cos_sin_cache, 2, _FLOAT_DTYPES)
+    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,))
+    _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"q has odd head_dim {head_dim}; rotate-half needs an even head_dim")
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k must have shape [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, {k.shape[1]}, {head_dim}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"positions and slot_mapping must have shape ({num_tokens},), got {tuple(positions.shape)} and "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    if cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must have {head_dim} columns (cos | sin), got {tuple(cos_sin_cache.shape)}")
+    _check_same_cuda_device(q=q, k=k, v=v, positions=positions, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
+                            v_cache=v_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    if (
+        cos_sin_cache.dtype == torch.float32
+        and k_cache.dtype == q.dtype
+        and _block_contiguous(k_cache)
+        and _block_contiguous(v_cache)
+        and positions.is_contiguous()
+        and slot_mapping.is_contiguous()
+        and _extension() is not None
+    ):
+        torch.ops.asyncgen_C.rotary_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return
+    from . import triton_backend
+
+    t = triton_backend.ops()
+    t.rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -501,21 +569,47 @@ def launch_quant_gemv_4bit(
     *,
     out: torch.Tensor | None = None,
     kernel: int = 0,
+    gated: bool = False,
 ) -> torch.Tensor:
     """:func:`quant_gemv_4bit` without the Python checks, for callers that checked the
     weight once (:func:`quant_gemv_4bit_max_rows`) and each input (:func:`gemv_input_ok`).
     Gathers ``x[:, perm]`` first when given. ``kernel`` (a value of
     :data:`QUANT_KERNELS`) picks the CUDA-core or the tensor-core kernel; 0 takes tensor
-    cores where they apply. The op still validates its arguments in C++."""
+    cores where they apply. With ``gated`` (see :func:`quant_gemv1_gated_ok`), ``x`` is one
+    gate|up row [1, 2K] and the product takes ``silu(gate) * up``. The op still validates
+    its arguments in C++."""
     if perm is not None:
         x = x.index_select(1, perm)
     k = qweight.shape[0] * 8
     if out is None:
         out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
     torch.ops.asyncgen_C.quant_gemv_4bit(
-        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, 1 if gated else kernel, gated
     )
     return out
+
+
+def quant_gemv1_gated_ok(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         group_size: int) -> bool:
+    """Whether the one-row 4-bit kernel takes ``gate_up`` ([1, 2K] fp16, the gate|up
+    projection's output) with the SiLU-and-multiply staged, for a weight that
+    :func:`quant_gemv_4bit_weight_ok` took: K and the group multiples of 16, K a multiple
+    of the group, 8-byte aligned scales and zeros, and K short enough for its shared
+    memory (csrc/gemv.cuh, quant_gemv1_ok)."""
+    k = qweight.shape[0] * 8
+    size = group_size if group_size > 0 else k
+    slots = k // 8 + k // 64 + 1
+    return (
+        gemv_input_ok(gate_up, torch.float16, 2 * k, 1)
+        and k % 16 == 0
+        and size % 16 == 0
+        and k % size == 0
+        and 2 * 128 * 16 * 2 + 16 * slots <= 48 * 1024
+        and scales.data_ptr() % 8 == 0
+        and zeros.data_ptr() % 8 == 0
+        and scales.stride(0) % 4 == 0
+        and zeros.stride(0) % 4 == 0
+    )
 
 
 def _time_ms(fn, items) -> float:

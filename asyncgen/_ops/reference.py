@@ -100,6 +100,23 @@ def store_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(v_cache.dtype)
 
 
+def rotary_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`rotary_embedding` of ``q`` and ``k`` in place, then :func:`store_kv_cache` of
+    the rotated ``k`` and of ``v``: the attention layer's two steps before attention, which
+    a backend may do in one kernel."""
+    rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
 def _gather_kv(
     cache: torch.Tensor, block_table: torch.Tensor, length: int
 ) -> torch.Tensor:

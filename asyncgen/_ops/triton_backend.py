@@ -32,14 +32,19 @@ DEFAULT_NUM_SMS = 132
 
 @functools.lru_cache(maxsize=None)
 def ops() -> Ops:
-    """The op bundle whose five functions launch Triton kernels (one shared instance)."""
+    """The op bundle whose functions launch Triton kernels (``rotary_store_kv``: the
+    rotary kernel, then the cache-write kernel)."""
     from .triton_activation import silu_and_mul
     from .triton_kv_cache import store_kv_cache
     from .triton_paged_attention import paged_attention
     from .triton_rms_norm import rms_norm
     from .triton_rotary import rotary_embedding
 
-    return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, store_kv_cache, paged_attention)
+    def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
+        rotary_embedding(positions, q, k, cos_sin_cache)
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, store_kv_cache, paged_attention, rotary_store_kv)
 
 
 # ----------------------------------------------------------------------------------------

@@ -75,8 +75,7 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-        self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.ops.rotary_store_kv(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(
             q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
@@ -99,7 +98,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops.silu_and_mul)
 
 
 class DecoderLayer(nn.Module):

@@ -10,6 +10,7 @@
 using asyncgen::DecodeParams;
 using asyncgen::DenseGemvParams;
 using asyncgen::QuantGemvParams;
+using asyncgen::RotaryStoreParams;
 using asyncgen::StoreKVParams;
 
 extern "C" {
@@ -40,6 +41,16 @@ int ag_store_kv_cache(const StoreKVParams* p, int element_size, int slot_is_int6
   }
 }
 
+// dtype: 0 = float16, 1 = bfloat16, 2 = float32.
+int ag_rotary_store_kv(const RotaryStoreParams* p, int dtype, int slot_is_int64, int pos_is_int64) {
+  switch (dtype) {
+    case 0: asyncgen::launch_rotary_store_kv<__half>(*p, slot_is_int64, pos_is_int64, nullptr); return 0;
+    case 1: asyncgen::launch_rotary_store_kv<__nv_bfloat16>(*p, slot_is_int64, pos_is_int64, nullptr); return 0;
+    case 2: asyncgen::launch_rotary_store_kv<float>(*p, slot_is_int64, pos_is_int64, nullptr); return 0;
+    default: return 1;
+  }
+}
+
 // dtype as above. Returns 0 on success.
 int ag_dense_gemv(const DenseGemvParams* p, int dtype) {
   const bool ok = dtype == 0 ? asyncgen::launch_dense_gemv<__half>(*p, nullptr)
@@ -53,6 +64,13 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
   return asyncgen::launch_quant_gemv_4bit(*p, nullptr, tensor_cores != 0) ? 0 : 1;
 }
 
+// x is a gate|up row [1, 2K]: the one-row kernel with silu(gate) * up staged.
+int ag_quant_gemv1_gated(const QuantGemvParams* p) {
+  if (!asyncgen::quant_gemv1_ok(*p)) return 1;
+  asyncgen::launch_quant_gemv1(*p, nullptr, true);
+  return 0;
+}
+
 int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_ok(*p) ? 1 : 0; }
 
@@ -60,5 +78,6 @@ int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }
 int ag_sizeof_store_params() { return sizeof(StoreKVParams); }
+int ag_sizeof_rotary_store_params() { return sizeof(RotaryStoreParams); }
 
 }  // extern "C"

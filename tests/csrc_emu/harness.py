@@ -74,6 +74,33 @@ class StoreKVParams(ctypes.Structure):
     ]
 
 
+class RotaryStoreParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("cos_sin", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("q_stride_token", ctypes.c_int64),
+        ("q_stride_head", ctypes.c_int64),
+        ("k_stride_token", ctypes.c_int64),
+        ("k_stride_head", ctypes.c_int64),
+        ("v_stride_token", ctypes.c_int64),
+        ("v_stride_head", ctypes.c_int64),
+        ("k_stride_block", ctypes.c_int64),
+        ("v_stride_block", ctypes.c_int64),
+        ("cos_sin_stride", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int),
+        ("num_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+    ]
+
+
 class DenseGemvParams(ctypes.Structure):
     _fields_ = [
         ("out", ctypes.c_void_p),
@@ -146,12 +173,15 @@ class Emulator:
         self.lib = lib
         assert lib.ag_sizeof_decode_params() == ctypes.sizeof(DecodeParams)
         assert lib.ag_sizeof_store_params() == ctypes.sizeof(StoreKVParams)
+        assert lib.ag_sizeof_rotary_store_params() == ctypes.sizeof(RotaryStoreParams)
+        lib.ag_rotary_store_kv.argtypes = [ctypes.POINTER(RotaryStoreParams)] + [ctypes.c_int] * 3
         assert lib.ag_sizeof_dense_gemv_params() == ctypes.sizeof(DenseGemvParams)
         assert lib.ag_sizeof_quant_gemv_params() == ctypes.sizeof(QuantGemvParams)
         lib.ag_dense_gemv.argtypes = [ctypes.POINTER(DenseGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
+        lib.ag_quant_gemv1_gated.argtypes = [ctypes.POINTER(QuantGemvParams)]
         self.last_quant_kernel = ""
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
@@ -203,6 +233,29 @@ class Emulator:
         rc = self.lib.ag_store_kv_cache(ctypes.byref(p), es, slot_mapping.dtype == torch.int64, aligned)
         assert rc == 0
         return aligned
+
+    def quant_gemv1_gated(self, out, gate_up, qweight, scales, zeros, group_size, bias=None):
+        """out = silu(gate) * up @ dequant(qweight) (+ bias) for one gate|up row [1, 2K]."""
+        k = qweight.shape[0] * 8
+        p = QuantGemvParams(
+            _ptr(out), _ptr(gate_up), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
+            out.stride(0), gate_up.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
+            1, qweight.shape[1], k, group_size,
+        )
+        assert self.lib.ag_quant_gemv1_gated(ctypes.byref(p)) == 0, "the one-row kernel does not take this shape"
+
+    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        """The fused rotary + cache write (cache_kernels.cuh), in place on q, k and the caches."""
+        p = RotaryStoreParams(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache), _ptr(positions), _ptr(cos_sin_cache),
+            _ptr(slot_mapping), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), v_cache.stride(0), cos_sin_cache.stride(0),
+            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k_cache.shape[1],
+        )
+        dtype = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[q.dtype]
+        rc = self.lib.ag_rotary_store_kv(ctypes.byref(p), dtype, slot_mapping.dtype == torch.int64,
+                                         positions.dtype == torch.int64)
+        assert rc == 0
 
     def dense_gemv(self, out, x, weight, bias=None):
         """out[m, n] = x[m] . weight[n] (+ bias[n]); the glue's layout requirements hold."""

@@ -5,7 +5,7 @@ Build first, then run from the repository root:
     python3 setup.py build_ext --inplace
     PYTHONPATH=$PWD python3 tests/gpu/check_csrc_ops.py [--quick] [--no-bench]
 
-Correctness: torch.ops.asyncgen_C.{store_kv_cache, paged_attention_decode} and the
+Correctness: torch.ops.asyncgen_C.{store_kv_cache, rotary_store_kv, paged_attention_decode} and the
 cuda_backend launchers against asyncgen._ops.reference on random inputs (NaN in every
 cache slot no sequence owns, shuffled block ids, ragged lengths, partial last blocks,
 GQA 1/4/6/8/12, head_dim 64/128/256, fp16/bf16, split-K off/forced/automatic, sliding
@@ -162,6 +162,56 @@ def check_store_kv_cache() -> None:
         check(name + " (launcher)", torch.equal(k2, k_ref) and torch.equal(v2, v_ref), "cache differs")
 
 
+def check_rotary_store_kv() -> None:
+    """The fused rotary + cache write against the two reference ops, at 7B and 8B (GQA)
+    shapes, a decode token and a 300-token chunk, with padding slots; and its time against
+    the Triton rotary plus the csrc cache write it replaces, per layer call in a graph."""
+    print("rotary_store_kv")
+    from asyncgen._ops import triton_backend
+
+    for dtype, heads, kv_heads, num_tokens, slot_dtype, pos_dtype in [
+        (torch.float16, 32, 32, 1, torch.int64, torch.int64), (torch.float16, 32, 32, 300, torch.int32, torch.int64),
+        (torch.bfloat16, 32, 8, 300, torch.int64, torch.int32), (torch.float32, 32, 8, 7, torch.int64, torch.int64),
+    ]:
+        torch.manual_seed(num_tokens + kv_heads)
+        head_dim, num_blocks, block_size, max_pos = 128, 40, 16, 4096
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE, dtype=dtype)
+        q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+        positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE).to(pos_dtype)
+        angles = torch.rand(max_pos, head_dim // 2, device=DEVICE) * 6.3
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+        slots[torch.rand(num_tokens, device=DEVICE) < 0.2] = -1
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        q_ref, k_ref, kc_ref, vc_ref = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
+        reference.rotary_embedding(positions.long(), q_ref, k_ref, cos_sin)
+        reference.store_kv_cache(k_ref, v.clone(), kc_ref, vc_ref, slots.long())
+        cuda_backend.rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots.to(slot_dtype))
+        tol = TOLERANCE.get(dtype, 1e-5)
+        err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                  for a, b in ((q, q_ref), (k, k_ref), (k_cache, kc_ref)))
+        check(f"rotary_store_kv {dtype} {heads}/{kv_heads} heads T={num_tokens}",
+              err < tol and torch.equal(v_cache, vc_ref), f"rel err {err:.1e}")
+    # Time per layer call at one decode token (7B): fused against rotary + cache write.
+    t = triton_backend.ops()
+    qkv = torch.randn(1, 3 * 4096, device=DEVICE, dtype=torch.float16)
+    q, k, v = (qkv[:, i * 4096 : (i + 1) * 4096].view(1, 32, 128) for i in range(3))
+    positions = torch.tensor([700], device=DEVICE)
+    slots = torch.tensor([123], device=DEVICE)
+    caches = [(torch.zeros(64, 16, 32, 128, device=DEVICE, dtype=torch.float16),) * 2 for _ in range(32)]
+    cos_sin = torch.randn(4096, 128, device=DEVICE)
+    fused = 1e3 * cuda_backend.graph_time_ms(
+        lambda c: cuda_backend.rotary_store_kv(positions, q, k, v, cos_sin, c[0], c[1], slots), caches)
+    split = 1e3 * cuda_backend.graph_time_ms(
+        lambda c: (t.rotary_embedding(positions, q, k, cos_sin), cuda_backend.store_kv_cache(k, v, c[0], c[1], slots)),
+        caches)
+    print(f"  one decode token, 7B: fused {fused:.2f} us a layer, rotary + cache write {split:.2f} us")
+
+
 def check_decode(quick: bool) -> None:
     print("paged_attention_decode")
     # (num_heads, num_kv_heads, head_dim, block_size, max_len, window)
@@ -314,6 +364,15 @@ def check_quant_gemv() -> None:
                     out = cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, group, kernel=1)
                     err = relative_error(out, x.float() @ dense)
                     check(f"quant_gemv_4bit cuda cores {n}x{k} g{group} M={m}", err < 2e-3, f"rel err {err:.2e}")
+            # One gate|up row with the SiLU-and-multiply staged by the one-row kernel.
+            gate_up = (torch.randn(1, 2 * k, generator=gen, device=DEVICE) * 2).half()
+            ok = cuda_backend.quant_gemv1_gated_ok(gate_up, qweight, scales, zeros, group)
+            if ok:
+                out = cuda_backend.launch_quant_gemv_4bit(gate_up, qweight, scales, zeros, group, gated=True)
+                gate, up = gate_up.float().chunk(2, dim=-1)
+                h = (torch.nn.functional.silu(gate).half().float() * up).half()
+                err = relative_error(out, h.float() @ dense)
+            check(f"quant_gemv_4bit gated {n}x{k} g{group}", ok and err < 2e-3, "not taken" if not ok else f"rel err {err:.2e}")
             del codes, qweight, scales, zeros, dense
     try:
         x = torch.randn(1, 64, device=DEVICE).half()
@@ -458,7 +517,7 @@ def main() -> int:
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
 
-    for step in (check_store_kv_cache, lambda: check_decode(args.quick), check_cuda_graph, check_launcher,
+    for step in (check_store_kv_cache, check_rotary_store_kv, lambda: check_decode(args.quick), check_cuda_graph, check_launcher,
                  check_dense_gemv, check_quant_gemv, check_errors):
         try:
             step()
