@@ -21,9 +21,6 @@ TORCH_LIBRARY(asyncgen_C, m) {
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, int kernel=0, bool gated=False) -> ()");
-  m.def(
-      "quant_gemv1_normed(Tensor(a!) out, Tensor x, Tensor? residual, Tensor norm_weight, float eps, "
-      "Tensor(b!)? residual_out, Tensor qweight, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -32,7 +29,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
-  m.impl("quant_gemv1_normed", &asyncgen::quant_gemv1_normed);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

@@ -158,7 +158,7 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
     TORCH_CHECK(quant_gemv1_ok(p), "gated needs the one-row kernel: K and group_size multiples of 16, K a multiple "
                 "of group_size, 8-byte aligned scales and zeros, and K at most about 18K; got K=", k,
                 ", group_size=", group_size);
-    launch_quant_gemv1(p, c10::cuda::getCurrentCUDAStream(), kStageGated);
+    launch_quant_gemv1(p, c10::cuda::getCurrentCUDAStream(), true);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -166,72 +166,6 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
               "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
               " groups");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void quant_gemv1_normed(const at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                        const at::Tensor& norm_weight, double eps, const c10::optional<at::Tensor>& residual_out,
-                        const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
-                        int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  AG_CHECK_DIM(qweight, 2);
-  const int64_t n = qweight.size(1), k = qweight.size(0) * 8;
-  check_rows(out, x, n, k, 1);
-  AG_CHECK_DTYPE(x, at::kHalf);
-  AG_CHECK_DTYPE(out, at::kHalf);
-  AG_CHECK_DTYPE(qweight, at::kInt);
-  AG_CHECK_DTYPE(scales, at::kHalf);
-  AG_CHECK_DTYPE(zeros, at::kHalf);
-  for (const at::Tensor* t : {&out, &norm_weight, &scales, &zeros}) AG_CHECK_CUDA((*t), qweight);
-  AG_CHECK_CUDA(x, qweight);
-  AG_CHECK_DTYPE(norm_weight, at::kHalf);
-  TORCH_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == k && norm_weight.is_contiguous() &&
-                  is_aligned16(norm_weight),
-              "norm_weight must be a contiguous, 16-byte aligned [", k, "], got shape ", norm_weight.sizes());
-  for (const c10::optional<at::Tensor>* t : {&residual, &residual_out}) {
-    if (!t->has_value()) continue;
-    const at::Tensor& r = **t;
-    AG_CHECK_CUDA(r, qweight);
-    AG_CHECK_DTYPE(r, at::kHalf);
-    TORCH_CHECK(r.numel() == k && r.is_contiguous() && is_aligned16(r), (t == &residual ? "residual" : "residual_out"),
-                " must be a contiguous, 16-byte aligned row of ", k, " elements, got shape ", r.sizes());
-  }
-  TORCH_CHECK(residual.has_value() == residual_out.has_value(), "residual and residual_out come together");
-  TORCH_CHECK(n % 4 == 0 && is_aligned16(qweight) && qweight.stride(0) % 4 == 0,
-              "qweight must have a multiple of 4 columns, be 16-byte aligned and have a row stride that is a "
-              "multiple of 4, got shape ", qweight.sizes(), " strides ", qweight.strides());
-  TORCH_CHECK(group_size > 0 && k % group_size == 0, "group_size must divide K=", k, ", got ", group_size);
-  for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == k / group_size && t->size(1) == n && t->stride(1) == 1,
-                (t == &scales ? "scales" : "zeros"), " must be [", k / group_size, ", ", n,
-                "] and contiguous in its last dim, got shape ", t->sizes());
-  }
-  check_bias(bias, x, n);
-
-  QuantGemvParams p{};
-  p.out = out.data_ptr();
-  p.x = x.data_ptr();
-  p.qweight = qweight.data_ptr<int32_t>();
-  p.scales = scales.data_ptr();
-  p.zeros = zeros.data_ptr();
-  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  p.out_stride = out.stride(0);
-  p.x_stride = x.stride(0);
-  p.qweight_stride = qweight.stride(0);
-  p.scales_stride = scales.stride(0);
-  p.zeros_stride = zeros.stride(0);
-  p.m = 1;
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.group_size = static_cast<int>(group_size);
-  p.residual = residual.has_value() ? residual->data_ptr() : nullptr;
-  p.norm_weight = norm_weight.data_ptr();
-  p.residual_out = residual_out.has_value() ? residual_out->data_ptr() : nullptr;
-  p.eps = static_cast<float>(eps);
-  TORCH_CHECK(quant_gemv1_ok(p), "the one-row kernel needs K and group_size multiples of 16, 8-byte aligned scales "
-              "and zeros, and K at most about 18K; got K=", k, ", group_size=", group_size);
-  if (n == 0) return;
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  launch_quant_gemv1(p, c10::cuda::getCurrentCUDAStream(), kStageNormed);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

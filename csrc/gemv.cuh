@@ -59,13 +59,6 @@ struct QuantGemvParams {
   const void* bias;       // [N] fp16 or null
   int64_t out_stride, x_stride, qweight_stride, scales_stride, zeros_stride;
   int m, n, k, group_size;
-  // The one-row kernel's RMSNorm staging (quant_gemv1 with kStageNormed): x is the layer
-  // input, residual (or null) is added to it first, the sum goes to residual_out (or
-  // nowhere when null), and the product takes rmsnorm(sum) * norm_weight.
-  const void* residual;     // [K] fp16 or null
-  const void* norm_weight;  // [K] fp16
-  void* residual_out;       // [K] fp16 or null
-  float eps;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -443,13 +436,9 @@ inline bool quant_gemv1_ok(const QuantGemvParams& p) {
          aligned8(p.zeros, p.zeros_stride);
 }
 
-// What the one-row kernel stages as x: the row itself; the SiLU-and-multiply of a gate|up
-// row (gate at x[0, K), up at x[K, 2K)), computed as the separate kernel does (silu rounded
-// to fp16, then the product rounded), so the down projection needs no kernel of its own
-// for it; or the RMSNorm (with the residual add) of the layer input, as the norm kernel
-// computes it (asyncgen/_ops/triton_rms_norm.py), for q|k|v and gate|up.
-constexpr int kStagePlain = 0, kStageGated = 1, kStageNormed = 2;
-
+// x as staged: the row itself, or with GATED the SiLU-and-multiply of a gate|up row (gate
+// at x[0, K), up at x[K, 2K)), computed as the separate kernel does (silu rounded to fp16,
+// then the product rounded), so the down projection needs no kernel of its own for it.
 template <bool GATED>
 AG_DEVICE uint4 stage_x8(const __half* x, int k, int r) {
   if constexpr (!GATED) {
@@ -470,60 +459,7 @@ AG_DEVICE uint4 stage_x8(const __half* x, int k, int r) {
   }
 }
 
-// The pairs (j, j + 4) of 8 halves, the order the codes come out of a word.
-AG_DEVICE uint4 pair_order(const uint4& raw) {
-  const __half* h = reinterpret_cast<const __half*>(&raw);
-  __half2 pr[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
-  return make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
-}
-
-// Stages rmsnorm(x (+ residual)) * norm_weight into xs (pair order); block 0 writes the
-// sum to residual_out. Two passes over the rows a thread owns, a block-wide sum between.
-template <int THREADS>
-AG_DEVICE void stage_normed(const QuantGemvParams& p, uint4* xs, float* scratch) {
-  const __half* x = static_cast<const __half*>(p.x);
-  const __half* res = static_cast<const __half*>(p.residual);
-  __half* res_out = blockIdx.x == 0 ? static_cast<__half*>(p.residual_out) : nullptr;
-  const int rows = p.k / 8;
-  float ss = 0.f;
-  for (int r = threadIdx.x; r < rows; r += THREADS) {
-    uint4 v = load16(x + 8 * r);
-    if (res != nullptr) {  // the sum rounded to fp16, as the reference's x + residual
-      const uint4 rv = load16(res + 8 * r);
-      __half* vh = reinterpret_cast<__half*>(&v);
-      const __half* rh = reinterpret_cast<const __half*>(&rv);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) vh[i] = __float2half_rn(__half2float(vh[i]) + __half2float(rh[i]));
-    }
-    if (res_out != nullptr) *reinterpret_cast<uint4*>(res_out + 8 * r) = v;
-    const __half* vh = reinterpret_cast<const __half*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float f = __half2float(vh[i]);
-      ss = fmaf(f, f, ss);
-    }
-    xs[x_slot(r)] = v;  // natural order until the second pass
-  }
-  const float inv = rsqrtf(block_sum<THREADS / kWarpSize>(ss, scratch) / static_cast<float>(p.k) + p.eps);
-  const __half* w = static_cast<const __half*>(p.norm_weight);
-  for (int r = threadIdx.x; r < rows; r += THREADS) {  // the same rows: each thread reads what it wrote
-    const uint4 v = xs[x_slot(r)], wv = load16(w + 8 * r);
-    uint4 o;
-    const __half* vh = reinterpret_cast<const __half*>(&v);
-    const __half* wh = reinterpret_cast<const __half*>(&wv);
-    __half* oh = reinterpret_cast<__half*>(&o);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float h = __half2float(__float2half_rn(__half2float(vh[i]) * inv));
-      oh[i] = __float2half_rn(__half2float(wh[i]) * h);
-    }
-    xs[x_slot(r)] = pair_order(o);
-  }
-}
-
-template <int COL_THREADS, int THREADS, int DEPTH, int STAGE = kStagePlain>
+template <int COL_THREADS, int THREADS, int DEPTH, bool GATED = false>
 __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGemvParams p) {
   static_assert(COL_THREADS >= 1 && COL_THREADS <= kWarpSize && kWarpSize % COL_THREADS == 0);
   static_assert(THREADS % kWarpSize == 0 && DEPTH >= 1);
@@ -578,12 +514,14 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
     }
   }
 
-  if constexpr (STAGE == kStageNormed) {
-    __shared__ float scratch[kWarps];
-    stage_normed<THREADS>(p, xs, scratch);
-  } else {
-    const __half* x = static_cast<const __half*>(p.x);
-    for (int r = tid; r < rows; r += THREADS) xs[x_slot(r)] = pair_order(stage_x8<STAGE == kStageGated>(x, p.k, r));
+  const __half* x = static_cast<const __half*>(p.x);
+  for (int r = tid; r < rows; r += THREADS) {
+    const uint4 raw = stage_x8<GATED>(x, p.k, r);
+    const __half* h = reinterpret_cast<const __half*>(&raw);
+    __half2 pr[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
+    xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
   }
   __syncthreads();
 
@@ -655,11 +593,9 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
 }
 
 template <int COL_THREADS, int THREADS, int DEPTH>
-void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, int stage) {
-  void (*kernel)(const QuantGemvParams) =
-      stage == kStageGated    ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, kStageGated>
-      : stage == kStageNormed ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, kStageNormed>
-                              : quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, kStagePlain>;
+void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bool gated) {
+  void (*kernel)(const QuantGemvParams) = gated ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, true>
+                                                : quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, false>;
   AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, 4 * COL_THREADS)), dim3(THREADS),
                    quant_gemv1_smem(p.k, THREADS, DEPTH), stream, p);
 }
@@ -669,17 +605,17 @@ void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, in
 // (N >= 8192) 8 column threads in 128 threads, 4 pairs deep; narrow ones 4 in 256, 2 deep.
 // Where K is too long for the ring and x to fit the default 48 KiB, a 128-thread block with
 // half the ring (quant_gemv1_ok checks that this one fits).
-// stage (kStage*): kStageGated takes x as a gate|up row [1, 2K] and multiplies by
-// silu(gate) * up; kStageNormed by the RMSNorm of x (+ residual), see QuantGemvParams.
-inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream, int stage = kStagePlain) {
+// gated: x is a gate|up row [1, 2K] (x_stride ignored) and the product takes
+// silu(gate) * up (see stage_x8).
+inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream, bool gated = false) {
 #if defined(AG_QGEMV1_COLS) && defined(AG_QGEMV1_THREADS) && defined(AG_QGEMV1_DEPTH)
-  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream, stage);
+  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream, gated);
 #else
   const bool wide = p.n >= kQuantWideN;
   if (quant_gemv1_smem(p.k, wide ? 128 : 256, wide ? 4 : 2) <= kQgemv1MaxSmem) {
-    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream, stage) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream, stage);
+    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream, gated) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream, gated);
   } else {
-    wide ? launch_quant_gemv1_shaped<8, 128, 2>(p, stream, stage) : launch_quant_gemv1_shaped<4, 128, 2>(p, stream, stage);
+    wide ? launch_quant_gemv1_shaped<8, 128, 2>(p, stream, gated) : launch_quant_gemv1_shaped<4, 128, 2>(p, stream, gated);
   }
 #endif
 }

@@ -38,12 +38,4 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t kernel, bool gated);
 
-// out = rmsnorm(x + residual) * norm_weight @ W (+ bias) for one fp16 row, W as for
-// quant_gemv_4bit; x + residual (rounded to fp16) is written to residual_out. Without a
-// residual (the first layer) x itself is normed and nothing is written.
-void quant_gemv1_normed(const at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                        const at::Tensor& norm_weight, double eps, const c10::optional<at::Tensor>& residual_out,
-                        const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
-                        int64_t group_size, const c10::optional<at::Tensor>& bias);
-
 }  // namespace asyncgen

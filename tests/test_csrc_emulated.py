@@ -274,38 +274,6 @@ def test_quant_gemv1_gated_matches_silu_then_product(emu, n, k, group_size):
 
 
 @pytest.mark.parametrize(
-    "n, k, group_size, with_residual",
-    [
-        (40, 2048, 128, True),   # 256 threads, 1 row each: x staged and normed by the same threads
-        (8196, 4096, 64, True),  # the wide shape (128 threads), 4 rows a thread; 257 blocks, one writes the sum
-        (24, 1024, 128, False),  # the first layer: no residual, nothing written back
-    ],
-)
-def test_quant_gemv1_normed_matches_rms_norm_then_product(emu, n, k, group_size, with_residual):
-    """q|k|v and gate|up at one row with the RMSNorm (and its residual add) staged: the
-    product equals the norm op's output times the weight, and the residual sum is the norm
-    op's, written once."""
-    from asyncgen._ops import quant_reference as qref
-
-    g = torch.Generator().manual_seed(n + k)
-    groups = k // group_size
-    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
-    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
-    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
-    x = (torch.randn(1, k, generator=g) * 3).half()
-    residual = (torch.randn(1, k, generator=g) * 3).half() if with_residual else None
-    norm_weight = (torch.rand(k, generator=g) + 0.5).half()
-    residual_out = torch.full((1, k), float("nan"), dtype=torch.float16) if with_residual else None
-    out = torch.full((1, n), float("nan"), dtype=torch.float16)
-    emu.quant_gemv1_normed(out, x, residual, norm_weight, 1e-5, residual_out, qweight, scales, zeros, group_size)
-    h, summed = reference.rms_norm(x, norm_weight, 1e-5, residual)
-    exact = h.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
-    assert relative_error(out, exact) < 2e-3
-    if with_residual:
-        assert torch.equal(residual_out, summed)
-
-
-@pytest.mark.parametrize(
     "m, n, k, group_size",
     [
         (9, 40, 512, 64),    # 2 tiles of x rows, the second with one row

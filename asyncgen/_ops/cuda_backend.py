@@ -42,8 +42,8 @@ from . import Ops
 __all__ = [
     "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
     "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
-    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "launch_quant_gemv1_normed", "quant_gemv1_gated_ok", "quant_gemv1_normed_ok",
-    "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
+    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv1_gated_ok", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported",
+    "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -81,8 +81,7 @@ def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)
     if register is None:  # torch < 2.4
         return
-    for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit",
-                 "quant_gemv1_normed"):
+    for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -590,68 +589,6 @@ def launch_quant_gemv_4bit(
     return out
 
 
-def _one_row_kernel_takes(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
-    """The weight-side conditions of the csrc one-row 4-bit kernel (csrc/gemv.cuh,
-    quant_gemv1_ok), for a weight :func:`quant_gemv_4bit_weight_ok` took: K and the group
-    multiples of 16, K a multiple of the group, 8-byte aligned scales and zeros, and K
-    short enough for its shared memory."""
-    k = qweight.shape[0] * 8
-    size = group_size if group_size > 0 else k
-    slots = k // 8 + k // 64 + 1
-    return (
-        k % 16 == 0
-        and size % 16 == 0
-        and k % size == 0
-        and 2 * 128 * 16 * 2 + 16 * slots <= 48 * 1024
-        and scales.data_ptr() % 8 == 0
-        and zeros.data_ptr() % 8 == 0
-        and scales.stride(0) % 4 == 0
-        and zeros.stride(0) % 4 == 0
-    )
-
-
-def quant_gemv1_normed_ok(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                          qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
-    """Whether the one-row 4-bit kernel takes ``x`` ([1, K] fp16) with the RMSNorm of
-    ``x + residual`` (fp16 [1, K] or None) by ``norm_weight`` (fp16 [K]) staged."""
-    k = qweight.shape[0] * 8
-    return (
-        gemv_input_ok(x, torch.float16, k, 1)
-        and x.is_contiguous()
-        and (residual is None or (residual.dtype == torch.float16 and residual.numel() == k
-                                  and residual.is_contiguous() and residual.data_ptr() % 16 == 0))
-        and norm_weight.dtype == torch.float16
-        and norm_weight.shape == (k,)
-        and norm_weight.is_contiguous()
-        and norm_weight.data_ptr() % 16 == 0
-        and _one_row_kernel_takes(qweight, scales, zeros, group_size)
-    )
-
-
-def launch_quant_gemv1_normed(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rmsnorm(x + residual) * norm_weight @ W + bias, x + residual)`` for one row, in
-    one kernel (the residual sum is ``x`` itself without a residual), for inputs
-    :func:`quant_gemv1_normed_ok` took."""
-    k = qweight.shape[0] * 8
-    out = torch.empty(1, qweight.shape[1], dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else None
-    torch.ops.asyncgen_C.quant_gemv1_normed(
-        out, x, residual, norm_weight, float(eps), residual_out, qweight, scales, zeros,
-        group_size if group_size > 0 else k, bias,
-    )
-    return out, (residual_out if residual is not None else x)
-
-
 def quant_gemv1_gated_ok(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                          group_size: int) -> bool:
     """Whether the one-row 4-bit kernel takes ``gate_up`` ([1, 2K] fp16, the gate|up
@@ -660,7 +597,19 @@ def quant_gemv1_gated_ok(gate_up: torch.Tensor, qweight: torch.Tensor, scales: t
     of the group, 8-byte aligned scales and zeros, and K short enough for its shared
     memory (csrc/gemv.cuh, quant_gemv1_ok)."""
     k = qweight.shape[0] * 8
-    return gemv_input_ok(gate_up, torch.float16, 2 * k, 1) and _one_row_kernel_takes(qweight, scales, zeros, group_size)
+    size = group_size if group_size > 0 else k
+    slots = k // 8 + k // 64 + 1
+    return (
+        gemv_input_ok(gate_up, torch.float16, 2 * k, 1)
+        and k % 16 == 0
+        and size % 16 == 0
+        and k % size == 0
+        and 2 * 128 * 16 * 2 + 16 * slots <= 48 * 1024
+        and scales.data_ptr() % 8 == 0
+        and zeros.data_ptr() % 8 == 0
+        and scales.stride(0) % 4 == 0
+        and zeros.stride(0) % 4 == 0
+    )
 
 
 def _time_ms(fn, items) -> float:

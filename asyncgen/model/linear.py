@@ -38,13 +38,6 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_normed(self, layer: "LinearBase", x: torch.Tensor, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h, residual = norm(x, residual)``, then ``(apply(layer, h), residual)``: a
-        layer fed by an RMSNorm (q|k|v, gate|up); a method may fuse the two (the 4-bit
-        one-row kernel does)."""
-        h, residual = norm(x, residual)
-        return self.apply(layer, h), residual
-
     def apply_gated(self, layer: "LinearBase", gate_up: torch.Tensor, act) -> torch.Tensor:
         """``apply(layer, act(gate_up))``, for ``act`` the SiLU-and-multiply of a gate|up
         output; a method may fuse the two (the 4-bit one-row kernel does)."""
@@ -179,10 +172,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
-
-    def forward_normed(self, x: torch.Tensor, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward(norm(x, residual)[0])`` and the residual sum; see :meth:`LinearMethod.apply_normed`."""
-        return self.method.apply_normed(self, x, residual, norm)
 
     def forward_gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         """``forward(act(gate_up))``; see :meth:`LinearMethod.apply_gated`."""

@@ -69,11 +69,9 @@ class Attention(nn.Module):
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
 
-    def forward(self, positions, x, residual, norm: RMSNorm, meta: AttentionMetadata, cos_sin_cache):
-        """``norm(x, residual)``, then attention; returns (output, the residual sum). The
-        q|k|v projection takes the norm, so that a kernel can fuse the two."""
+    def forward(self, positions, x, meta: AttentionMetadata, cos_sin_cache):
         T = x.shape[0]
-        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
@@ -82,7 +80,7 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
         )
-        return self.o_proj(o.view(T, self.q_size)), residual
+        return self.o_proj(o.view(T, self.q_size))
 
 
 class MLP(nn.Module):
@@ -99,10 +97,8 @@ class MLP(nn.Module):
             method_factory(f"{prefix}.down_proj"),
         )
 
-    def forward(self, x, residual, norm: RMSNorm):
-        """``norm(x, residual)``, then the MLP; returns (output, the residual sum)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj.forward_gated(gate_up, self.ops.silu_and_mul), residual
+    def forward(self, x):
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops.silu_and_mul)
 
 
 class DecoderLayer(nn.Module):
@@ -114,8 +110,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, f"{prefix}.mlp", ops, dtype, device, method_factory)
 
     def forward(self, positions, x, residual, meta, cos_sin_cache):
-        h, residual = self.self_attn(positions, x, residual, self.input_layernorm, meta, cos_sin_cache)
-        return self.mlp(h, residual, self.post_attention_layernorm)
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, meta, cos_sin_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

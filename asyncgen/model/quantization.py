@@ -421,44 +421,26 @@ class QuantLinearMethod(LinearMethod):
             self._matmul(layer, x2, qweight, scales, zeros, seg, bias, out[:, seg.start : seg.end])
         return out.view(*lead, n)
 
-    def _one_row_segment(self, layer: LinearBase, x: torch.Tensor) -> "_Segment | None":
-        """The layer's segment when one decode row goes to the csrc one-row kernel whole:
-        kernel "cuda", one row, one segment without an act-order permutation, routed to the
-        CUDA-core kernel at one row (which is the one-row kernel where it applies)."""
-        if layer.quant_kernel != "cuda" or x.dim() != 2 or x.shape[0] != 1 or len(layer.quant_segments) != 1:
-            return None
-        seg = layer.quant_segments[0]
-        if seg.perm is not None or len(seg.route) < 2 or seg.route[1] != CUDA_CORES:
-            return None
-        return seg
-
-    def apply_normed(self, layer: LinearBase, x: torch.Tensor, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode row routed to the csrc one-row kernel stages the RMSNorm (and its
-        residual add) in the kernel itself; anything else runs ``norm`` and :meth:`apply`."""
-        if self._one_row_segment(layer, x) is not None:
-            from .._ops import cuda_backend
-
-            size = layer.quant_group_size
-            if cuda_backend.quant_gemv1_normed_ok(x, residual, norm.weight, layer.qweight, layer.scales, layer.zeros,
-                                                  size):
-                return cuda_backend.launch_quant_gemv1_normed(
-                    x, residual, norm.weight, norm.eps, layer.qweight, layer.scales, layer.zeros, size, layer.bias
-                )
-        return super().apply_normed(layer, x, residual, norm)
-
     def apply_gated(self, layer: LinearBase, gate_up: torch.Tensor, act) -> torch.Tensor:
         """One decode row routed to the csrc one-row kernel stages ``silu(gate) * up`` in
         the kernel itself (no activation kernel, no intermediate in memory); anything else
         runs ``act`` and :meth:`apply`."""
-        if self._one_row_segment(layer, gate_up) is not None:
-            from .._ops import cuda_backend
+        if (
+            layer.quant_kernel == "cuda"
+            and gate_up.dim() == 2
+            and gate_up.shape[0] == 1
+            and len(layer.quant_segments) == 1
+        ):
+            seg = layer.quant_segments[0]
+            if seg.perm is None and len(seg.route) > 1 and seg.route[1] == CUDA_CORES:
+                from .._ops import cuda_backend
 
-            size = layer.quant_group_size
-            if cuda_backend.quant_gemv1_gated_ok(gate_up, layer.qweight, layer.scales, layer.zeros, size):
-                return cuda_backend.launch_quant_gemv_4bit(
-                    gate_up, layer.qweight, layer.scales, layer.zeros, size, None, layer.bias,
-                    kernel=CUDA_CORES, gated=True,
-                )
+                size = layer.quant_group_size
+                if cuda_backend.quant_gemv1_gated_ok(gate_up, layer.qweight, layer.scales, layer.zeros, size):
+                    return cuda_backend.launch_quant_gemv_4bit(
+                        gate_up, layer.qweight, layer.scales, layer.zeros, size, None, layer.bias,
+                        kernel=CUDA_CORES, gated=True,
+                    )
         return self.apply(layer, act(gate_up))
 
     def _matmul(self, layer, x, qweight, scales, zeros, seg: _Segment, bias, out):

@@ -67,14 +67,7 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
 // x is a gate|up row [1, 2K]: the one-row kernel with silu(gate) * up staged.
 int ag_quant_gemv1_gated(const QuantGemvParams* p) {
   if (!asyncgen::quant_gemv1_ok(*p)) return 1;
-  asyncgen::launch_quant_gemv1(*p, nullptr, asyncgen::kStageGated);
-  return 0;
-}
-
-// x is a layer input: the one-row kernel with rmsnorm(x + residual) * norm_weight staged.
-int ag_quant_gemv1_normed(const QuantGemvParams* p) {
-  if (!asyncgen::quant_gemv1_ok(*p)) return 1;
-  asyncgen::launch_quant_gemv1(*p, nullptr, asyncgen::kStageNormed);
+  asyncgen::launch_quant_gemv1(*p, nullptr, true);
   return 0;
 }
 

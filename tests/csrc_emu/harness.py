@@ -133,10 +133,6 @@ class QuantGemvParams(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("group_size", ctypes.c_int),
-        ("residual", ctypes.c_void_p),
-        ("norm_weight", ctypes.c_void_p),
-        ("residual_out", ctypes.c_void_p),
-        ("eps", ctypes.c_float),
     ]
 
 
@@ -186,7 +182,6 @@ class Emulator:
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_gated.argtypes = [ctypes.POINTER(QuantGemvParams)]
-        lib.ag_quant_gemv1_normed.argtypes = [ctypes.POINTER(QuantGemvParams)]
         self.last_quant_kernel = ""
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
@@ -248,18 +243,6 @@ class Emulator:
             1, qweight.shape[1], k, group_size,
         )
         assert self.lib.ag_quant_gemv1_gated(ctypes.byref(p)) == 0, "the one-row kernel does not take this shape"
-
-    def quant_gemv1_normed(self, out, x, residual, norm_weight, eps, residual_out, qweight, scales, zeros,
-                           group_size, bias=None):
-        """out = rmsnorm(x (+ residual)) * norm_weight @ dequant(qweight) (+ bias) for one row;
-        the sum x + residual goes to residual_out (when given)."""
-        k = qweight.shape[0] * 8
-        p = QuantGemvParams(
-            _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
-            out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
-            1, qweight.shape[1], k, group_size, _ptr(residual), _ptr(norm_weight), _ptr(residual_out), eps,
-        )
-        assert self.lib.ag_quant_gemv1_normed(ctypes.byref(p)) == 0, "the one-row kernel does not take this shape"
 
     def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
         """The fused rotary + cache write (cache_kernels.cuh), in place on q, k and the caches."""

@@ -3,7 +3,7 @@
 Build first, then run from the repository root:
 
     python3 setup.py build_ext --inplace
-    PYTHONPATH=$PWD python3 tests/gpu/check_csrc_ops.py [--quick] [--no-bench | --no-attention-bench]
+    PYTHONPATH=$PWD python3 tests/gpu/check_csrc_ops.py [--quick] [--no-bench]
 
 Correctness: torch.ops.asyncgen_C.{store_kv_cache, rotary_store_kv, paged_attention_decode} and the
 cuda_backend launchers against asyncgen._ops.reference on random inputs (NaN in every
@@ -373,20 +373,6 @@ def check_quant_gemv() -> None:
                 h = (torch.nn.functional.silu(gate).half().float() * up).half()
                 err = relative_error(out, h.float() @ dense)
             check(f"quant_gemv_4bit gated {n}x{k} g{group}", ok and err < 2e-3, "not taken" if not ok else f"rel err {err:.2e}")
-            # One layer input with the RMSNorm and its residual add staged (q|k|v, gate|up).
-            x = (torch.randn(1, k, generator=gen, device=DEVICE) * 3).half()
-            norm_weight = (torch.rand(k, generator=gen, device=DEVICE) + 0.5).half()
-            for residual in ((torch.randn(1, k, generator=gen, device=DEVICE) * 3).half(), None):
-                name = f"quant_gemv1_normed {n}x{k} g{group} {'residual' if residual is not None else 'first layer'}"
-                ok = cuda_backend.quant_gemv1_normed_ok(x, residual, norm_weight, qweight, scales, zeros, group)
-                if not ok:
-                    check(name, False, "not taken")
-                    continue
-                out, summed = cuda_backend.launch_quant_gemv1_normed(x, residual, norm_weight, 1e-5, qweight, scales,
-                                                                     zeros, group)
-                h, want_sum = reference.rms_norm(x, norm_weight, 1e-5, residual)
-                err = relative_error(out, h.float() @ dense)
-                check(name, err < 2e-3 and torch.equal(summed, want_sum), f"rel err {err:.2e}")
             del codes, qweight, scales, zeros, dense
     try:
         x = torch.randn(1, 64, device=DEVICE).half()
@@ -472,43 +458,6 @@ def run_benchmarks() -> list[tuple]:
     return rows
 
 
-def time_one_row_fusions() -> None:
-    """The one-row 4-bit kernel with the norm or the activation staged, against the op it
-    replaces followed by the plain kernel, per call in a CUDA graph over enough copies of
-    the weight to keep it out of L2 (7B shapes, group 128)."""
-    from asyncgen._ops import quant_reference as qref
-    from asyncgen._ops import triton_backend
-
-    t = triton_backend.ops()
-    print("\none-row 4-bit kernel, fused stage against op + kernel (us a call)")
-    gen = torch.Generator(device=DEVICE).manual_seed(10)
-    for name, n, k in (("q|k|v normed", 12288, 4096), ("gate|up normed", 22016, 4096), ("down gated", 4096, 11008)):
-        copies = max(2, -(-150 * 2**20 // (k * n // 2)))
-        weights = []
-        for _ in range(copies):
-            codes = torch.randint(0, 16, (k, n), generator=gen, device=DEVICE)
-            weights.append((qref.pack_rows(codes, 4), (torch.rand(k // 128, n, generator=gen, device=DEVICE) * 2e-3).half(),
-                            torch.randint(0, 16, (k // 128, n), generator=gen, device=DEVICE).half()))
-        if "normed" in name:
-            x = torch.randn(1, k, device=DEVICE).half()
-            residual = torch.randn(1, k, device=DEVICE).half()
-            w = torch.rand(k, device=DEVICE).half()
-            fused = 1e3 * cuda_backend.graph_time_ms(
-                lambda q: cuda_backend.launch_quant_gemv1_normed(x, residual, w, 1e-5, *q, 128), weights)
-            split = 1e3 * cuda_backend.graph_time_ms(
-                lambda q: cuda_backend.launch_quant_gemv_4bit(t.rms_norm(x, w, 1e-5, residual)[0], *q, 128, kernel=1),
-                weights)
-        else:
-            gate_up = torch.randn(1, 2 * k, device=DEVICE).half()
-            fused = 1e3 * cuda_backend.graph_time_ms(
-                lambda q: cuda_backend.launch_quant_gemv_4bit(gate_up, *q, 128, gated=True), weights)
-            split = 1e3 * cuda_backend.graph_time_ms(
-                lambda q: cuda_backend.launch_quant_gemv_4bit(t.silu_and_mul(gate_up), *q, 128, kernel=1), weights)
-        print(f"  {name:<15} fused {fused:6.1f}   op + kernel {split:6.1f}")
-        del weights
-        torch.cuda.empty_cache()
-
-
 def run_gemv_benchmarks() -> None:
     """csrc GEMV against cuBLAS (dense) and the Triton 4-bit GEMV at 7B decode shapes."""
     from asyncgen._ops import quant_reference as qref
@@ -558,7 +507,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer correctness shapes")
     parser.add_argument("--no-bench", action="store_true", help="skip the timing")
-    parser.add_argument("--no-attention-bench", action="store_true", help="time the GEMVs only")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -578,12 +526,11 @@ def main() -> int:
             failures.append(f"{getattr(step, '__name__', 'check')}: raised")
         torch.cuda.synchronize()
 
-    rows = [] if args.no_bench or args.no_attention_bench else run_benchmarks()
+    rows = [] if args.no_bench else run_benchmarks()
     if rows:
         print_table(rows)
     if not args.no_bench:
         run_gemv_benchmarks()
-        time_one_row_fusions()
     print(f"\n{num_checks} checks, {len(failures)} failed")
     for f in failures:
         print(f"  {f}")
