@@ -93,25 +93,16 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel, bool gated) {
+                     const c10::optional<at::Tensor>& bias, int64_t kernel) {
   AG_CHECK_DIM(qweight, 2);
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
               kernel);
-  TORCH_CHECK(!gated || kernel == 1, "gated takes the CUDA-core kernel (kernel=1), got kernel=", kernel);
   AG_CHECK_CUDA(x, qweight);
   AG_CHECK_CUDA(out, qweight);
   AG_CHECK_CUDA(scales, qweight);
   AG_CHECK_CUDA(zeros, qweight);
   const int64_t n = qweight.size(1), k = qweight.size(0) * 8;
-  if (gated) {  // x is one gate|up row: [1, 2K]
-    AG_CHECK_DIM(x, 2);
-    TORCH_CHECK(x.size(0) == 1 && x.size(1) == 2 * k, "gated x must be one gate|up row [1, ", 2 * k, "], got ",
-                x.sizes());
-    const at::Tensor gate = x.narrow(1, 0, k);
-    check_rows(out, gate, n, k, 1);
-  } else {
-    check_rows(out, x, n, k, kMmaMaxRows);
-  }
+  check_rows(out, x, n, k, kMmaMaxRows);
   AG_CHECK_DTYPE(x, at::kHalf);
   AG_CHECK_DTYPE(out, at::kHalf);
   AG_CHECK_DTYPE(qweight, at::kInt);
@@ -153,14 +144,6 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
     TORCH_CHECK(tensor_cores && quant_gemv_4bit_mma_ok(p), "the tensor-core kernel needs an sm_80+ GPU, K and "
                 "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
                 " groups; got K=", k, ", group_size=", group_size);
-  }
-  if (gated) {
-    TORCH_CHECK(quant_gemv1_ok(p), "gated needs the one-row kernel: K and group_size multiples of 16, K a multiple "
-                "of group_size, 8-byte aligned scales and zeros, and K at most about 18K; got K=", k,
-                ", group_size=", group_size);
-    launch_quant_gemv1(p, c10::cuda::getCurrentCUDAStream(), true);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
   }
   TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1), "x has ",
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "

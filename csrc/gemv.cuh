@@ -436,30 +436,7 @@ inline bool quant_gemv1_ok(const QuantGemvParams& p) {
          aligned8(p.zeros, p.zeros_stride);
 }
 
-// x as staged: the row itself, or with GATED the SiLU-and-multiply of a gate|up row (gate
-// at x[0, K), up at x[K, 2K)), computed as the separate kernel does (silu rounded to fp16,
-// then the product rounded), so the down projection needs no kernel of its own for it.
-template <bool GATED>
-AG_DEVICE uint4 stage_x8(const __half* x, int k, int r) {
-  if constexpr (!GATED) {
-    return load16(x + 8 * r);
-  } else {
-    const uint4 g = load16(x + 8 * r), u = load16(x + k + 8 * r);
-    const __half* gh = reinterpret_cast<const __half*>(&g);
-    const __half* uh = reinterpret_cast<const __half*>(&u);
-    uint4 out;
-    __half* oh = reinterpret_cast<__half*>(&out);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float gf = __half2float(gh[i]);
-      const float act = __half2float(__float2half_rn(gf / (1.f + __expf(-gf))));
-      oh[i] = __float2half_rn(act * __half2float(uh[i]));
-    }
-    return out;
-  }
-}
-
-template <int COL_THREADS, int THREADS, int DEPTH, bool GATED = false>
+template <int COL_THREADS, int THREADS, int DEPTH>
 __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGemvParams p) {
   static_assert(COL_THREADS >= 1 && COL_THREADS <= kWarpSize && kWarpSize % COL_THREADS == 0);
   static_assert(THREADS % kWarpSize == 0 && DEPTH >= 1);
@@ -516,7 +493,7 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
 
   const __half* x = static_cast<const __half*>(p.x);
   for (int r = tid; r < rows; r += THREADS) {
-    const uint4 raw = stage_x8<GATED>(x, p.k, r);
+    const uint4 raw = load16(x + 8 * r);
     const __half* h = reinterpret_cast<const __half*>(&raw);
     __half2 pr[4];
 #pragma unroll
@@ -593,9 +570,8 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
 }
 
 template <int COL_THREADS, int THREADS, int DEPTH>
-void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bool gated) {
-  void (*kernel)(const QuantGemvParams) = gated ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, true>
-                                                : quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, false>;
+void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream) {
+  void (*kernel)(const QuantGemvParams) = quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH>;
   AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, 4 * COL_THREADS)), dim3(THREADS),
                    quant_gemv1_smem(p.k, THREADS, DEPTH), stream, p);
 }
@@ -605,17 +581,15 @@ void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bo
 // (N >= 8192) 8 column threads in 128 threads, 4 pairs deep; narrow ones 4 in 256, 2 deep.
 // Where K is too long for the ring and x to fit the default 48 KiB, a 128-thread block with
 // half the ring (quant_gemv1_ok checks that this one fits).
-// gated: x is a gate|up row [1, 2K] (x_stride ignored) and the product takes
-// silu(gate) * up (see stage_x8).
-inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream, bool gated = false) {
+inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream) {
 #if defined(AG_QGEMV1_COLS) && defined(AG_QGEMV1_THREADS) && defined(AG_QGEMV1_DEPTH)
-  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream, gated);
+  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream);
 #else
   const bool wide = p.n >= kQuantWideN;
   if (quant_gemv1_smem(p.k, wide ? 128 : 256, wide ? 4 : 2) <= kQgemv1MaxSmem) {
-    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream, gated) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream, gated);
+    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream);
   } else {
-    wide ? launch_quant_gemv1_shaped<8, 128, 2>(p, stream, gated) : launch_quant_gemv1_shaped<4, 128, 2>(p, stream, gated);
+    wide ? launch_quant_gemv1_shaped<8, 128, 2>(p, stream) : launch_quant_gemv1_shaped<4, 128, 2>(p, stream);
   }
 #endif
 }

@@ -35,11 +35,8 @@ def fake_csrc(monkeypatch):
     def input_ok(x, dtype, k, max_rows=cuda_backend.GEMV_MAX_ROWS):
         return x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.shape[1] == k
 
-    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0, gated=False):
-        calls.append(("gated" if gated else "quant", x.shape[0], kernel))
-        if gated:
-            gate, up = x.chunk(2, dim=-1)
-            x = torch.nn.functional.silu(gate) * up
+    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0):
+        calls.append(("quant", x.shape[0], kernel))
         y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
         if out is None:
             return y
@@ -97,29 +94,6 @@ def test_quantized_layers_send_decode_rows_to_the_csrc_gemv(tmp_path, fake_csrc,
             assert bool(fake_csrc) == expected, (lt.prefix, rows, fake_csrc)
             kernel = 2 if kernel_rows > cuda_backend.GEMV_MAX_ROWS else 1  # tensor cores where they apply
             assert all(call == ("quant", rows, kernel) for call in fake_csrc)
-
-
-@pytest.mark.parametrize("variant, fused", [("awq-g64", True), ("gptq-4b-g32-act-per-part", False)])
-def test_down_projection_stages_silu_at_one_row(tmp_path, fake_csrc, variant, fused):
-    """One decode row of a 4-bit MLP routed to the csrc one-row kernel hands the gate|up
-    row to down_proj's kernel with the activation staged (no separate SiLU); more rows, or
-    an act-order permutation, run the activation and then the product."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton fallback runs on the CPU only under TRITON_INTERPRET=1")
-    from test_quant_formats import VARIANTS, load_model, write_checkpoint
-
-    fake_csrc.quant_rows = cuda_backend.GEMV_MAX_ROWS  # the CUDA-core kernels take 1-8 rows
-    write_checkpoint(tmp_path / variant, VARIANTS[variant])
-    dense = load_model(tmp_path / variant, "dense").layers[0].mlp
-    routed = load_model(tmp_path / variant, "cuda").layers[0].mlp
-    gen = torch.Generator().manual_seed(1)
-    for rows in (1, 3):
-        fake_csrc.clear()
-        x = torch.randn(rows, dense.gate_up_proj.in_features, generator=gen)
-        torch.testing.assert_close(routed(x), dense(x), atol=1e-4, rtol=1e-4)
-        gated = [c for c in fake_csrc if c[0] == "gated"]
-        assert gated == ([("gated", 1, 1)] if fused and rows == 1 else []), fake_csrc
 
 
 def close(a, b):  # F.linear on other leading shapes may sum in another order

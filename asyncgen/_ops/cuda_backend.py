@@ -13,8 +13,9 @@ the argument on bad input):
 - ``store_kv_cache``: csrc when key and cache share a 2- or 4-byte dtype and each cache
   block is contiguous; Triton otherwise.
 - ``rotary_store_kv`` (what the attention layer calls): one csrc kernel for the rotary
-  of q and k and the cache write when the cos/sin cache is fp32 and the caches' blocks
-  are contiguous in q's dtype; the Triton rotary and ``store_kv_cache`` otherwise.
+  of q and k and the cache write at up to :data:`ROTARY_STORE_FUSED_MAX_TOKENS` tokens
+  when the cos/sin cache is fp32 and the caches' blocks are contiguous in q's dtype; the
+  Triton rotary and ``store_kv_cache`` otherwise.
 - ``dense_gemv`` / ``quant_gemv_4bit``: csrc matrix-vector products for up to
   :data:`GEMV_MAX_ROWS` rows (decode at small batch); the ``*_supported`` functions say
   whether a call's tensors fit the kernels (the linear layers fall back otherwise). The
@@ -42,8 +43,7 @@ from . import Ops
 __all__ = [
     "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
     "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
-    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv1_gated_ok", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported",
-    "quant_gemv_4bit_weight_ok",
+    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -198,6 +198,13 @@ def store_kv_cache(
     triton_backend.ops().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+# Up to this many tokens the fused kernel takes rotary_store_kv. On an H200 (7B shapes,
+# docs/BENCHMARKS.md) it took 2.66 us a layer for one decode token against 3.60 for the two
+# kernels, but 6.3 us for a 78-token prompt chunk, where the rotary kernel alone took 2.9:
+# it moves elements one at a time, the separate kernels 16-byte vectors.
+ROTARY_STORE_FUSED_MAX_TOKENS = 8
+
+
 def rotary_store_kv(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -209,9 +216,10 @@ def rotary_store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Rotary embedding of ``q`` and ``k`` in place, then the cache write of the rotated
-    ``k`` and of ``v`` (see the reference), in one csrc kernel. Inputs it does not take (a
-    cos/sin cache other than fp32, caches whose blocks are not contiguous, dtypes that
-    differ) go to the two separate ops, which check them."""
+    ``k`` and of ``v`` (see the reference): one csrc kernel for up to
+    :data:`ROTARY_STORE_FUSED_MAX_TOKENS` tokens (decode at small batch), else the Triton
+    rotary and :func:`store_kv_cache`; those also take what the fused kernel does not (a
+    cos/sin cache other than fp32, caches whose blocks are not contiguous)."""
     _check_tensor("positions", positions, 1, _INDEX_DTYPES)
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k", k, 3, (q.dtype,))
@@ -244,7 +252,8 @@ def rotary_store_kv(
     if num_tokens == 0:
         return
     if (
-        cos_sin_cache.dtype == torch.float32
+        num_tokens <= ROTARY_STORE_FUSED_MAX_TOKENS
+        and cos_sin_cache.dtype == torch.float32
         and k_cache.dtype == q.dtype
         and _block_contiguous(k_cache)
         and _block_contiguous(v_cache)
@@ -569,47 +578,21 @@ def launch_quant_gemv_4bit(
     *,
     out: torch.Tensor | None = None,
     kernel: int = 0,
-    gated: bool = False,
 ) -> torch.Tensor:
     """:func:`quant_gemv_4bit` without the Python checks, for callers that checked the
     weight once (:func:`quant_gemv_4bit_max_rows`) and each input (:func:`gemv_input_ok`).
     Gathers ``x[:, perm]`` first when given. ``kernel`` (a value of
     :data:`QUANT_KERNELS`) picks the CUDA-core or the tensor-core kernel; 0 takes tensor
-    cores where they apply. With ``gated`` (see :func:`quant_gemv1_gated_ok`), ``x`` is one
-    gate|up row [1, 2K] and the product takes ``silu(gate) * up``. The op still validates
-    its arguments in C++."""
+    cores where they apply. The op still validates its arguments in C++."""
     if perm is not None:
         x = x.index_select(1, perm)
     k = qweight.shape[0] * 8
     if out is None:
         out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
     torch.ops.asyncgen_C.quant_gemv_4bit(
-        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, 1 if gated else kernel, gated
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
     )
     return out
-
-
-def quant_gemv1_gated_ok(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                         group_size: int) -> bool:
-    """Whether the one-row 4-bit kernel takes ``gate_up`` ([1, 2K] fp16, the gate|up
-    projection's output) with the SiLU-and-multiply staged, for a weight that
-    :func:`quant_gemv_4bit_weight_ok` took: K and the group multiples of 16, K a multiple
-    of the group, 8-byte aligned scales and zeros, and K short enough for its shared
-    memory (csrc/gemv.cuh, quant_gemv1_ok)."""
-    k = qweight.shape[0] * 8
-    size = group_size if group_size > 0 else k
-    slots = k // 8 + k // 64 + 1
-    return (
-        gemv_input_ok(gate_up, torch.float16, 2 * k, 1)
-        and k % 16 == 0
-        and size % 16 == 0
-        and k % size == 0
-        and 2 * 128 * 16 * 2 + 16 * slots <= 48 * 1024
-        and scales.data_ptr() % 8 == 0
-        and zeros.data_ptr() % 8 == 0
-        and scales.stride(0) % 4 == 0
-        and zeros.stride(0) % 4 == 0
-    )
 
 
 def _time_ms(fn, items) -> float:

@@ -38,11 +38,6 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_gated(self, layer: "LinearBase", gate_up: torch.Tensor, act) -> torch.Tensor:
-        """``apply(layer, act(gate_up))``, for ``act`` the SiLU-and-multiply of a gate|up
-        output; a method may fuse the two (the 4-bit one-row kernel does)."""
-        return self.apply(layer, act(gate_up))
-
     def finalize(self, layer: "LinearBase") -> None:
         pass
 
@@ -172,10 +167,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
-
-    def forward_gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
-        """``forward(act(gate_up))``; see :meth:`LinearMethod.apply_gated`."""
-        return self.method.apply_gated(self, gate_up, act)
 
 
 class QKVLinear(LinearBase):

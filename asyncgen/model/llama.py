@@ -98,7 +98,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x):
-        return self.down_proj.forward_gated(self.gate_up_proj(x), self.ops.silu_and_mul)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

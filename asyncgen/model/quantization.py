@@ -421,28 +421,6 @@ class QuantLinearMethod(LinearMethod):
             self._matmul(layer, x2, qweight, scales, zeros, seg, bias, out[:, seg.start : seg.end])
         return out.view(*lead, n)
 
-    def apply_gated(self, layer: LinearBase, gate_up: torch.Tensor, act) -> torch.Tensor:
-        """One decode row routed to the csrc one-row kernel stages ``silu(gate) * up`` in
-        the kernel itself (no activation kernel, no intermediate in memory); anything else
-        runs ``act`` and :meth:`apply`."""
-        if (
-            layer.quant_kernel == "cuda"
-            and gate_up.dim() == 2
-            and gate_up.shape[0] == 1
-            and len(layer.quant_segments) == 1
-        ):
-            seg = layer.quant_segments[0]
-            if seg.perm is None and len(seg.route) > 1 and seg.route[1] == CUDA_CORES:
-                from .._ops import cuda_backend
-
-                size = layer.quant_group_size
-                if cuda_backend.quant_gemv1_gated_ok(gate_up, layer.qweight, layer.scales, layer.zeros, size):
-                    return cuda_backend.launch_quant_gemv_4bit(
-                        gate_up, layer.qweight, layer.scales, layer.zeros, size, None, layer.bias,
-                        kernel=CUDA_CORES, gated=True,
-                    )
-        return self.apply(layer, act(gate_up))
-
     def _matmul(self, layer, x, qweight, scales, zeros, seg: _Segment, bias, out):
         bits, size = self.scheme.bits, layer.quant_group_size
         if layer.quant_kernel == "reference":

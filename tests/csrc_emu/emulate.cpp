@@ -64,13 +64,6 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
   return asyncgen::launch_quant_gemv_4bit(*p, nullptr, tensor_cores != 0) ? 0 : 1;
 }
 
-// x is a gate|up row [1, 2K]: the one-row kernel with silu(gate) * up staged.
-int ag_quant_gemv1_gated(const QuantGemvParams* p) {
-  if (!asyncgen::quant_gemv1_ok(*p)) return 1;
-  asyncgen::launch_quant_gemv1(*p, nullptr, true);
-  return 0;
-}
-
 int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_ok(*p) ? 1 : 0; }
 

@@ -181,7 +181,6 @@ class Emulator:
         lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
-        lib.ag_quant_gemv1_gated.argtypes = [ctypes.POINTER(QuantGemvParams)]
         self.last_quant_kernel = ""
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
@@ -233,16 +232,6 @@ class Emulator:
         rc = self.lib.ag_store_kv_cache(ctypes.byref(p), es, slot_mapping.dtype == torch.int64, aligned)
         assert rc == 0
         return aligned
-
-    def quant_gemv1_gated(self, out, gate_up, qweight, scales, zeros, group_size, bias=None):
-        """out = silu(gate) * up @ dequant(qweight) (+ bias) for one gate|up row [1, 2K]."""
-        k = qweight.shape[0] * 8
-        p = QuantGemvParams(
-            _ptr(out), _ptr(gate_up), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
-            out.stride(0), gate_up.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
-            1, qweight.shape[1], k, group_size,
-        )
-        assert self.lib.ag_quant_gemv1_gated(ctypes.byref(p)) == 0, "the one-row kernel does not take this shape"
 
     def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
         """The fused rotary + cache write (cache_kernels.cuh), in place on q, k and the caches."""
