@@ -109,7 +109,9 @@ void launch_store_kv_cache(const StoreKVParams& p, bool slot_is_int64, bool alig
 // A token's work is a list of tasks: one per rotated pair (d, d + head_dim / 2) of each q
 // and k head, then one per element of v. Blocks (token, y) stride through the list, so
 // a single token still spreads over several SMs. Rotation is in fp32, rounded once to the
-// element type, as in the reference; the cache gets the rounded values k holds.
+// element type, as in the reference; the cache gets the rounded values k holds. Elements
+// move one at a time, which suits a decode step's few tokens: past 8 tokens the backend
+// (asyncgen/_ops/cuda_backend.py) runs the vectorized rotary and cache-write kernels.
 
 struct RotaryStoreParams {
   void* q;

@@ -352,9 +352,9 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 // - uses small blocks that each own 4 * COL_THREADS columns and all of K.
 //
 // At one row on an H200 (per call, weights cycled past L2; gemv_variants.py --rows 1) this
-// took q|k|v from 13.2 to 11.1 us, o_proj 6.8 -> 6.0, gate|up 22.8 -> 18.4 and down_proj
-// 14.3 -> 11.5 (the best of the CUDA-core and tensor-core kernels before it), 47.0 against
-// 57.1 us a layer. A plain read of the same bytes takes 36.6 us (8.5 + 4.5 + 15.1 + 8.5):
+// took q|k|v from 13.1 to 11.1 us, o_proj 6.8 -> 6.0, gate|up 23.1 -> 18.4 and down_proj
+// 14.2 -> 11.2 (the best of the CUDA-core and tensor-core kernels before it), 46.7 against
+// 57.2 us a layer. A plain read of the same bytes takes 36.6 us (8.5 + 4.5 + 15.1 + 8.5):
 // at these sizes (9-48 MB) launch, ramp-up and drain are a large part of any kernel.
 // Neither deeper rings (8-16 pairs) nor a layout with each block's columns contiguous in
 // memory did better (docs/BENCHMARKS.md).
