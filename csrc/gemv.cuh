@@ -364,14 +364,15 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 
 constexpr int kQgemv1MaxSmem = 48 * 1024;  // the ring and x stay within the default limit
 
-struct StreamGroup {  // one group's constants for a thread's 4 columns
-  __half2 low[4];     // (1024 + z, 1024 + z)
-  __half2 high[4];    // -(64 + z) twice
+struct QuantGroup {  // one group's dequantization constants for a thread's 4 columns (both kernels below)
+  __half2 low[4];   // (1024 + z, 1024 + z): subtracted from codes read as 1024 + code
+  __half2 high[4];  // -(64 + z) for each half: added to codes read as (1024 + 16 code) / 16
+  __half2 scale2[4];
   float scale[4];
 };
 
-AG_DEVICE StreamGroup make_stream_group(uint2 zeros, uint2 scales) {
-  StreamGroup grp;
+AG_DEVICE QuantGroup make_group(uint2 zeros, uint2 scales) {
+  QuantGroup grp;
   const __half* z = reinterpret_cast<const __half*>(&zeros);
   const __half* s = reinterpret_cast<const __half*>(&scales);
   const __half2 magic = bits_to_half2(0x64006400u);       // (1024, 1024)
@@ -381,6 +382,7 @@ AG_DEVICE StreamGroup make_stream_group(uint2 zeros, uint2 scales) {
     const __half2 z2 = __half2half2(z[j]);
     grp.low[j] = __hadd2(z2, magic);
     grp.high[j] = __hneg2(__hadd2(z2, sixty_four));
+    grp.scale2[j] = __half2half2(s[j]);
     grp.scale[j] = __half2float(s[j]);
   }
   return grp;
@@ -481,9 +483,9 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   const __half* scales = static_cast<const __half*>(p.scales) + col0;
   const __half* zeros = static_cast<const __half*>(p.zeros) + col0;
   uint2 z_next = make_uint2(0, 0), s_next = make_uint2(0, 0);
-  StreamGroup grp{};
+  QuantGroup grp{};
   if (pairs > 0) {
-    grp = make_stream_group(load8(zeros + static_cast<int64_t>(group) * p.zeros_stride),
+    grp = make_group(load8(zeros + static_cast<int64_t>(group) * p.zeros_stride),
                             load8(scales + static_cast<int64_t>(group) * p.scales_stride));
     if (group_end < end) {
       z_next = load8(zeros + static_cast<int64_t>(group + 1) * p.zeros_stride);
@@ -521,7 +523,7 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
       if (i < pairs) {
         const int r = begin + 2 * i;
         if (r >= group_end) {  // a new group: its constants were loaded when the last one began
-          grp = make_stream_group(z_next, s_next);
+          grp = make_group(z_next, s_next);
           ++group;
           group_end += rows_per_group;
           if (group_end < end) {
@@ -639,34 +641,10 @@ constexpr int kMmaChunk = 32;       // K rows per chunk: 4 packed rows
 constexpr int kMmaMaxRows = 64;     // rows of x the tensor-core kernel takes
 constexpr int kMmaMaxSmem = 48 * 1024;  // the staged scales and zeros must fit the default limit
 
-struct MmaGroup {   // one group's dequantization constants for a lane's 4 columns
-  __half2 low[4];   // (1024 + z, 1024 + z): subtracted from codes read as 1024 + code
-  __half2 high[4];  // -(64 + z) for each half: added to codes read as (1024 + 16 code) / 16
-  __half2 scale2[4];
-  float scale[4];
-};
-
-AG_DEVICE MmaGroup make_group(uint2 zeros, uint2 scales) {
-  MmaGroup grp;
-  const __half* z = reinterpret_cast<const __half*>(&zeros);
-  const __half* s = reinterpret_cast<const __half*>(&scales);
-  const __half2 magic = bits_to_half2(0x64006400u);       // (1024, 1024)
-  const __half2 sixty_four = bits_to_half2(0x54005400u);  // (64, 64)
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __half2 z2 = __half2half2(z[j]);
-    grp.low[j] = __hadd2(z2, magic);
-    grp.high[j] = __hneg2(__hadd2(z2, sixty_four));
-    grp.scale2[j] = __half2half2(s[j]);
-    grp.scale[j] = __half2float(s[j]);
-  }
-  return grp;
-}
-
 // The codes minus z of one packed word (times the scale with SCALED), as half2 pairs of
 // codes (0, 4), (1, 5), (2, 6), (3, 7).
 template <bool SCALED>
-AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, const MmaGroup& grp, int j) {
+AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, const QuantGroup& grp, int j) {
   const __half2 sixteenth = bits_to_half2(0x2C002C00u);  // (1/16, 1/16)
   const uint32_t shifted = word >> 8;
   __half2 h[4];
@@ -681,7 +659,7 @@ AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, const MmaGroup& grp
 // One chunk: 4 packed words (a lane's 4 columns) against 8 elements of each of its x rows.
 template <int M_TILES, bool SCALED>
 AG_DEVICE void mma_chunk(float (&acc)[M_TILES][2][4], const uint4& w, const uint4 (&x)[M_TILES],
-                         const MmaGroup& grp) {
+                         const QuantGroup& grp) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   uint32_t d[4][4];
 #pragma unroll
@@ -800,7 +778,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
       for (int mt = 0; mt < M_TILES; ++mt) acc[mt][t][r] = 0.f;
     }
   // With one tile: the group's sum times each column's scale, into the total.
-  auto flush = [&](const MmaGroup& grp) {
+  auto flush = [&](const QuantGroup& grp) {
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -811,7 +789,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) quant_gemv_4bit_mma_kernel(
   };
   int group = begin / chunks_per_group;
   int group_end = (group + 1) * chunks_per_group;  // first chunk past this group
-  MmaGroup grp = group_at(imin(group, groups - 1));
+  QuantGroup grp = group_at(imin(group, groups - 1));
   for (int base = begin; base < end; base += DEPTH) {
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
