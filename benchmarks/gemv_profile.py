@@ -6,8 +6,10 @@ an empty kernel in a graph; run it under ``ncu`` (``--profile``: each kernel twi
 eagerly) for hardware counters::
 
     PYTHONPATH=. python3 benchmarks/gemv_profile.py
-    PYTHONPATH=. ncu --clock-control none --set full -k regex:"gemv|gemm|xmma|cutlass" \
+    PYTHONPATH=. ncu --clock-control none --set full -k regex:"gemv|nvjet|sm90" \
         python3 benchmarks/gemv_profile.py --profile
+
+(cuBLAS's kernels for these shapes are named ``nvjet_sm90_*`` on an H200 with CUDA 13.)
 """
 
 from __future__ import annotations
