@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_variants import make_weights  # noqa: E402
 from read_bandwidth import _sum_kernel  # noqa: E402
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -46,17 +47,6 @@ def build(extra_sources: list[Path] = (), name: str = "ag_gemv_profile"):
     cuda = "\n".join([(CSRC / "gemv.cu").read_text(), *(p.read_text() for p in extra_sources)])
     return load_inline(name=name, cpp_sources=BINDING, cuda_sources=cuda, functions=["quant", "dense"],
                        extra_include_paths=[str(CSRC)], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"])
-
-
-def make_weights(k: int, n: int, copies: int, gen):
-    from asyncgen._ops import quant_reference as qref
-
-    out = []
-    for _ in range(copies):
-        codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda")
-        out.append((qref.pack_rows(codes, 4), (torch.rand(k // 128, n, generator=gen, device="cuda") * 0.002 + 5e-4).half(),
-                    torch.randint(0, 16, (k // 128, n), generator=gen, device="cuda").half()))
-    return out
 
 
 def main() -> int:

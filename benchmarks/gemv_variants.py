@@ -77,6 +77,21 @@ def _build_in_child(variant: str) -> str:
     return variant
 
 
+def make_weights(k: int, n: int, copies: int, gen) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``copies`` random 4-bit weights [K, N], group 128: (qweight packed along K, scales,
+    zeros), as the csrc kernels take them."""
+    from asyncgen._ops import quant_reference as qref
+
+    groups = k // 128
+    out = []
+    for _ in range(copies):
+        codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda")
+        out.append((qref.pack_rows(codes, 4),
+                    (torch.rand(groups, n, generator=gen, device="cuda") * 0.002 + 0.0005).half(),
+                    torch.randint(0, 16, (groups, n), generator=gen, device="cuda").half()))
+    return out
+
+
 def graph_us(calls) -> float:
     """Per-call time of ``calls`` (a list of thunks) replayed as one CUDA graph."""
     from asyncgen._ops.cuda_backend import graph_time_ms
@@ -110,12 +125,7 @@ def main() -> int:
         groups = k // 128
         qbytes = k * n // 2 + groups * n * 4
         copies = max(2, -(-3 * L2_BYTES // qbytes))
-        weights = []
-        for _ in range(copies):
-            codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda")
-            weights.append((qref.pack_rows(codes, 4),
-                            (torch.rand(groups, n, generator=gen, device="cuda") * 0.002 + 0.0005).half(),
-                            torch.randint(0, 16, (groups, n), generator=gen, device="cuda").half()))
+        weights = make_weights(k, n, copies, gen)
         dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
         dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
         for m in rows:

@@ -131,18 +131,6 @@ constexpr int kRotaryThreads = 256;
 constexpr int kRotaryTasksPerThread = 4;  // sizes the blocks per token
 constexpr int kRotaryMaxBlocksPerToken = 16;
 
-AG_DEVICE float elem_to_float(__half x) { return __half2float(x); }
-AG_DEVICE float elem_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-AG_DEVICE float elem_to_float(float x) { return x; }
-template <typename T>
-AG_DEVICE T elem_from_float(float x);
-template <>
-AG_DEVICE __half elem_from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-AG_DEVICE __nv_bfloat16 elem_from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-AG_DEVICE float elem_from_float<float>(float x) { return x; }
-
 template <typename T, typename SlotT, typename PosT>
 __global__ void __launch_bounds__(kRotaryThreads) rotary_store_kv_kernel(const RotaryStoreParams p) {
   const int token = blockIdx.x;
@@ -166,10 +154,10 @@ __global__ void __launch_bounds__(kRotaryThreads) rotary_store_kv_kernel(const R
       const bool is_q = head < p.num_heads;
       const int kv_head = head - p.num_heads;
       T* x = is_q ? q + head * p.q_stride_head : k + kv_head * p.k_stride_head;
-      const float x1 = elem_to_float(x[d]), x2 = elem_to_float(x[d + half]);
+      const float x1 = to_float(x[d]), x2 = to_float(x[d + half]);
       const float c = cs[d], s = cs[half + d];
-      const T y1 = elem_from_float<T>(x1 * c - x2 * s);
-      const T y2 = elem_from_float<T>(x2 * c + x1 * s);
+      const T y1 = from_float<T>(x1 * c - x2 * s);
+      const T y2 = from_float<T>(x2 * c + x1 * s);
       x[d] = y1;
       x[d + half] = y2;
       if (!is_q && slot >= 0) {

@@ -39,6 +39,21 @@ AG_DEVICE int imax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------------------
+// One element of a float type to and from fp32 (round to nearest even).
+
+AG_DEVICE float to_float(__half x) { return __half2float(x); }
+AG_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+AG_DEVICE float to_float(float x) { return x; }
+template <typename T>
+AG_DEVICE T from_float(float x);
+template <>
+AG_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+AG_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+AG_DEVICE float from_float<float>(float x) { return x; }
+
+// ---------------------------------------------------------------------------------------
 // 8 elements of a 2-byte float type travel as one 16-byte uint4.
 
 template <typename T>
@@ -55,8 +70,6 @@ struct Float8<__half> {
       f[2 * i + 1] = t.y;
     }
   }
-  static AG_DEVICE float to_float(__half x) { return __half2float(x); }
-  static AG_DEVICE __half from_float(float x) { return __float2half_rn(x); }
 };
 
 template <>
@@ -70,8 +83,6 @@ struct Float8<__nv_bfloat16> {
       f[2 * i + 1] = t.y;
     }
   }
-  static AG_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static AG_DEVICE __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
 // A 16-byte load; `ptr` must be 16-byte aligned.

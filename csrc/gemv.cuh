@@ -105,11 +105,11 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
 #pragma unroll
   for (int m = 0; m < ROWS; ++m) acc[m] = warp_sum(acc[m]);
   if (lane == 0) {
-    const float b = p.bias != nullptr ? Float8<T>::to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
+    const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
     T* out = static_cast<T*>(p.out);
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
-      if (m < p.m) out[m * p.out_stride + row] = Float8<T>::from_float(acc[m] + b);
+      if (m < p.m) out[m * p.out_stride + row] = from_float<T>(acc[m] + b);
     }
   }
 }
@@ -363,6 +363,9 @@ bool launch_quant_gemv_4bit_shaped(const QuantGemvParams& p, cudaStream_t stream
 #endif
 
 constexpr int kQgemv1MaxSmem = 48 * 1024;  // the ring and x stay within the default limit
+// The block for K too long for the default shapes: 128 threads, 2 pairs deep (the least
+// shared memory; quant_gemv1_ok takes what it fits).
+constexpr int kQgemv1LongKThreads = 128, kQgemv1LongKDepth = 2;
 
 struct QuantGroup {  // one group's dequantization constants for a thread's 4 columns (both kernels below)
   __half2 low[4];   // (1024 + z, 1024 + z): subtracted from codes read as 1024 + code
@@ -434,7 +437,8 @@ inline bool quant_gemv1_ok(const QuantGemvParams& p) {
     return reinterpret_cast<uintptr_t>(ptr) % 8 == 0 && stride % 4 == 0;
   };
   return AG_QGEMV1 && p.m == 1 && p.k % 16 == 0 && p.group_size % 16 == 0 && p.k % p.group_size == 0 &&
-         quant_gemv1_smem(p.k, 128, 2) <= kQgemv1MaxSmem && aligned8(p.scales, p.scales_stride) &&
+         quant_gemv1_smem(p.k, kQgemv1LongKThreads, kQgemv1LongKDepth) <= kQgemv1MaxSmem &&
+         aligned8(p.scales, p.scales_stride) &&
          aligned8(p.zeros, p.zeros_stride);
 }
 
@@ -462,16 +466,15 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   const int begin = imin(k_lane * per_lane, rows);
   const int end = active ? imin(begin + per_lane, rows) : begin;
   const int pairs = (end - begin) / 2;
-  const int64_t row_stride = p.qweight_stride;
   const int32_t* wp = p.qweight + static_cast<int64_t>(begin) * p.qweight_stride + (active ? col0 : 0);
 
   // Pair i (rows begin + 2i, + 1) goes to stage i % DEPTH; one commit group per pair, empty
   // past the end, so that "at most DEPTH - 1 groups pending" means pair i has landed.
   auto request = [&](int stage, int i) {
     const bool live = i < pairs;
-    const int32_t* src = live ? wp + static_cast<int64_t>(2 * i) * row_stride : p.qweight;
+    const int32_t* src = live ? wp + static_cast<int64_t>(2 * i) * p.qweight_stride : p.qweight;
     cp_async16(ring + (2 * stage) * THREADS + tid, src, live);
-    cp_async16(ring + (2 * stage + 1) * THREADS + tid, live ? src + row_stride : src, live);
+    cp_async16(ring + (2 * stage + 1) * THREADS + tid, live ? src + p.qweight_stride : src, live);
     cp_async_commit();
   };
 #pragma unroll
@@ -486,13 +489,21 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   QuantGroup grp{};
   if (pairs > 0) {
     grp = make_group(load8(zeros + static_cast<int64_t>(group) * p.zeros_stride),
-                            load8(scales + static_cast<int64_t>(group) * p.scales_stride));
+                     load8(scales + static_cast<int64_t>(group) * p.scales_stride));
     if (group_end < end) {
       z_next = load8(zeros + static_cast<int64_t>(group + 1) * p.zeros_stride);
       s_next = load8(scales + static_cast<int64_t>(group + 1) * p.scales_stride);
     }
   }
 
+  // The LOP3 masks, kept in registers: read from shared memory, the compiler cannot fold
+  // them back into immediates. They share the barrier that publishes x.
+  __shared__ uint32_t masks[3];
+  if (tid == 0) {
+    masks[0] = 0x000F000Fu;
+    masks[1] = 0x00F000F0u;
+    masks[2] = 0x64006400u;
+  }
   const __half* x = static_cast<const __half*>(p.x);
   for (int r = tid; r < rows; r += THREADS) {
     const uint4 raw = load16(x + 8 * r);
@@ -504,15 +515,6 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   }
   __syncthreads();
 
-  // The LOP3 masks, kept in registers: read from shared memory, the compiler cannot fold
-  // them back into immediates.
-  __shared__ uint32_t masks[3];
-  if (tid == 0) {
-    masks[0] = 0x000F000Fu;
-    masks[1] = 0x00F000F0u;
-    masks[2] = 0x64006400u;
-  }
-  __syncthreads();
   const uint32_t m_lo = masks[0], m_hi = masks[1], magic = masks[2];
 
   float total[4] = {0.f, 0.f, 0.f, 0.f};
@@ -581,8 +583,7 @@ void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream) {
 // The block shapes, timed on an H200 at the 7B shapes (benchmarks/gemv_variants.py, which
 // compiles variants with AG_QGEMV1_COLS / _THREADS / _DEPTH set to force one): wide layers
 // (N >= 8192) 8 column threads in 128 threads, 4 pairs deep; narrow ones 4 in 256, 2 deep.
-// Where K is too long for the ring and x to fit the default 48 KiB, a 128-thread block with
-// half the ring (quant_gemv1_ok checks that this one fits).
+// Where K is too long for the ring and x to fit the default 48 KiB, the long-K block.
 inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream) {
 #if defined(AG_QGEMV1_COLS) && defined(AG_QGEMV1_THREADS) && defined(AG_QGEMV1_DEPTH)
   launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream);
@@ -591,7 +592,8 @@ inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream) {
   if (quant_gemv1_smem(p.k, wide ? 128 : 256, wide ? 4 : 2) <= kQgemv1MaxSmem) {
     wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream);
   } else {
-    wide ? launch_quant_gemv1_shaped<8, 128, 2>(p, stream) : launch_quant_gemv1_shaped<4, 128, 2>(p, stream);
+    constexpr int T = kQgemv1LongKThreads, D = kQgemv1LongKDepth;
+    wide ? launch_quant_gemv1_shaped<8, T, D>(p, stream) : launch_quant_gemv1_shaped<4, T, D>(p, stream);
   }
 #endif
 }

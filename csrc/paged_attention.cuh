@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
     const int d = i % HEAD_DIM;
-    q_smem[h][d] = h < num_heads_here ? F::to_float(q[h * p.q_stride_head + d]) * p.scale : 0.f;
+    q_smem[h][d] = h < num_heads_here ? to_float(q[h * p.q_stride_head + d]) * p.scale : 0.f;
   }
   __syncthreads();
 
@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       o *= inv_sum;
       if (write_final) {
         T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + head * p.out_stride_head;
-        out[d] = F::from_float(o);
+        out[d] = from_float<T>(o);
       } else {
         p.part_out[(row * p.max_partitions + part) * HEAD_DIM + d] = o;
       }
@@ -376,7 +376,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kReduceThreads)
     paged_attention_reduce_kernel(const DecodeParams p) {
-  using F = Float8<T>;
   constexpr int NUM_WARPS = kReduceThreads / kWarpSize;
   __shared__ float weights[kMaxPartitions];
   __shared__ float scratch[NUM_WARPS];
@@ -410,7 +409,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   for (int d = threadIdx.x; d < HEAD_DIM; d += kReduceThreads) {
     float o = 0.f;
     for (int i = 0; i < num_parts; ++i) o += weights[i] * part_out[i * HEAD_DIM + d];
-    out[d] = F::from_float(o * inv_total);
+    out[d] = from_float<T>(o * inv_total);
   }
 }
 

@@ -205,6 +205,24 @@ def store_kv_cache(
 ROTARY_STORE_FUSED_MAX_TOKENS = 8
 
 
+def _rotary_store_fusable(positions, q, k_cache, v_cache, cos_sin_cache, slot_mapping) -> bool:
+    """Whether the fused kernel takes the call (its shapes are checked after)."""
+    return (
+        all(isinstance(t, torch.Tensor) for t in (positions, q, k_cache, v_cache, cos_sin_cache, slot_mapping))
+        and q.dim() == 3
+        and q.shape[0] <= ROTARY_STORE_FUSED_MAX_TOKENS
+        and k_cache.dim() == 4
+        and v_cache.dim() == 4
+        and cos_sin_cache.dtype == torch.float32
+        and k_cache.dtype == q.dtype
+        and _block_contiguous(k_cache)
+        and _block_contiguous(v_cache)
+        and positions.is_contiguous()
+        and slot_mapping.is_contiguous()
+        and _extension() is not None
+    )
+
+
 def rotary_store_kv(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -218,14 +236,20 @@ def rotary_store_kv(
     """Rotary embedding of ``q`` and ``k`` in place, then the cache write of the rotated
     ``k`` and of ``v`` (see the reference): one csrc kernel for up to
     :data:`ROTARY_STORE_FUSED_MAX_TOKENS` tokens (decode at small batch), else the Triton
-    rotary and :func:`store_kv_cache`; those also take what the fused kernel does not (a
-    cos/sin cache other than fp32, caches whose blocks are not contiguous)."""
+    rotary and :func:`store_kv_cache`, which check their own arguments; those also take
+    what the fused kernel does not (a cos/sin cache other than fp32, caches whose blocks
+    are not contiguous)."""
+    if not _rotary_store_fusable(positions, q, k_cache, v_cache, cos_sin_cache, slot_mapping):
+        from . import triton_backend
+
+        triton_backend.ops().rotary_embedding(positions, q, k, cos_sin_cache)
+        store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return
     _check_tensor("positions", positions, 1, _INDEX_DTYPES)
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k", k, 3, (q.dtype,))
     _check_tensor("v", v, 3, (q.dtype,))
     _check_tensor("cos_sin_cache", cos_sin_cache, 2, _FLOAT_DTYPES)
-    _check_tensor("k_cache", k_cache, 4, _FLOAT_DTYPES)
     _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,))
     _check_tensor("slot_mapping", slot_mapping, 1, _INDEX_DTYPES)
     num_tokens, _, head_dim = q.shape
@@ -249,25 +273,8 @@ def rotary_store_kv(
         raise ValueError(f"cos_sin_cache must have {head_dim} columns (cos | sin), got {tuple(cos_sin_cache.shape)}")
     _check_same_cuda_device(q=q, k=k, v=v, positions=positions, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
                             v_cache=v_cache, slot_mapping=slot_mapping)
-    if num_tokens == 0:
-        return
-    if (
-        num_tokens <= ROTARY_STORE_FUSED_MAX_TOKENS
-        and cos_sin_cache.dtype == torch.float32
-        and k_cache.dtype == q.dtype
-        and _block_contiguous(k_cache)
-        and _block_contiguous(v_cache)
-        and positions.is_contiguous()
-        and slot_mapping.is_contiguous()
-        and _extension() is not None
-    ):
+    if num_tokens:
         torch.ops.asyncgen_C.rotary_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-        return
-    from . import triton_backend
-
-    t = triton_backend.ops()
-    t.rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
