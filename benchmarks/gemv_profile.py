@@ -35,7 +35,7 @@ BINDING = r"""
 
 void quant(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size,
            int64_t kernel) {
-  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel);
+  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel, std::nullopt, 0);
 }
 void dense(at::Tensor out, at::Tensor x, at::Tensor weight) { asyncgen::dense_gemv(out, x, weight, std::nullopt); }
 """

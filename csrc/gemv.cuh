@@ -859,6 +859,334 @@ void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
                    stream, p);
 }
 
+// ---------------------------------------------------------------------------------------
+// 4-bit on tensor cores, x shared by the block's warps (decode at 16-64 rows)
+//
+// The kernel above reads x from L2 once per 32 columns: at 64 rows a warp loads 8x as many
+// bytes of x as of weights, and that traffic, not the weights, sets its time. Here a
+// block's WARPS_N warps own adjacent 32-column slices (each slice loaded, dequantized and
+// multiplied exactly as above, scaled in fp16 as the reference rounds) and share x, which
+// the block copies into shared memory with cp.async, kTiledStages stages ahead. A stage
+// holds 64 K (two chunks) of every x row for each of the WARPS_K warps that split the
+// block's K range into contiguous parts; those add their sums through shared memory at the
+// end. x rows sit 128 bytes apart, the 16-byte unit u of row r at u ^ 4 (r & 1), so the 8
+// lanes of a quarter warp (two rows, four units each) hit distinct banks.
+//
+// The grid is column blocks x `splits` K ranges. With one split a block writes its fp16
+// output. With more, each block writes its fp32 sums to `partials` [splits, M, N]; the
+// last block of a column range to finish (an atomic counter per range, which that block
+// resets to 0 for the next call) adds the splits, adds the bias and writes fp16. No block
+// waits for another, so the ranges finish in any order.
+#ifndef AG_QGEMM_WARPS_N
+#define AG_QGEMM_WARPS_N 4
+#endif
+#ifndef AG_QGEMM_WARPS_K
+#define AG_QGEMM_WARPS_K 2
+#endif
+#ifndef AG_QGEMM_DEPTH
+#define AG_QGEMM_DEPTH 4
+#endif
+constexpr int kTiledMaxSplits = 16;
+constexpr int kTiledMaxSmem = 48 * 1024;
+
+struct QuantSplit {
+  float* partials;       // [splits, M, N] fp32; null with one split
+  int* counters;         // one per column block, 0 between calls; null with one split
+  int splits;            // K ranges: gridDim.y
+  int chunks_per_split;  // 32-row chunks per K range, a multiple of 2 * WARPS_K
+};
+
+template <int M_TILES, int WARPS_N, int WARPS_K>
+struct TiledShape {
+  static constexpr int kThreads = WARPS_N * WARPS_K * kWarpSize;
+  static constexpr int kCols = WARPS_N * kMmaCols;
+  static constexpr int kRows = 8 * M_TILES;
+  static constexpr int kStageBytes = WARPS_K * kRows * 128;
+  static constexpr int kStages = kTiledMaxSmem / kStageBytes < 4 ? kTiledMaxSmem / kStageBytes : 4;
+  static constexpr int kSumBytes = WARPS_K > 1 ? WARPS_N * kWarpSize * 8 * M_TILES * 4 : 0;
+  static constexpr int kSmem = kStages * kStageBytes > kSumBytes ? kStages * kStageBytes : kSumBytes;
+  static_assert(kStages >= 2, "x stages do not fit the default shared memory");
+  static_assert(kSumBytes <= kTiledMaxSmem, "the K warps' sums do not fit the default shared memory");
+};
+
+AG_DEVICE float2 load_cg(const float2* ptr) {
+#ifdef __CUDA_ARCH__
+  return __ldcg(ptr);  // from L2: other blocks wrote it
+#else
+  return *ptr;
+#endif
+}
+
+template <int M_TILES, int WARPS_N, int WARPS_K, int DEPTH>
+__global__ void __launch_bounds__(WARPS_N * WARPS_K * kWarpSize)
+    quant_gemm_4bit_tiled_kernel(const QuantGemvParams p, const QuantSplit split) {
+  using Shape = TiledShape<M_TILES, WARPS_N, WARPS_K>;
+  constexpr int kRows = Shape::kRows, kStages = Shape::kStages, kStageBytes = Shape::kStageBytes;
+  AG_DYNAMIC_SMEM(staged);
+  __shared__ int last_block;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int wn = warp % WARPS_N, kw = warp / WARPS_N;
+  const int g = lane / 4, c = lane % 4;
+  const int block_col = blockIdx.x * Shape::kCols;
+  const int col0 = block_col + wn * kMmaCols + 4 * g;  // this lane's 4 columns
+  const bool active = col0 < p.n;                      // n % 4 == 0 (checked by the glue)
+  const int chunks = p.k / kMmaChunk;
+  const int per_warp = split.chunks_per_split / WARPS_K;  // even: whole stages
+  const int stages = per_warp / 2;
+  // K warp j's chunks: [begin_of(j), end_of(j)).
+  const int split_begin = blockIdx.y * split.chunks_per_split;
+  auto begin_of = [&](int j) { return imin(split_begin + j * per_warp, chunks); };
+  auto end_of = [&](int j) { return imin(imin(split_begin + (j + 1) * per_warp, split_begin + split.chunks_per_split), chunks); };
+  const int begin = begin_of(kw), end = end_of(kw);
+
+  // Stage st: chunks begin_of(j) + 2 st, + 1 of every x row, for each K warp j.
+  const __half* x = static_cast<const __half*>(p.x);
+  auto load_stage = [&](int st) {
+    unsigned char* dst = staged + (st % kStages) * kStageBytes;
+    constexpr int kUnits = WARPS_K * kRows * 8;
+#pragma unroll
+    for (int i0 = 0; i0 < kUnits; i0 += Shape::kThreads) {
+      const int i = i0 + threadIdx.x;
+      if (kUnits % Shape::kThreads == 0 || i < kUnits) {
+        const int j = i / (kRows * 8), row = (i / 8) % kRows, u = i % 8;
+        const int chunk = begin_of(j) + 2 * st + u / 4;
+        const bool pred = row < p.m && chunk < end_of(j);
+        const __half* src = x + (pred ? static_cast<int64_t>(row) * p.x_stride + kMmaChunk * chunk + 8 * (u % 4) : 0);
+        cp_async16(dst + (j * kRows + row) * 128 + ((u ^ ((row & 1) << 2)) * 16), src, pred);
+      }
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < stages) load_stage(st);
+    cp_async_commit();
+  }
+
+  const int32_t* qweight = p.qweight + static_cast<int64_t>(c) * p.qweight_stride + col0;
+  uint4 w[DEPTH];
+  auto load_weights = [&](int u, int chunk) {
+    w[u] = chunk < end && active ? load_weights16(qweight + static_cast<int64_t>(4 * chunk) * p.qweight_stride)
+                                 : make_uint4(0, 0, 0, 0);
+  };
+#pragma unroll
+  for (int u = 0; u < DEPTH; ++u) load_weights(u, begin + u);
+
+  // This lane's group constants, the next group's loaded when a group starts.
+  const int chunks_per_group = p.group_size / kMmaChunk;
+  const int groups = p.k / p.group_size;
+  const __half* zeros = static_cast<const __half*>(p.zeros) + col0;
+  const __half* scales = static_cast<const __half*>(p.scales) + col0;
+  auto load_group = [&](int grp, uint2& z, uint2& s) {
+    const bool ok = active && grp < groups;
+    z = ok ? load8(zeros + static_cast<int64_t>(grp) * p.zeros_stride) : make_uint2(0, 0);
+    s = ok ? load8(scales + static_cast<int64_t>(grp) * p.scales_stride) : make_uint2(0, 0);
+  };
+  int group = begin / chunks_per_group;
+  int group_end = (group + 1) * chunks_per_group;
+  uint2 z_next, s_next;
+  load_group(group, z_next, s_next);
+  QuantGroup grp = make_group(z_next, s_next);
+  load_group(group + 1, z_next, s_next);
+
+  float acc[M_TILES][2][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][t][r] = 0.f;
+
+  static_assert(DEPTH % 2 == 0, "the weight ring holds whole stages");
+  for (int base = 0; base < stages; base += DEPTH / 2) {
+#pragma unroll
+    for (int h = 0; h < DEPTH / 2; ++h) {
+      const int st = base + h;
+      if (st < stages) {  // block-uniform
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // stage st is visible; every warp is done with stage st - 1's buffer
+        if (st + kStages - 1 < stages) load_stage(st + kStages - 1);
+        cp_async_commit();
+        const unsigned char* xs = staged + (st % kStages) * kStageBytes + kw * kRows * 128;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int u = 2 * h + q;
+          const int chunk = begin + 2 * st + q;
+          if (chunk < end) {
+            if (chunk >= group_end) {
+              ++group;
+              group_end += chunks_per_group;
+              grp = make_group(z_next, s_next);
+              load_group(group + 1, z_next, s_next);
+            }
+            uint4 xv[M_TILES];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+              const int row = 8 * mt + g;
+              xv[mt] = *reinterpret_cast<const uint4*>(xs + row * 128 + (((4 * q + c) ^ ((row & 1) << 2)) * 16));
+            }
+            mma_chunk<M_TILES, true>(acc, w[u], xv, grp);
+            load_weights(u, chunk + DEPTH);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // The K warps' sums meet in K warp 0, through shared memory laid out [slice][entry][lane].
+  if (WARPS_K > 1) {
+    float* sums = reinterpret_cast<float*>(staged) + wn * (8 * M_TILES * kWarpSize) + lane;
+#pragma unroll 1
+    for (int j = 1; j < WARPS_K; ++j) {
+      __syncthreads();  // the stages are read, or the previous warp's sums are taken
+      if (kw == j) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sums[((mt * 2 + t) * 4 + r) * kWarpSize] = acc[mt][t][r];
+      }
+      __syncthreads();
+      if (kw == 0) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[mt][t][r] += sums[((mt * 2 + t) * 4 + r) * kWarpSize];
+      }
+    }
+  }
+
+  // D entry r of tile t: column col0 + 2t + r / 2, x row 8 mt + 2c + r % 2.
+  const __half* bias = static_cast<const __half*>(p.bias);
+  if (split.splits == 1) {
+    if (kw == 0 && active) {
+      __half* out = static_cast<__half*>(p.out);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int col = col0 + 2 * t;
+        const float b0 = bias != nullptr ? __half2float(bias[col]) : 0.f;
+        const float b1 = bias != nullptr ? __half2float(bias[col + 1]) : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int m = 8 * mt + 2 * c + e;
+            if (m < p.m) {
+              *reinterpret_cast<__half2*>(out + m * p.out_stride + col) =
+                  __floats2half2_rn(acc[mt][t][e] + b0, acc[mt][t][2 + e] + b1);
+            }
+          }
+      }
+    }
+    return;
+  }
+  if (kw == 0 && active) {
+    float* part = split.partials + static_cast<int64_t>(blockIdx.y) * p.m * p.n;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = 8 * mt + 2 * c + e;
+          if (m < p.m) {
+            *reinterpret_cast<float2*>(part + static_cast<int64_t>(m) * p.n + col0 + 2 * t) =
+                make_float2(acc[mt][t][e], acc[mt][t][2 + e]);
+          }
+        }
+  }
+  __threadfence();  // this block's sums reach L2 before its count does
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(split.counters + blockIdx.x, 1) == split.splits - 1;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  __half* out = static_cast<__half*>(p.out);
+  const int cols = imin(Shape::kCols, p.n - block_col);
+  for (int i = threadIdx.x; i < p.m * (cols / 2); i += Shape::kThreads) {
+    const int m = i / (cols / 2), col = block_col + 2 * (i % (cols / 2));
+    float2 v = make_float2(0.f, 0.f);
+    for (int s = 0; s < split.splits; ++s) {
+      const float2 part = load_cg(reinterpret_cast<const float2*>(
+          split.partials + (static_cast<int64_t>(s) * p.m + m) * p.n + col));
+      v.x += part.x;
+      v.y += part.y;
+    }
+    if (bias != nullptr) {
+      v.x += __half2float(bias[col]);
+      v.y += __half2float(bias[col + 1]);
+    }
+    *reinterpret_cast<__half2*>(out + m * p.out_stride + col) = __floats2half2_rn(v.x, v.y);
+  }
+  if (threadIdx.x == 0) split.counters[blockIdx.x] = 0;  // ready for the next call
+}
+
+// Whether the tiled kernel takes `p`: the tensor-core kernel's conditions, less the
+// staged scales (this one loads a group's constants when it starts).
+inline bool quant_gemm_4bit_tiled_ok(const QuantGemvParams& p) {
+  const auto aligned8 = [](const void* ptr, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(ptr) % 8 == 0 && stride % 4 == 0;
+  };
+  return p.m >= 1 && p.m <= kMmaMaxRows && p.k % kMmaChunk == 0 && p.group_size % kMmaChunk == 0 &&
+         p.k % p.group_size == 0 && aligned8(p.scales, p.scales_stride) && aligned8(p.zeros, p.zeros_stride);
+}
+
+// One instantiation of the tiled kernel for a row count.
+struct TiledLaunch {
+  void (*kernel)(const QuantGemvParams, const QuantSplit);
+  int threads, smem, cols, warps_k;
+};
+
+template <int M_TILES>
+TiledLaunch tiled_launch() {
+  using Shape = TiledShape<M_TILES, AG_QGEMM_WARPS_N, AG_QGEMM_WARPS_K>;
+  return {quant_gemm_4bit_tiled_kernel<M_TILES, AG_QGEMM_WARPS_N, AG_QGEMM_WARPS_K, AG_QGEMM_DEPTH>, Shape::kThreads,
+          Shape::kSmem, Shape::kCols, AG_QGEMM_WARPS_K};
+}
+
+inline TiledLaunch quant_gemm_4bit_tiled_config(int m) {
+  return m <= 16 ? tiled_launch<2>() : m <= 32 ? tiled_launch<4>() : tiled_launch<8>();
+}
+
+// How many K ranges to split into, given how many of the kernel's blocks the GPU holds at
+// once (`slots`): the fewest that fill at least 85 % of the slots of the last wave, or
+// failing that the fullest, with at least two stages of chunks per K warp.
+inline int quant_gemm_4bit_tiled_splits(const QuantGemvParams& p, const TiledLaunch& c, int slots) {
+  const int tiles = ceil_div(p.n, c.cols);
+  const int chunks = p.k / kMmaChunk;
+  int most = chunks / (4 * c.warps_k);
+  most = most < 1 ? 1 : most > kTiledMaxSplits ? kTiledMaxSplits : most;
+  int best = 1;
+  double best_fill = 0.0;
+  for (int s = 1; s <= most; ++s) {
+    const int blocks = tiles * s;
+    const double fill = static_cast<double>(blocks) / (ceil_div(blocks, slots) * static_cast<double>(slots));
+    if (fill >= 0.85) return s;
+    if (fill > best_fill + 1e-9) best_fill = fill, best = s;
+  }
+  return best;
+}
+
+// The split plan for `splits` K ranges: chunks per range rounded up to whole stages of
+// every K warp, and the number of non-empty ranges that gives.
+inline QuantSplit quant_gemm_4bit_tiled_plan(const QuantGemvParams& p, const TiledLaunch& c, int splits) {
+  const int chunks = p.k / kMmaChunk;
+  const int unit = 2 * c.warps_k;
+  QuantSplit s{};
+  s.chunks_per_split = ceil_div(ceil_div(chunks, splits < 1 ? 1 : splits), unit) * unit;
+  s.splits = ceil_div(chunks, s.chunks_per_split);
+  return s;
+}
+
+inline void launch_quant_gemm_4bit_tiled(const QuantGemvParams& p, const TiledLaunch& c, const QuantSplit& split,
+                                         cudaStream_t stream) {
+  void (*kernel)(const QuantGemvParams, const QuantSplit) = c.kernel;
+  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, c.cols), split.splits), dim3(c.threads), c.smem, stream, p, split);
+}
+
 // tensor_cores: the device has mma.sync for fp16 (sm_80+).
 inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores) {
   if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {

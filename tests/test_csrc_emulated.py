@@ -275,3 +275,40 @@ def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_siz
     assert relative_error(out, exact) < 2e-3
     with pytest.raises(AssertionError, match="too many rows"):  # the CUDA-core kernel stops at 8
         emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False)
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, splits, ranges, bias",
+    [
+        (64, 40, 512, 64, 1, 1, True),      # 8 tiles of x rows, one split: fp16 written directly; a partial block
+        (9, 264, 1024, 128, 3, 3, True),    # 2 tiles (the second one row), 3 column blocks, the last 8 columns wide
+        (37, 128, 1536, 64, 5, 4, False),   # 48 chunks in 5 ranges round up to 12 a range: 4; groups change inside
+        (16, 96, 384, 128, 2, 2, False),    # the second range's second K warp has no chunks
+        (24, 72, 768, 768, 4, 3, True),     # one group (per-channel scales) across every range; 24 chunks: 8 a range
+        (48, 256, 2048, 128, 0, 4, False),  # automatic: 2 column blocks, 8 resident blocks: 4 ranges fill them
+    ],
+)
+def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, splits, ranges, bias):
+    """The tiled tensor-core kernel, with one K range and with several added by the last
+    block of each column range, which leaves the counters at zero for the next call."""
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(m * n + k + splits)
+    groups = k // group_size
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    x = torch.randn(m, k, generator=g).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
+    if b is not None:
+        exact += b.float()
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    ran, counters = emu.quant_gemm_4bit_tiled(out, x, qweight, scales, zeros, group_size, b, splits=splits, slots=8)
+    assert ran == ranges
+    assert relative_error(out, exact) < 2e-3
+    assert int(counters.abs().sum()) == 0
+    again = torch.full_like(out, float("nan"))
+    emu.quant_gemm_4bit_tiled(again, x, qweight, scales, zeros, group_size, b, splits=splits, slots=8,
+                              counters=counters)
+    assert torch.equal(again, out)
