@@ -55,15 +55,19 @@ bool has_tensor_cores(int device) {
   return m >= 8;
 }
 
-// How many blocks of the tiled kernel `config` the device holds at once; asked once per
-// kernel and device.
-int tiled_slots(const TiledLaunch& config, int device) {
+// Raises the tiled kernel's shared-memory limit where it needs more than the default, and
+// returns how many of its blocks the device holds at once; done once per kernel and device
+// (the current one), before its first launch there.
+int prepare_tiled(const TiledLaunch& config, int device) {
   static std::mutex mutex;
   static std::map<std::pair<void*, int>, int> known;
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(reinterpret_cast<void*>(config.kernel), device);
   const auto it = known.find(key);
   if (it != known.end()) return it->second;
+  if (config.smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(config.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, config.smem));
+  }
   int per_sm = 0, sms = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, config.kernel, config.threads, config.smem));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -169,13 +173,14 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                 "and group_size multiples of 32 and 8-byte aligned scales and zeros; got K=", k, ", group_size=",
                 group_size);
     const TiledLaunch config = quant_gemm_4bit_tiled_config(p.m);
+    const int slots = prepare_tiled(config, x.get_device());
     const int tiles = ceil_div(p.n, config.cols);
     int wanted = static_cast<int>(splits);
     if (!counters.has_value()) {
       TORCH_CHECK(wanted <= 1, "splits > 1 needs a counters tensor");
       wanted = 1;
     } else if (wanted == 0) {
-      wanted = quant_gemm_4bit_tiled_splits(p, config, tiled_slots(config, x.get_device()));
+      wanted = quant_gemm_4bit_tiled_splits(p, config, slots);
     }
     QuantSplit plan = quant_gemm_4bit_tiled_plan(p, config, wanted);
     at::Tensor partials;
