@@ -919,11 +919,75 @@ AG_DEVICE float2 load_cg(const float2* ptr) {
 #endif
 }
 
+template <bool B>
+struct BoolTag {  // a compile-time flag passed to a generic lambda
+  static constexpr bool value = B;
+};
+
+// The halves (low of a, low of b) and (high of a, high of b).
+AG_DEVICE uint32_t low_halves(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, 0x5410);
+#else
+  return (a & 0xFFFFu) | (b << 16);
+#endif
+}
+AG_DEVICE uint32_t high_halves(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, 0x7632);
+#else
+  return (a >> 16) | (b & 0xFFFF0000u);
+#endif
+}
+
+// One chunk as mma_chunk<M_TILES, true> computes it, with x already in pair order (the 16
+// bytes of a row hold elements 0, 4, 1, 5, 2, 6, 3, 7: B of k-step 0, then of k-step 1) and
+// the dequantization's masks in registers (m_lo, m_hi, magic: 0x000F000F, 0x00F000F0,
+// 0x64006400), so each mask-and-or is one LOP3.
+template <int M_TILES>
+AG_DEVICE void mma_chunk_paired(float (&acc)[M_TILES][2][4], const uint4& w, const uint4 (&x)[M_TILES],
+                                const QuantGroup& grp, uint32_t m_lo, uint32_t m_hi, uint32_t magic) {
+  const __half2 sixteenth = bits_to_half2(0x2C002C00u);  // (1/16, 1/16)
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  uint32_t d[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t word = words[j], shifted = word >> 8;
+    const __half2 h0 = __hsub2(bits_to_half2(and_or(word, m_lo, magic)), grp.low[j]);
+    const __half2 h1 = hfma2(bits_to_half2(and_or(word, m_hi, magic)), sixteenth, grp.high[j]);
+    const __half2 h2 = __hsub2(bits_to_half2(and_or(shifted, m_lo, magic)), grp.low[j]);
+    const __half2 h3 = hfma2(bits_to_half2(and_or(shifted, m_hi, magic)), sixteenth, grp.high[j]);
+    d[j][0] = half2_to_bits(__hmul2(h0, grp.scale2[j]));
+    d[j][1] = half2_to_bits(__hmul2(h1, grp.scale2[j]));
+    d[j][2] = half2_to_bits(__hmul2(h2, grp.scale2[j]));
+    d[j][3] = half2_to_bits(__hmul2(h3, grp.scale2[j]));
+  }
+#pragma unroll
+  for (int step = 0; step < 2; ++step) {
+    uint32_t a[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      a[t][0] = d[2 * t][2 * step];
+      a[t][1] = d[2 * t + 1][2 * step];
+      a[t][2] = d[2 * t][2 * step + 1];
+      a[t][3] = d[2 * t + 1][2 * step + 1];
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      const uint32_t b[2] = {step == 0 ? x[mt].x : x[mt].z, step == 0 ? x[mt].y : x[mt].w};
+#pragma unroll
+      for (int t = 0; t < 2; ++t) mma_m16n8k16(acc[mt][t], a[t], b);
+    }
+  }
+}
+
 template <int M_TILES, int WARPS_N, int WARPS_K, int DEPTH>
 __global__ void __launch_bounds__(WARPS_N * WARPS_K * kWarpSize)
     quant_gemm_4bit_tiled_kernel(const QuantGemvParams p, const QuantSplit split) {
   using Shape = TiledShape<M_TILES, WARPS_N, WARPS_K>;
   constexpr int kRows = Shape::kRows, kStages = Shape::kStages, kStageBytes = Shape::kStageBytes;
+  constexpr int kUnits = WARPS_K * kRows * 8;  // 16-byte units of x in a stage
+  constexpr int kUnitsPerThread = (kUnits + Shape::kThreads - 1) / Shape::kThreads;
   AG_DYNAMIC_SMEM(staged);
   __shared__ int last_block;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -935,26 +999,49 @@ __global__ void __launch_bounds__(WARPS_N * WARPS_K * kWarpSize)
   const int chunks = p.k / kMmaChunk;
   const int per_warp = split.chunks_per_split / WARPS_K;  // even: whole stages
   const int stages = per_warp / 2;
-  // K warp j's chunks: [begin_of(j), end_of(j)).
+  // K warp j's chunks: [begin_of(j), end_of(j)); every begin is even.
   const int split_begin = blockIdx.y * split.chunks_per_split;
   auto begin_of = [&](int j) { return imin(split_begin + j * per_warp, chunks); };
-  auto end_of = [&](int j) { return imin(imin(split_begin + (j + 1) * per_warp, split_begin + split.chunks_per_split), chunks); };
+  auto end_of = [&](int j) {
+    return imin(imin(split_begin + (j + 1) * per_warp, split_begin + split.chunks_per_split), chunks);
+  };
   const int begin = begin_of(kw), end = end_of(kw);
 
-  // Stage st: chunks begin_of(j) + 2 st, + 1 of every x row, for each K warp j.
+  // Stage st holds chunks begin_of(j) + 2 st, + 1 of every x row for each K warp j. This
+  // thread copies units k * kThreads + threadIdx.x of each stage: where it reads (an
+  // offset into x at stage 0; later stages are 64 elements on), how many chunks its K
+  // warp has left from there, and where the unit goes.
   const __half* x = static_cast<const __half*>(p.x);
+  int unit_src[kUnitsPerThread], unit_left[kUnitsPerThread], unit_dst[kUnitsPerThread];
+#pragma unroll
+  for (int k = 0; k < kUnitsPerThread; ++k) {
+    const int i = k * Shape::kThreads + threadIdx.x;
+    const int j = i / (kRows * 8), row = (i / 8) % kRows, u = i % 8;
+    const int first = begin_of(j) + u / 4;
+    const bool valid = (kUnits % Shape::kThreads == 0 || i < kUnits) && row < p.m;
+    unit_left[k] = valid ? end_of(j) - first : 0;
+    unit_src[k] = valid ? row * static_cast<int>(p.x_stride) + kMmaChunk * first + 8 * (u % 4) : 0;
+    unit_dst[k] = (j * kRows + row) * 128 + ((u ^ ((row & 1) << 2)) * 16);
+  }
   auto load_stage = [&](int st) {
     unsigned char* dst = staged + (st % kStages) * kStageBytes;
-    constexpr int kUnits = WARPS_K * kRows * 8;
 #pragma unroll
-    for (int i0 = 0; i0 < kUnits; i0 += Shape::kThreads) {
-      const int i = i0 + threadIdx.x;
-      if (kUnits % Shape::kThreads == 0 || i < kUnits) {
-        const int j = i / (kRows * 8), row = (i / 8) % kRows, u = i % 8;
-        const int chunk = begin_of(j) + 2 * st + u / 4;
-        const bool pred = row < p.m && chunk < end_of(j);
-        const __half* src = x + (pred ? static_cast<int64_t>(row) * p.x_stride + kMmaChunk * chunk + 8 * (u % 4) : 0);
-        cp_async16(dst + (j * kRows + row) * 128 + ((u ^ ((row & 1) << 2)) * 16), src, pred);
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      if (kUnits % Shape::kThreads == 0 || k * Shape::kThreads + threadIdx.x < kUnits) {
+        const bool pred = 2 * st < unit_left[k];
+        cp_async16(dst + unit_dst[k], x + (pred ? unit_src[k] + 64 * st : 0), pred);
+      }
+    }
+  };
+  // Once its copies of a stage have landed, each thread puts its units in pair order.
+  auto pair_stage = [&](int st) {
+    unsigned char* dst = staged + (st % kStages) * kStageBytes;
+#pragma unroll
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      if (kUnits % Shape::kThreads == 0 || k * Shape::kThreads + threadIdx.x < kUnits) {
+        uint4* unit = reinterpret_cast<uint4*>(dst + unit_dst[k]);
+        const uint4 v = *unit;
+        *unit = make_uint4(low_halves(v.x, v.z), high_halves(v.x, v.z), low_halves(v.y, v.w), high_halves(v.y, v.w));
       }
     }
   };
@@ -964,14 +1051,19 @@ __global__ void __launch_bounds__(WARPS_N * WARPS_K * kWarpSize)
     cp_async_commit();
   }
 
-  const int32_t* qweight = p.qweight + static_cast<int64_t>(c) * p.qweight_stride + col0;
+  // The weights, DEPTH chunks ahead; past the warp's range (and in inactive lanes) zeros,
+  // which meet zeros of x there.
+  const int64_t w_step = 4 * p.qweight_stride;
+  const int32_t* w_next = p.qweight + static_cast<int64_t>(c) * p.qweight_stride + col0 + begin * w_step;
+  int w_left = active ? end - begin : 0;
   uint4 w[DEPTH];
-  auto load_weights = [&](int u, int chunk) {
-    w[u] = chunk < end && active ? load_weights16(qweight + static_cast<int64_t>(4 * chunk) * p.qweight_stride)
-                                 : make_uint4(0, 0, 0, 0);
+  auto load_next = [&](int u) {
+    w[u] = w_left > 0 ? load_weights16(w_next) : make_uint4(0, 0, 0, 0);
+    w_next += w_step;
+    --w_left;
   };
 #pragma unroll
-  for (int u = 0; u < DEPTH; ++u) load_weights(u, begin + u);
+  for (int u = 0; u < DEPTH; ++u) load_next(u);
 
   // This lane's group constants, the next group's loaded when a group starts.
   const int chunks_per_group = p.group_size / kMmaChunk;
@@ -989,6 +1081,12 @@ __global__ void __launch_bounds__(WARPS_N * WARPS_K * kWarpSize)
   load_group(group, z_next, s_next);
   QuantGroup grp = make_group(z_next, s_next);
   load_group(group + 1, z_next, s_next);
+  auto next_group = [&]() {
+    ++group;
+    group_end += chunks_per_group;
+    grp = make_group(z_next, s_next);
+    load_group(group + 1, z_next, s_next);
+  };
 
   float acc[M_TILES][2][4];
 #pragma unroll
@@ -998,40 +1096,45 @@ __global__ void __launch_bounds__(WARPS_N * WARPS_K * kWarpSize)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mt][t][r] = 0.f;
 
+  uint32_t m_lo = 0x000F000Fu, m_hi = 0x00F000F0u, magic = 0x64006400u;
   static_assert(DEPTH % 2 == 0, "the weight ring holds whole stages");
-  for (int base = 0; base < stages; base += DEPTH / 2) {
+  // With an even number of chunks per group a group never starts inside a stage (stages
+  // start on even chunks), so the group is checked once a stage and the stage's two chunks
+  // are one stretch of code.
+  auto run = [&](auto group_per_chunk) {
+    constexpr bool kPerChunk = decltype(group_per_chunk)::value;
+    for (int base = 0; base < stages; base += DEPTH / 2) {
 #pragma unroll
-    for (int h = 0; h < DEPTH / 2; ++h) {
-      const int st = base + h;
-      if (st < stages) {  // block-uniform
-        cp_async_wait<kStages - 2>();
-        __syncthreads();  // stage st is visible; every warp is done with stage st - 1's buffer
-        if (st + kStages - 1 < stages) load_stage(st + kStages - 1);
-        cp_async_commit();
-        const unsigned char* xs = staged + (st % kStages) * kStageBytes + kw * kRows * 128;
+      for (int h = 0; h < DEPTH / 2; ++h) {
+        const int st = base + h;
+        if (st < stages) {  // block-uniform
+          cp_async_wait<kStages - 2>();
+          pair_stage(st);
+          __syncthreads();  // stage st is visible; every warp is done with stage st - 1's buffer
+          if (st + kStages - 1 < stages) load_stage(st + kStages - 1);
+          cp_async_commit();
+          const unsigned char* xs = staged + (st % kStages) * kStageBytes + kw * kRows * 128;
+          if (!kPerChunk && begin + 2 * st >= group_end) next_group();
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int u = 2 * h + q;
-          const int chunk = begin + 2 * st + q;
-          if (chunk < end) {
-            if (chunk >= group_end) {
-              ++group;
-              group_end += chunks_per_group;
-              grp = make_group(z_next, s_next);
-              load_group(group + 1, z_next, s_next);
-            }
+          for (int q = 0; q < 2; ++q) {
+            if (kPerChunk && begin + 2 * st + q >= group_end) next_group();
             uint4 xv[M_TILES];
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
               const int row = 8 * mt + g;
               xv[mt] = *reinterpret_cast<const uint4*>(xs + row * 128 + (((4 * q + c) ^ ((row & 1) << 2)) * 16));
             }
-            mma_chunk<M_TILES, true>(acc, w[u], xv, grp);
-            load_weights(u, chunk + DEPTH);
+            mma_chunk_paired<M_TILES>(acc, w[2 * h + q], xv, grp, m_lo, m_hi, magic);
+            load_next(2 * h + q);
           }
         }
       }
     }
+  };
+  if (chunks_per_group % 2 == 0) {
+    run(BoolTag<false>{});
+  } else {
+    run(BoolTag<true>{});
   }
   cp_async_wait<0>();
 
