@@ -34,8 +34,8 @@ BINDING = r"""
 #include "ops.h"
 
 void quant(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size,
-           int64_t kernel, c10::optional<at::Tensor> counters) {
-  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel, counters, 0);
+           int64_t kernel) {
+  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel);
 }
 void dense(at::Tensor out, at::Tensor x, at::Tensor weight) { asyncgen::dense_gemv(out, x, weight, std::nullopt); }
 """
@@ -52,10 +52,7 @@ def build(extra_sources: list[Path] = (), name: str = "ag_gemv_profile"):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", action="store_true", help="run each kernel twice eagerly, for ncu")
-    ap.add_argument("--rows", type=int, default=1, help="rows of x (past 8: the tensor-core kernels only)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="layers to run, comma-separated")
     args = ap.parse_args()
-    m = args.rows
     mod = build()
     from asyncgen._ops.cuda_backend import graph_time_ms
 
@@ -64,18 +61,15 @@ def main() -> int:
         tiny = torch.zeros(1, device="cuda")
         empty_us = 1e3 * graph_time_ms(lambda _: tiny.add_(1), list(range(200)), passes=5)
         print(f"an elementwise kernel of one element, back to back in a graph: {empty_us:.2f} us")
-    print(f"{'layer':<10} {'bytes MB':>8} {'read 4b':>8} {'cuBLAS':>8} {'dense':>8} {'4b cores':>9} {'4b mma':>8} "
-          f"{'4b tiled':>8}  (us per call, M={m})")
-    for name in args.shapes.split(","):
-        k, n = SHAPES[name]
+    print(f"{'layer':<10} {'bytes MB':>8} {'read 4b':>8} {'cuBLAS':>8} {'dense':>8} {'4b cores':>9} {'4b mma':>8}  (us per call, M=1)")
+    for name, (k, n) in SHAPES.items():
         qbytes = k * n // 2 + (k // 128) * n * 4
         copies = 1 if args.profile else max(2, -(-3 * L2_BYTES // qbytes))
         quant = make_weights(k, n, copies, gen)
         dcopies = 1 if args.profile else max(2, -(-3 * L2_BYTES // (k * n * 2)))
         dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dcopies)]
-        x = torch.randn(m, k, generator=gen, device="cuda").half()
-        out = torch.empty(m, n, dtype=torch.float16, device="cuda")
-        counters = torch.zeros(-(-n // 32), dtype=torch.int32, device="cuda")
+        x = torch.randn(1, k, generator=gen, device="cuda").half()
+        out = torch.empty(1, n, dtype=torch.float16, device="cuda")
         reads = [torch.randn(qbytes // 2, generator=gen, device="cuda").half() for _ in range(copies)]
         sums = torch.empty(qbytes // 2 // (1024 * 8) + 1, device="cuda")
         calls = {
@@ -83,12 +77,9 @@ def main() -> int:
                      for r in reads],
             "cuBLAS": [lambda w=w: F.linear(x, w) for w in dense],
             "dense": [lambda w=w: mod.dense(out, x, w) for w in dense],
-            "cores": [lambda w=w: mod.quant(out, x, *w, 128, 1, None) for w in quant],
-            "mma": [lambda w=w: mod.quant(out, x, *w, 128, 2, None) for w in quant],
-            "tiled": [lambda w=w: mod.quant(out, x, *w, 128, 3, counters) for w in quant],
+            "cores": [lambda w=w: mod.quant(out, x, *w, 128, 1) for w in quant],
+            "mma": [lambda w=w: mod.quant(out, x, *w, 128, 2) for w in quant],
         }
-        if m > 8:  # past the CUDA-core kernels' rows
-            del calls["dense"], calls["cores"]
         if args.profile:
             torch.cuda.synchronize()
             for fns in calls.values():
@@ -97,9 +88,7 @@ def main() -> int:
             torch.cuda.synchronize()
             continue
         times = {key: 1e3 * graph_time_ms(lambda f: f(), fns, passes=5) for key, fns in calls.items()}
-        print(f"{name:<10} {qbytes / 1e6:>8.1f} " + " ".join(f"{t:>8.1f}" if key in times else f"{'-':>8}"
-                                                          for key in ("read", "cuBLAS", "dense", "cores", "mma", "tiled")
-                                                          for t in [times.get(key)]), flush=True)
+        print(f"{name:<10} {qbytes / 1e6:>8.1f} " + " ".join(f"{t:>8.1f}" for t in times.values()), flush=True)
         del quant, dense, reads
         torch.cuda.empty_cache()
     return 0

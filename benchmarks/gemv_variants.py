@@ -8,10 +8,7 @@ streaming loads; these build without the one-row streaming kernel); ``sCxTxD`` i
 one-row streaming kernel (``AG_QGEMV1_COLS`` column threads, ``AG_QGEMV1_THREADS`` threads
 a block, ``AG_QGEMV1_DEPTH`` pairs of packed rows in flight a thread), ``s`` its default shapes;
 ``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
-block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes;
-``tNxK[dD][sS]`` is the tiled tensor-core kernel (``AG_QGEMM_WARPS_N`` warps across
-columns sharing x, ``AG_QGEMM_WARPS_K`` across K, ``AG_QGEMM_DEPTH`` chunks in flight per
-lane) split over K into S ranges (0 or left out: the automatic choice), ``t`` its defaults.
+block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes.
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
 shapes inside a CUDA graph that cycles through enough copies of the weight to keep it
 out of L2 (as in a model, where each layer's weight is read once per step). The Triton
@@ -24,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -32,7 +28,6 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-TILED = re.compile(r"t(\d+)x(\d+)(?:d(\d+))?(?:s(\d+))?")
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # (K, N): qkv, o, gate|up, down
 ROWS = (1, 4, 8, 16, 32, 64)  # the CUDA-core variants take up to 8
 L2_BYTES = 50 * 2**20
@@ -42,9 +37,8 @@ L2_BYTES = 50 * 2**20
 BINDING = r"""
 #include "ops.h"
 
-void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size,
-         int64_t kernel, at::Tensor counters, int64_t splits) {
-  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel, counters, splits);
+void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size) {
+  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, 0);
 }
 """
 
@@ -52,13 +46,8 @@ void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at
 def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
-    tiled = TILED.fullmatch(variant)
-    if variant in ("mma", "t"):  # the defaults: warps by layer width
+    if variant == "mma":  # the default: warps by layer width
         macros = []
-    elif tiled:
-        warps_n, warps_k, depth, _ = tiled.groups()
-        macros = [f"-DAG_QGEMM_WARPS_N={warps_n}", f"-DAG_QGEMM_WARPS_K={warps_k}"]
-        macros += [f"-DAG_QGEMM_DEPTH={depth}"] if depth else []
     elif variant == "s":  # the default: shapes by layer width
         macros = ["-DAG_QGEMV_MMA=0"]
     elif variant.startswith("s"):
@@ -113,18 +102,11 @@ def graph_us(calls) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="4x4x2,8x4x2,mma,mma8x8,mma16x8",
-                    help="COL_THREADSxUNROLLxLOAD, sCOLSxTHREADSxDEPTH, mmaWARPSxDEPTH or tNxK[dD][sS], comma-separated")
+                    help="COL_THREADSxUNROLLxLOAD or mmaWARPSxDEPTH, comma-separated")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts to time, comma-separated")
     args = ap.parse_args()
     variants = args.variants.split(",")
     rows = [int(v) for v in args.rows.split(",")]
-
-    def call_args(v: str) -> tuple[int, int]:  # (kernel, splits) for the op
-        if v == "t":
-            return 3, 0
-        tiled = TILED.fullmatch(v)
-        return (3, int(tiled.group(4) or 0)) if tiled else (0, 0)
-
     with ProcessPoolExecutor(max_workers=min(len(variants), os.cpu_count() or 1)) as pool:
         list(pool.map(_build_in_child, variants))  # compile in parallel, before CUDA starts here
     modules = {v: build(v) for v in variants}
@@ -139,7 +121,6 @@ def main() -> int:
     print(header)
     failures = 0
     results: dict[str, float] = {v: 0.0 for v in variants}
-    wide: dict[str, float] = {v: 0.0 for v in variants}  # at 16+ rows
     for k, n in SHAPES:
         groups = k // 128
         qbytes = k * n // 2 + groups * n * 4
@@ -147,7 +128,6 @@ def main() -> int:
         weights = make_weights(k, n, copies, gen)
         dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
         dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
-        counters = torch.zeros(-(-n // 32), dtype=torch.int32, device="cuda")
         for m in rows:
             x = torch.randn(m, k, generator=gen, device="cuda").half()
             out = torch.empty(m, n, dtype=torch.float16, device="cuda")
@@ -160,13 +140,12 @@ def main() -> int:
             t = graph_us([lambda w=w: triton(x, *w, 4, 128, out=out) for w in weights])
             row.append(f"{t:>8.1f}")
             for v, mod in modules.items():
-                kernel, splits = call_args(v)
-                if (m > 8 and not v.startswith(("mma", "t"))) or (m > 1 and v.startswith("s")):
+                if (m > 8 and not v.startswith("mma")) or (m > 1 and v.startswith("s")):
                     row.append(f"{'-':>8}")
                     continue
                 out.fill_(float("nan"))
                 try:
-                    mod.run(out, x, q, s, z, 128, kernel, counters, splits)
+                    mod.run(out, x, q, s, z, 128)
                 except RuntimeError as exc:  # a launch the variant cannot make: report it, go on
                     failures += 1
                     print(f"  FAIL {v} {k}x{n} M={m}: {str(exc).splitlines()[0]}")
@@ -176,13 +155,8 @@ def main() -> int:
                 if not err < 2e-3:
                     failures += 1
                     print(f"  FAIL {v} {k}x{n} M={m}: rel err {err:.2e}")
-                if counters.any():
-                    failures += 1
-                    print(f"  FAIL {v} {k}x{n} M={m}: split-K counters left non-zero")
-                t = graph_us([lambda w=w, mod=mod, a=(kernel, counters, splits): mod.run(out, x, *w, 128, *a)
-                              for w in weights])
+                t = graph_us([lambda w=w, mod=mod: mod.run(out, x, *w, 128) for w in weights])
                 results[v] += t if m <= 8 else 0.0
-                wide[v] += t if m >= 16 else 0.0
                 row.append(f"{t:>8.1f}")
             print(f"{k}x{n:<6} {m:>2} " + " ".join(row), flush=True)
         del weights, dense
@@ -190,7 +164,6 @@ def main() -> int:
     best = min(results, key=results.get)
     print("total us over the shapes at 1-8 rows: " + ", ".join(f"{v} {t:.1f}" for v, t in results.items()))
     print(f"fastest: {best}")
-    print("total us over the shapes at 16+ rows: " + ", ".join(f"{v} {t:.1f}" for v, t in wide.items() if t))
     return 1 if failures else 0
 
 

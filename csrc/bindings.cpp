@@ -20,7 +20,7 @@ TORCH_LIBRARY(asyncgen_C, m) {
   m.def("dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
-      "int group_size, Tensor? bias, int kernel=0, Tensor(c!)? counters=None, int splits=0) -> ()");
+      "int group_size, Tensor? bias, int kernel=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {

@@ -1,16 +1,12 @@
 // Torch glue for the GEMV kernels (gemv.cuh): argument checks and the launch on the
 // current stream. The Python launchers (asyncgen/_ops/cuda_backend.py) route only the
 // shapes these accept; the checks here name what is wrong for anything else.
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
 #include <climits>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "check.h"
 #include "gemv.cuh"
@@ -55,27 +51,6 @@ bool has_tensor_cores(int device) {
   return m >= 8;
 }
 
-// Raises the tiled kernel's shared-memory limit where it needs more than the default, and
-// returns how many of its blocks the device holds at once; done once per kernel and device
-// (the current one), before its first launch there.
-int prepare_tiled(const TiledLaunch& config, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<void*, int>, int> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(reinterpret_cast<void*>(config.kernel), device);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  if (config.smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(config.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, config.smem));
-  }
-  int per_sm = 0, sms = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, config.kernel, config.threads, config.smem));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int slots = (per_sm < 1 ? 1 : per_sm) * sms;
-  known.emplace(key, slots);
-  return slots;
-}
-
 }  // namespace
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -118,13 +93,10 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel,
-                     const c10::optional<at::Tensor>& counters, int64_t splits) {
+                     const c10::optional<at::Tensor>& bias, int64_t kernel) {
   AG_CHECK_DIM(qweight, 2);
-  TORCH_CHECK(kernel >= 0 && kernel <= 3, "kernel must be 0 (either), 1 (CUDA cores), 2 (tensor cores) or 3 (tensor "
-              "cores, x shared by a block), got ", kernel);
-  TORCH_CHECK(splits >= 0 && splits <= kTiledMaxSplits, "splits must be 0 (automatic) to ", kTiledMaxSplits, ", got ",
-              splits);
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
+              kernel);
   AG_CHECK_CUDA(x, qweight);
   AG_CHECK_CUDA(out, qweight);
   AG_CHECK_CUDA(scales, qweight);
@@ -168,36 +140,6 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const bool tensor_cores = has_tensor_cores(x.get_device());
-  if (kernel == 3) {
-    TORCH_CHECK(tensor_cores && quant_gemm_4bit_tiled_ok(p), "the tiled tensor-core kernel needs an sm_80+ GPU, K "
-                "and group_size multiples of 32 and 8-byte aligned scales and zeros; got K=", k, ", group_size=",
-                group_size);
-    const TiledLaunch config = quant_gemm_4bit_tiled_config(p.m);
-    const int slots = prepare_tiled(config, x.get_device());
-    const int tiles = ceil_div(p.n, config.cols);
-    int wanted = static_cast<int>(splits);
-    if (!counters.has_value()) {
-      TORCH_CHECK(wanted <= 1, "splits > 1 needs a counters tensor");
-      wanted = 1;
-    } else if (wanted == 0) {
-      wanted = quant_gemm_4bit_tiled_splits(p, config, slots);
-    }
-    QuantSplit plan = quant_gemm_4bit_tiled_plan(p, config, wanted);
-    at::Tensor partials;
-    if (plan.splits > 1) {
-      AG_CHECK_CUDA((*counters), x);
-      AG_CHECK_DTYPE((*counters), at::kInt);
-      TORCH_CHECK(counters->dim() == 1 && counters->is_contiguous() && counters->numel() >= tiles,
-                  "counters must be a contiguous int32 tensor of at least ", tiles, " zeros, got shape ",
-                  counters->sizes());
-      partials = at::empty({plan.splits, p.m, p.n}, x.options().dtype(at::kFloat));
-      plan.partials = partials.data_ptr<float>();
-      plan.counters = counters->data_ptr<int32_t>();
-    }
-    launch_quant_gemm_4bit_tiled(p, config, plan, c10::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
   if (kernel == 2) {
     TORCH_CHECK(tensor_cores && quant_gemv_4bit_mma_ok(p), "the tensor-core kernel needs an sm_80+ GPU, K and "
                 "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,

@@ -32,13 +32,9 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 // out = x @ W (+ bias) for 1 to 64 rows of fp16 x, W given as 4-bit codes packed along K
 // (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].
 // kernel: 0 the tensor-core kernel where it takes the call, else the CUDA-core one (up to
-// 8 rows); 1 the CUDA-core kernel; 2 the tensor-core kernel; 3 the tiled tensor-core kernel
-// (x shared by a block's warps), which splits K into `splits` ranges (0: as many as fill
-// the GPU) when given `counters`, int32 zeros it leaves zero, one per 32 output columns
-// at most; without them it does not split.
+// 8 rows); 1 the CUDA-core kernel; 2 the tensor-core kernel.
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel,
-                     const c10::optional<at::Tensor>& counters, int64_t splits);
+                     const c10::optional<at::Tensor>& bias, int64_t kernel);
 
 }  // namespace asyncgen

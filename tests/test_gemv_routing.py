@@ -24,10 +24,6 @@ from asyncgen.model.linear import LinearBase, RowLinear  # noqa: E402
 class Calls(list):
     quant_rows = cuda_backend.QUANT_MMA_MAX_ROWS  # what the fake 4-bit kernel takes
 
-    def __init__(self):
-        super().__init__()
-        self.counters = []  # the split-K counters each 4-bit call was given
-
 
 @pytest.fixture
 def fake_csrc(monkeypatch):
@@ -39,10 +35,8 @@ def fake_csrc(monkeypatch):
     def input_ok(x, dtype, k, max_rows=cuda_backend.GEMV_MAX_ROWS):
         return x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.shape[1] == k
 
-    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0,
-                     counters=None, splits=0):
+    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0):
         calls.append(("quant", x.shape[0], kernel))
-        calls.counters.append(counters)
         y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
         if out is None:
             return y
@@ -157,25 +151,19 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
     stay on Triton."""
     from test_quant_formats import VARIANTS, load_model, write_checkpoint
 
-    from asyncgen.model.quantization import (
-        CUDA_CORES, ROUTE_ROWS, TENSOR_CORES, TILED, TILED_MIN_ROWS, TRITON, QuantLinearMethod,
-    )
+    from asyncgen.model.quantization import CUDA_CORES, ROUTE_ROWS, TENSOR_CORES, TRITON, QuantLinearMethod
 
     def fake_triton(self, x, qweight, scales, zeros, seg, bias, out, size):
         fake_csrc.append(("triton", x.shape[0], TRITON))
         return out
 
-    # Made-up timings: the CUDA-core kernel wins at 1 row, tensor cores at 2-16, Triton at
-    # 48+ against those two, the tiled kernel from 32 rows against all of them.
-    timed = set()
-
+    # Made-up timings: the CUDA-core kernel wins at 1 row, tensor cores at 2-32, Triton at 48+.
     def fake_time(fn, items):
         fake_csrc.clear()
         fn(items[0])
         (_, m, kernel), = fake_csrc
-        timed.add((m, kernel))
         return {TRITON: 5.0 if m >= 48 else 9.0, CUDA_CORES: 1.0 if m == 1 else 8.0,
-                TENSOR_CORES: 6.0 if m >= 48 else 2.0, TILED: 1.5 if m >= 32 else 7.0}[kernel]
+                TENSOR_CORES: 6.0 if m >= 48 else 2.0}[kernel]
 
     monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
     monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
@@ -183,25 +171,13 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
     model = load_model(tmp_path / "awq", "cuda")
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None)]
     chosen = QuantLinearMethod.choose_kernels(layers)
-    want_picks = tuple(CUDA_CORES if m == 1 else TILED if m >= 32 else TENSOR_CORES for m in ROUTE_ROWS)
+    want_picks = tuple(CUDA_CORES if m == 1 else TRITON if m >= 48 else TENSOR_CORES for m in ROUTE_ROWS)
     assert chosen and all(picks == want_picks for picks in chosen.values())
-    assert {m for m, kernel in timed if kernel == TILED} == {m for m in ROUTE_ROWS if m >= TILED_MIN_ROWS}
     for layer in layers:
         for seg in layer.quant_segments:
             assert seg.route[1] == CUDA_CORES
-            assert set(seg.route[2:17]) == {TENSOR_CORES}
-            assert set(seg.route[17:65]) == {TILED} and len(seg.route) == 65
-            # One set of zeroed counters per segment, enough for 32-column blocks.
-            assert seg.split_counters is not None and not seg.split_counters.any()
-            assert seg.split_counters.numel() == -(-(seg.end - seg.start) // cuda_backend.QUANT_TILED_MIN_COLS)
-    # The forward pass hands each segment's counters to the kernel.
-    layer = layers[0]
-    fake_csrc.clear()
-    fake_csrc.counters.clear()
-    monkeypatch.setattr(cuda_backend, "gemv_input_ok", lambda x, dtype, k, max_rows=8: True)
-    layer(torch.randn(40, layer.in_features))
-    assert [call[2] for call in fake_csrc] == [TILED] * len(layer.quant_segments)
-    assert all(c is seg.split_counters for c, seg in zip(fake_csrc.counters, layer.quant_segments))
+            assert set(seg.route[2:33]) == {TENSOR_CORES}
+            assert set(seg.route[33:65]) == {TRITON} and len(seg.route) == 65
 
 
 def test_choose_dequant_rows_switches_where_dequantizing_wins_from_there_on(tmp_path, monkeypatch):

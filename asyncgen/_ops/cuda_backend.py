@@ -43,8 +43,7 @@ from . import Ops
 __all__ = [
     "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
     "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
-    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "QUANT_TILED_MIN_COLS", "quant_gemv_4bit_max_rows",
-    "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok", "split_counters",
+    "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -572,11 +571,7 @@ def quant_gemv_4bit(
     return launch_quant_gemv_4bit(x, qweight, scales, zeros, group_size, perm, bias, out=out)
 
 
-# The op's ``kernel`` argument; "tiled" is the tensor-core kernel whose blocks share x
-# (faster at 16-64 rows), which splits K across blocks when given counters
-# (:func:`split_counters`).
-QUANT_KERNELS = {"either": 0, "cuda_cores": 1, "tensor_cores": 2, "tiled": 3}
-QUANT_TILED_MIN_COLS = 32  # the narrowest column block of the tiled kernel: one counter each
+QUANT_KERNELS = {"either": 0, "cuda_cores": 1, "tensor_cores": 2}  # the op's ``kernel`` argument
 
 
 def launch_quant_gemv_4bit(
@@ -590,32 +585,21 @@ def launch_quant_gemv_4bit(
     *,
     out: torch.Tensor | None = None,
     kernel: int = 0,
-    counters: torch.Tensor | None = None,
-    splits: int = 0,
 ) -> torch.Tensor:
     """:func:`quant_gemv_4bit` without the Python checks, for callers that checked the
     weight once (:func:`quant_gemv_4bit_max_rows`) and each input (:func:`gemv_input_ok`).
     Gathers ``x[:, perm]`` first when given. ``kernel`` (a value of
-    :data:`QUANT_KERNELS`) picks the CUDA-core or a tensor-core kernel; 0 takes tensor
-    cores where they apply. The tiled kernel splits K over blocks when given ``counters``
-    (from :func:`split_counters`, one tensor per weight) into ``splits`` ranges (0: as
-    many as fill the GPU). The op still validates its arguments in C++."""
+    :data:`QUANT_KERNELS`) picks the CUDA-core or the tensor-core kernel; 0 takes tensor
+    cores where they apply. The op still validates its arguments in C++."""
     if perm is not None:
         x = x.index_select(1, perm)
     k = qweight.shape[0] * 8
     if out is None:
         out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
     torch.ops.asyncgen_C.quant_gemv_4bit(
-        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel, counters, splits
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
     )
     return out
-
-
-def split_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """Zeros for the tiled kernel's split-K counters of a weight with ``n`` output
-    columns. Each call leaves them at zero; calls that may run at the same time (on
-    different streams) need their own."""
-    return torch.zeros(-(-n // QUANT_TILED_MIN_COLS), dtype=torch.int32, device=device)
 
 
 def _time_ms(fn, items) -> float:

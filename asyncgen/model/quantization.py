@@ -76,9 +76,8 @@ GEMV_MAX_ROWS = 4
 CUDA_GEMV_MAX_ROWS = 64
 # The kernels a segment routes rows to (the csrc ones are cuda_backend.QUANT_KERNELS values),
 # and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
-TRITON, CUDA_CORES, TENSOR_CORES, TILED = 0, 1, 2, 3
+TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
 ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
-TILED_MIN_ROWS = 16  # the tiled tensor-core kernel (blocks share x) is timed from this many rows
 # Prompt-sized row counts at which the Triton 4-bit GEMM is timed against
 # dequantize-then-cuBLAS (QuantLinearMethod.choose_dequant_rows).
 DEQUANT_ROWS = (64, 128, 256, 512, 1024)
@@ -228,9 +227,6 @@ class _Segment:
     # x of at least this many rows (0: never) is multiplied by the weight dequantized to a
     # dense buffer, through cuBLAS; see QuantLinearMethod.choose_dequant_rows.
     dequant_rows: int = 0
-    # The tiled csrc kernel's split-K counters (int32 zeros between calls), made by
-    # choose_kernels where it times that kernel.
-    split_counters: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -444,8 +440,7 @@ class QuantLinearMethod(LinearMethod):
 
             if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, len(seg.route) - 1):
                 return cuda_backend.launch_quant_gemv_4bit(
-                    x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel,
-                    counters=seg.split_counters,
+                    x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel
                 )
         return self._triton(x, qweight, scales, zeros, seg, bias, out, layer.quant_group_size)
 
@@ -489,9 +484,8 @@ class QuantLinearMethod(LinearMethod):
     def choose_kernels(layers) -> dict[tuple, tuple[int, ...]]:
         """Times the kernels that can take each csrc-routed segment shape among ``layers``
         (kernel "cuda") at each row count of :data:`ROUTE_ROWS`: the Triton kernels, the
-        csrc CUDA-core kernel (up to 8 rows), the csrc tensor-core kernel where it applies
-        and, from :data:`TILED_MIN_ROWS` rows, the tiled one (whose blocks share x; this
-        gives each segment its split-K counters). Each segment then routes the rows up to a timed count (and past the
+        csrc CUDA-core kernel (up to 8 rows) and the csrc tensor-core kernel where it
+        applies. Each segment then routes the rows up to a timed count (and past the
         previous one) to that count's fastest kernel. Timings replay one CUDA graph through
         every segment of the shape, so weights come from memory as in a forward pass.
         Returns {(K, N, group size, act order): kernel per row count of ROUTE_ROWS}. Run
@@ -503,22 +497,12 @@ class QuantLinearMethod(LinearMethod):
         for key, items in QuantLinearMethod._segments_by_shape(layers, route_limit=True).items():
             max_rows = key[-1]
             tensor_cores = max_rows > cuda_backend.GEMV_MAX_ROWS
-            # The tiled kernel loads a group's constants when it starts, so it takes
-            # whole 32-row chunks and groups only (as the other tensor-core kernel does).
-            group = key[2] if key[2] > 0 else key[0]
-            tiled = key[0] % 32 == 0 and group % 32 == 0 and key[0] % group == 0
-            if tensor_cores and tiled:
-                for _, seg, (qweight, *_), *_ in items:
-                    if seg.split_counters is None:
-                        seg.split_counters = cuda_backend.split_counters(qweight.shape[1], qweight.device)
             route, picks, done = [TRITON] * (CUDA_GEMV_MAX_ROWS + 1), [], 0
             for m in ROUTE_ROWS:
                 if m > max_rows:
                     break
                 x, out = QuantLinearMethod._timing_buffers(items, m)
                 candidates = [TRITON] + [CUDA_CORES] * (m <= cuda_backend.GEMV_MAX_ROWS) + [TENSOR_CORES] * tensor_cores
-                if tensor_cores and m >= TILED_MIN_ROWS and tiled:
-                    candidates.append(TILED)
 
                 def run(item, kernel=TRITON):
                     method, seg, (qweight, scales, zeros), bias, size = item
@@ -526,8 +510,7 @@ class QuantLinearMethod(LinearMethod):
                     if kernel == TRITON:
                         return method._triton(x, qweight, scales, zeros, seg, bias, y, size)
                     return cuda_backend.launch_quant_gemv_4bit(
-                        x, qweight, scales, zeros, size, seg.perm, bias, out=y, kernel=kernel,
-                        counters=seg.split_counters,
+                        x, qweight, scales, zeros, size, seg.perm, bias, out=y, kernel=kernel
                     )
 
                 times = {c: cuda_backend.graph_time_ms(lambda item, c=c: run(item, c), items) for c in candidates}

@@ -179,7 +179,7 @@ class ModelRunner:
         if quantized:
             t0 = time.perf_counter()
             chosen = QuantLinearMethod.choose_kernels(quantized)
-            names = ("triton", "csrc-cuda-cores", "csrc-tensor-cores", "csrc-tiled")
+            names = ("triton", "csrc-cuda-cores", "csrc-tensor-cores")
             table = "; ".join(
                 f"{k}x{n} g{g}{' act-order' if act else ''}: "
                 + ", ".join(f"{m}:{names[c]}" for m, c in zip(ROUTE_ROWS, picks))

@@ -172,14 +172,6 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*st
 
 inline void __syncthreads() { emu::wait(emu::g_run->block_barrier); }
 
-// Blocks run one after another, so device-wide ordering and atomics are plain accesses.
-inline void __threadfence() {}
-inline int atomicAdd(int* address, int value) {
-  const int old = *address;
-  *address = old + value;
-  return old;
-}
-
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) std::abort();  // only full-warp syncs are modelled
   emu::wait(emu::g_run->warp_barriers[emu::linear_tid() / 32]);

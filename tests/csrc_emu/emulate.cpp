@@ -64,22 +64,6 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
   return asyncgen::launch_quant_gemv_4bit(*p, nullptr, tensor_cores != 0) ? 0 : 1;
 }
 
-// The tiled tensor-core kernel with `splits` K ranges (0: as many as `slots` blocks at once
-// would want); `partials` [splits, M, N] fp32 and `counters` are used past one split.
-// Returns the number of K ranges it ran.
-int ag_quant_gemm_4bit_tiled(const QuantGemvParams* p, int splits, int slots, float* partials, int* counters) {
-  if (!asyncgen::quant_gemm_4bit_tiled_ok(*p)) return 0;
-  const asyncgen::TiledLaunch config = asyncgen::quant_gemm_4bit_tiled_config(p->m);
-  if (splits == 0) splits = asyncgen::quant_gemm_4bit_tiled_splits(*p, config, slots);
-  asyncgen::QuantSplit plan = asyncgen::quant_gemm_4bit_tiled_plan(*p, config, splits);
-  plan.partials = partials;
-  plan.counters = counters;
-  asyncgen::launch_quant_gemm_4bit_tiled(*p, config, plan, nullptr);
-  return plan.splits;
-}
-
-int ag_quant_gemm_4bit_tiled_cols(int m) { return asyncgen::quant_gemm_4bit_tiled_config(m).cols; }
-
 int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_ok(*p) ? 1 : 0; }
 

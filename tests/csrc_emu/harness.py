@@ -181,8 +181,6 @@ class Emulator:
         lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
-        lib.ag_quant_gemm_4bit_tiled.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int, ctypes.c_int,
-                                                 ctypes.c_void_p, ctypes.c_void_p]
         self.last_quant_kernel = ""
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
@@ -271,22 +269,3 @@ class Emulator:
         stream = bool(self.lib.ag_quant_gemv1_ok(ctypes.byref(p)))
         self.last_quant_kernel = "mma" if used_mma else "stream" if stream else "cores"
         return used_mma
-
-    def quant_gemm_4bit_tiled(self, out, x, qweight, scales, zeros, group_size, bias=None, splits=1, slots=264,
-                              counters=None):
-        """The tiled tensor-core kernel (x shared by a block's warps) with ``splits`` K
-        ranges (0: the glue's automatic choice for ``slots`` resident blocks). ``counters``
-        (int32, one per column block) default to fresh zeros. Returns the number of K
-        ranges run and the counters after the call."""
-        p = QuantGemvParams(
-            _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
-            out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
-            x.shape[0], qweight.shape[1], x.shape[1], group_size,
-        )
-        cols = self.lib.ag_quant_gemm_4bit_tiled_cols(x.shape[0])
-        if counters is None:
-            counters = torch.zeros(-(-qweight.shape[1] // cols), dtype=torch.int32)
-        partials = torch.full((max(splits, 16), x.shape[0], qweight.shape[1]), float("nan"))
-        ran = self.lib.ag_quant_gemm_4bit_tiled(ctypes.byref(p), splits, slots, _ptr(partials), _ptr(counters))
-        assert ran > 0, "the tiled kernel does not take these arguments"
-        return ran, counters

@@ -81,19 +81,6 @@ def check_case(kernel_name, kernel, x, qweight, scales, zeros, bits, group_size,
           f"(fp16 {fp16_us:8.1f} us)", flush=True)
 
 
-def tiled_kernel(counters, splits):
-    """The csrc tiled tensor-core kernel as check_case calls kernels; ``splits`` 0: the
-    automatic split of K over blocks."""
-    from asyncgen._ops import cuda_backend
-
-    def run(x, qweight, scales, zeros, bits, group_size, g_idx, perm, out=None):
-        return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, group_size, perm, out=out,
-                                                   kernel=cuda_backend.QUANT_KERNELS["tiled"], counters=counters,
-                                                   splits=splits)
-
-    return run
-
-
 def check_kernels(shapes, batches) -> None:
     from asyncgen._ops import quant_reference as qref
     from asyncgen._ops.triton_quant_gemm import dequant_matmul, quant_gemm
@@ -121,13 +108,6 @@ def check_kernels(shapes, batches) -> None:
                 if csrc_gemv is not None and bits == 4 and m <= cuda_backend.quant_gemv_4bit_max_rows(
                         qweight, scales, zeros, bits, group):
                     check_case("csrc", csrc_gemv, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
-                if csrc_gemv is not None and bits == 4 and 16 <= m <= cuda_backend.QUANT_MMA_MAX_ROWS:
-                    counters = cuda_backend.split_counters(n, "cuda")
-                    for label, splits in (("tiled", 0), ("tile1", 1)):
-                        check_case(label, tiled_kernel(counters, splits), x, qweight, scales, zeros, bits, group, perm,
-                                   dense, fp16_us, case)
-                    if counters.any():
-                        ROWS.append(Row("tiled", case + " counters left", 0.0, False, 0.0, 0.0, 0))
                 check_case("gemm", quant_gemm, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us, case)
                 if m >= 64:
                     check_case("deq", dequant_matmul, x, qweight, scales, zeros, bits, group, perm, dense, fp16_us,
@@ -166,32 +146,6 @@ def check_graph_capture() -> None:
         ok = ok and rel < 2e-3
     ROWS.append(Row("graph", "capture+replay gemv M=1, gemm M=16", worst, ok, 0.0, 0.0, 0))
     print(f"  graph capture+replay {'ok' if ok else 'FAIL'} rel_err {worst:.1e}", flush=True)
-
-    from asyncgen._ops import cuda_backend
-
-    if not cuda_backend.is_available():
-        return
-    # The tiled kernel split over K: its counters come back to zero on every replay.
-    w, _, _, _ = make_weights(4096, 4096, 4, 128, False, gen)
-    counters = cuda_backend.split_counters(4096, "cuda")
-    run = tiled_kernel(counters, 0)
-    x64 = torch.randn(64, 4096, generator=gen, device="cuda").half()
-    run(x64, w, scales, zeros, 4, 128, None, None)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y64 = run(x64, w, scales, zeros, 4, 128, None, None)
-    worst, ok = 0.0, True
-    for _ in range(3):
-        x64.copy_(torch.randn(64, 4096, generator=gen, device="cuda").half())
-        graph.replay()
-        torch.cuda.synchronize()
-        want = qref.quant_matmul(x64, w, scales, zeros, 4, 128).float()
-        rel = ((y64.float() - want).abs().max() / want.abs().max()).item()
-        worst = max(worst, rel)
-        ok = ok and rel < 2e-3 and not counters.any()
-    ROWS.append(Row("graph", "capture+replay tiled M=64 split K x3", worst, ok, 0.0, 0.0, 0))
-    print(f"  graph capture+replay tiled {'ok' if ok else 'FAIL'} rel_err {worst:.1e}", flush=True)
 
 
 def sweep() -> None:
