@@ -24,6 +24,31 @@
   kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #endif
 
+// The same as a launch that may begin before the kernel ahead of it in the stream has
+// finished (programmatic dependent launch, sm_90+): the kernel must call
+// grid_dependency_wait() before it reads anything that kernel wrote, or writes anything.
+#ifndef AG_LAUNCH_KERNEL_DEPENDENT
+#define AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, ...) \
+  ::asyncgen::launch_dependent((kernel), (grid), (block), (smem), (stream), __VA_ARGS__)
+namespace asyncgen {
+template <typename... Params, typename... Args>
+inline void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             const Args&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  (void)cudaLaunchKernelEx(&config, kernel, args...);  // an error stays for cudaGetLastError
+}
+}  // namespace asyncgen
+#endif
+
 // The block's dynamic shared memory (the launch's smem bytes), 16-byte aligned.
 #ifndef AG_DYNAMIC_SMEM
 #define AG_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
@@ -191,6 +216,25 @@ AG_DEVICE float block_sum(float v, float* scratch) {
   for (int w = 0; w < NUM_WARPS; ++w) r += scratch[w];
   __syncthreads();
   return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+). grid_dependency_wait: returns once the kernel
+// ahead of this one (when this one was launched with AG_LAUNCH_KERNEL_DEPENDENT) has
+// finished and its writes are visible; at once otherwise. launch_dependents: lets a
+// kernel launched as this one's dependent start now (it waits for this one's results
+// itself); no effect otherwise. Both are no-ops before sm_90 and in the CPU emulation.
+
+AG_DEVICE void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+AG_DEVICE void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // ---------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <climits>
+#include <cstdlib>
+#include <string>
 
 #include "check.h"
 #include "gemv.cuh"
@@ -39,16 +41,29 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
               "], got shape ", bias->sizes());
 }
 
-// Whether the device has fp16 mma.sync (sm_80+); asked once per device.
-bool has_tensor_cores(int device) {
+// The device's compute capability major version; asked once per device (0: unknown).
+int compute_major(int device) {
   static std::atomic<int> major[64] = {};  // 0: not asked yet
-  if (device < 0 || device >= 64) return false;
+  if (device < 0 || device >= 64) return 0;
   int m = major[device].load(std::memory_order_relaxed);
   if (m == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
     major[device].store(m, std::memory_order_relaxed);
   }
-  return m >= 8;
+  return m;
+}
+
+// Whether the device has fp16 mma.sync (sm_80+).
+bool has_tensor_cores(int device) { return compute_major(device) >= 8; }
+
+// Whether the one-row kernel is launched as a dependent of the kernel ahead (sm_90+,
+// unless ASYNCGEN_PDL=0 was set when the first product ran).
+bool dependent_launch(int device) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("ASYNCGEN_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled && compute_major(device) >= 9;
 }
 
 }  // namespace
@@ -145,7 +160,8 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                 "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
                 " groups; got K=", k, ", group_size=", group_size);
   }
-  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1), "x has ",
+  TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1,
+                                     dependent_launch(x.get_device())), "x has ",
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
               "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
               " groups");

@@ -504,6 +504,9 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
     masks[1] = 0x00F000F0u;
     masks[2] = 0x64006400u;
   }
+  // Everything above reads only the weights and their constants, so a dependent launch
+  // (see launch_quant_gemv1) runs it while the kernel ahead is still computing x.
+  grid_dependency_wait();
   const __half* x = static_cast<const __half*>(p.x);
   for (int r = tid; r < rows; r += THREADS) {
     const uint4 raw = load16(x + 8 * r);
@@ -574,26 +577,35 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
 }
 
 template <int COL_THREADS, int THREADS, int DEPTH>
-void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream) {
+void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
   void (*kernel)(const QuantGemvParams) = quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH>;
-  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, 4 * COL_THREADS)), dim3(THREADS),
-                   quant_gemv1_smem(p.k, THREADS, DEPTH), stream, p);
+  const dim3 grid(ceil_div(p.n, 4 * COL_THREADS)), block(THREADS);
+  const int smem = quant_gemv1_smem(p.k, THREADS, DEPTH);
+  if (dependent) {
+    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
+  } else {
+    AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, p);
+  }
 }
 
 // The block shapes, timed on an H200 at the 7B shapes (benchmarks/gemv_variants.py, which
 // compiles variants with AG_QGEMV1_COLS / _THREADS / _DEPTH set to force one): wide layers
 // (N >= 8192) 8 column threads in 128 threads, 4 pairs deep; narrow ones 4 in 256, 2 deep.
 // Where K is too long for the ring and x to fit the default 48 KiB, the long-K block.
-inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream) {
+// `dependent` (sm_90+): launched so that it may start while the kernel ahead of it runs
+// (programmatic dependent launch); it requests its first weights, then waits for x.
+inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
 #if defined(AG_QGEMV1_COLS) && defined(AG_QGEMV1_THREADS) && defined(AG_QGEMV1_DEPTH)
-  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream);
+  launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream, dependent);
 #else
   const bool wide = p.n >= kQuantWideN;
   if (quant_gemv1_smem(p.k, wide ? 128 : 256, wide ? 4 : 2) <= kQgemv1MaxSmem) {
-    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream) : launch_quant_gemv1_shaped<4, 256, 2>(p, stream);
+    wide ? launch_quant_gemv1_shaped<8, 128, 4>(p, stream, dependent)
+         : launch_quant_gemv1_shaped<4, 256, 2>(p, stream, dependent);
   } else {
     constexpr int T = kQgemv1LongKThreads, D = kQgemv1LongKDepth;
-    wide ? launch_quant_gemv1_shaped<8, T, D>(p, stream) : launch_quant_gemv1_shaped<4, T, D>(p, stream);
+    wide ? launch_quant_gemv1_shaped<8, T, D>(p, stream, dependent)
+         : launch_quant_gemv1_shaped<4, T, D>(p, stream, dependent);
   }
 #endif
 }
@@ -859,8 +871,10 @@ void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
                    stream, p);
 }
 
-// tensor_cores: the device has mma.sync for fp16 (sm_80+).
-inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores) {
+// tensor_cores: the device has mma.sync for fp16 (sm_80+). dependent: the one-row kernel
+// may be launched as a dependent of the kernel ahead (sm_90+; see launch_quant_gemv1).
+inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores,
+                                   bool dependent = false) {
   if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {
 #ifdef AG_QGEMV_MMA_WARPS
     constexpr int kNarrowWarps = AG_QGEMV_MMA_WARPS, kWideWarps = AG_QGEMV_MMA_WARPS;
@@ -882,7 +896,7 @@ inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream
   }
   if (p.m > kGemvMaxRows) return false;
   if (quant_gemv1_ok(p)) {
-    launch_quant_gemv1(p, stream);
+    launch_quant_gemv1(p, stream, dependent);
     return true;
   }
 #if defined(AG_QGEMV_COL_THREADS) && defined(AG_QGEMV_UNROLL)

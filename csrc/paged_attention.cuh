@@ -167,6 +167,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __shared__ __align__(16) float o_smem[kDecodeWarps][HEADS][HEAD_DIM];
   __shared__ float m_smem[kDecodeWarps][HEADS];
   __shared__ float l_smem[kDecodeWarps][HEADS];
+  launch_dependents();  // without a split, the one-row GEMV after it may start fetching its weights
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -379,6 +380,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   constexpr int NUM_WARPS = kReduceThreads / kWarpSize;
   __shared__ float weights[kMaxPartitions];
   __shared__ float scratch[NUM_WARPS];
+  launch_dependents();  // the one-row GEMV after it may start fetching its weights
 
   const int head = blockIdx.x;
   const int seq = blockIdx.y;

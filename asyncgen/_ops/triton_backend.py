@@ -16,6 +16,7 @@ import it, and :func:`ops` imports them lazily, so there is no import cycle.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -60,6 +61,32 @@ except ImportError:  # pragma: no cover - every supported triton has it
 def is_interpreted(kernel: object) -> bool:
     """Whether ``kernel`` was defined under ``TRITON_INTERPRET=1`` (runs on CPU tensors)."""
     return _InterpretedFunction is not None and isinstance(kernel, _InterpretedFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def dependent_launch_enabled() -> bool:
+    """Whether kernels may start before the one ahead of them finishes (Hopper's
+    programmatic dependent launch); ``ASYNCGEN_PDL=0`` in the environment at the first
+    launch turns it off (read once per process)."""
+    return os.environ.get("ASYNCGEN_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def launches_dependents(kernel: object, t: torch.Tensor) -> bool:
+    """Whether ``kernel`` (a Triton kernel about to run on ``t``'s device) should signal
+    at its start that the next kernel may launch: on sm_90+ GPUs, where the csrc one-row
+    GEMV is launched as a dependent and prefetches its weights while this kernel runs.
+    The signal is a no-op for kernels launched the ordinary way."""
+    return (
+        t.is_cuda
+        and not is_interpreted(kernel)
+        and dependent_launch_enabled()
+        and _compute_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+    )
 
 
 def check_tensor(

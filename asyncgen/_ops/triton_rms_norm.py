@@ -31,6 +31,7 @@ from .triton_backend import (
     check_shape,
     check_tensor,
     flatten_rows,
+    launches_dependents,
     next_power_of_2,
 )
 
@@ -54,7 +55,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the next kernel may launch now and wait for this one's output
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -145,6 +149,7 @@ def rms_norm(
         hidden, float(eps),
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        LAUNCH_DEPENDENTS=launches_dependents(_rms_norm_kernel, x2),
         num_warps=_num_warps(block),
     )
     return out, (residual_out if residual is not None else x)

@@ -166,6 +166,8 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*st
 #define gridDim (emu::g_grid_dim)
 #define AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, ...) \
   emu::launch(kernel, grid, block, smem, stream, __VA_ARGS__)
+#define AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, ...) \
+  emu::launch(kernel, grid, block, smem, stream, __VA_ARGS__)
 #define AG_DYNAMIC_SMEM(name) \
   unsigned char* name = reinterpret_cast<unsigned char*>( \
       (reinterpret_cast<uintptr_t>(emu::g_dynamic_smem.data()) + 15) / 16 * 16)
