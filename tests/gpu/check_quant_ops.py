@@ -186,6 +186,57 @@ def sweep() -> None:
             print(f"  {fn.__name__} {k}x{n} M={m}: default {default:.1f} us, best {best[0]:.1f} us {best[1]}", flush=True)
 
 
+def check_dependent_launch() -> None:
+    """The csrc one-row GEMV is launched as a dependent of the kernel ahead (sm_90+): it
+    starts fetching weights before that kernel ends and waits for it before reading x.
+    Chained after the Triton RMSNorm (with a residual) and SiLU, whose outputs it reads,
+    eagerly and replayed in a CUDA graph with new inputs each time, against the torch
+    reference ops."""
+    from asyncgen._ops import cuda_backend, reference
+    from asyncgen._ops import quant_reference as qref
+    from asyncgen._ops.triton_activation import silu_and_mul
+    from asyncgen._ops.triton_rms_norm import rms_norm
+
+    if not cuda_backend.is_available():
+        return
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    gate_up = make_weights(4096, 22016, 4, 128, False, gen)[:3]
+    down = make_weights(11008, 4096, 4, 128, False, gen)[:3]
+    norm_w = (torch.rand(4096, generator=gen, device="cuda") + 0.5).half()
+    x = torch.randn(1, 4096, generator=gen, device="cuda").half()
+    res = torch.randn(1, 4096, generator=gen, device="cuda").half()
+
+    def chain():
+        h, _ = rms_norm(x, norm_w, 1e-5, res.clone())
+        a = silu_and_mul(cuda_backend.quant_gemv_4bit(h, *gate_up, 4, 128))
+        return cuda_backend.quant_gemv_4bit(a, *down, 4, 128)
+
+    def want():
+        h, _ = reference.rms_norm(x, norm_w, 1e-5, res.clone())
+        a = reference.silu_and_mul(qref.quant_matmul(h, *gate_up, 4, 128))
+        return qref.quant_matmul(a, *down, 4, 128).float()
+
+    def rel(got):
+        w = want()
+        return ((got.float() - w).abs().max() / w.abs().max()).item()
+
+    worst = rel(chain())
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain()
+    for _ in range(5):
+        x.copy_(torch.randn(1, 4096, generator=gen, device="cuda").half())
+        res.copy_(torch.randn(1, 4096, generator=gen, device="cuda").half())
+        graph.replay()
+        torch.cuda.synchronize()
+        worst = max(worst, rel(y))
+    ok = worst < 1e-2
+    ROWS.append(Row("graph", "dependent launch: norm, gate|up, silu, down", worst, ok, 0.0, 0.0, 0))
+    print(f"  dependent launch chain (eager + 5 graph replays) {'ok' if ok else 'FAIL'} rel_err {worst:.1e}", flush=True)
+
+
 def print_table() -> None:
     print(f"\n{'kernel':<6} {'case':<44} {'ok':<4} {'rel_err':>8} {'us':>9} {'fp16 us':>9} {'speedup':>8} {'GB/s':>7} {'%HBM':>5}")
     for r in ROWS:
@@ -203,6 +254,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="these batches instead of the default ones")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configurations")
     ap.add_argument("--sweep-only", action="store_true", help="only time the alternative configurations")
+    ap.add_argument("--dependent-only", action="store_true", help="only the dependent-launch chain check")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -221,8 +273,10 @@ def main() -> int:
         return 0
     shapes = SHAPES[:2] if args.quick else SHAPES
     batches = args.batches or ([1, 64] if args.quick else BATCHES)
-    check_kernels(shapes, batches)
-    check_graph_capture()
+    if not args.dependent_only:
+        check_kernels(shapes, batches)
+        check_graph_capture()
+    check_dependent_launch()
     if args.sweep:
         sweep()
     print_table()
