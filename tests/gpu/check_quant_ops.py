@@ -206,10 +206,12 @@ def check_dependent_launch() -> None:
     x = torch.randn(1, 4096, generator=gen, device="cuda").half()
     res = torch.randn(1, 4096, generator=gen, device="cuda").half()
 
+    one_row = cuda_backend.QUANT_KERNELS["cuda_cores"]  # at one row: the one-row kernel, as the engine routes it
+
     def chain():
         h, _ = rms_norm(x, norm_w, 1e-5, res.clone())
-        a = silu_and_mul(cuda_backend.quant_gemv_4bit(h, *gate_up, 4, 128))
-        return cuda_backend.quant_gemv_4bit(a, *down, 4, 128)
+        a = silu_and_mul(cuda_backend.launch_quant_gemv_4bit(h, *gate_up, 128, kernel=one_row))
+        return cuda_backend.launch_quant_gemv_4bit(a, *down, 128, kernel=one_row)
 
     def want():
         h, _ = reference.rms_norm(x, norm_w, 1e-5, res.clone())
