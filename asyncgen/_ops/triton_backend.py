@@ -80,7 +80,7 @@ def launches_dependents(kernel: object, t: torch.Tensor) -> bool:
     """Whether ``kernel`` (a Triton kernel about to run on ``t``'s device) should signal
     at its start that the next kernel may launch: on sm_90+ GPUs, where the csrc one-row
     GEMV is launched as a dependent and prefetches its weights while this kernel runs.
-    The signal is a no-op for kernels launched the ordinary way."""
+    The signal has no effect where the next kernel is launched the ordinary way."""
     return (
         t.is_cuda
         and not is_interpreted(kernel)
