@@ -85,7 +85,7 @@ def launches_dependents(kernel: object, t: torch.Tensor) -> bool:
         t.is_cuda
         and not is_interpreted(kernel)
         and dependent_launch_enabled()
-        and _compute_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+        and _compute_major(t.device.index) >= 9  # a CUDA tensor's device always has an index
     )
 
 
