@@ -17,6 +17,11 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "paged_attention_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, float scale, int max_seq_len, int sliding_window, "
       "int partition_size=-1) -> ()");
+  m.def(
+      "rotary_paged_attention_decode(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor positions, "
+      "Tensor cos_sin_cache, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens, Tensor(d!)? split_counters, float scale, int max_seq_len, int sliding_window, "
+      "int partition_size=-1) -> ()");
   m.def("dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
@@ -27,6 +32,7 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("store_kv_cache", &asyncgen::store_kv_cache);
   m.impl("rotary_store_kv", &asyncgen::rotary_store_kv);
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
+  m.impl("rotary_paged_attention_decode", &asyncgen::rotary_paged_attention_decode);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
 }

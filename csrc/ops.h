@@ -25,6 +25,21 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& seq_lens, double scale, int64_t max_seq_len,
                             int64_t sliding_window, int64_t partition_size);
 
+// paged_attention_decode of this step's q and k before rotary: rotates q (q itself is
+// not written) and k, writes the rotated k and v into slot_mapping's slots (skipping
+// slots < 0), then attends, the new token included. positions and slot_mapping: int64
+// [num_seqs]; at most 8 query heads per kv head. split_counters (int32, all 0, at least
+// num_seqs * num_kv_heads entries; left all 0): the last partition of a split combines
+// them instead of a second kernel. The caller owns it; launches that may run at once
+// need their own.
+void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, const c10::optional<at::Tensor>& split_counters,
+                                   double scale, int64_t max_seq_len, int64_t sliding_window,
+                                   int64_t partition_size);
+
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias);

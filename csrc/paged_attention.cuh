@@ -30,8 +30,19 @@
 //   dots it with q (fp32, from smem)      accumulates p * v for its 8 dims
 //
 // With more than one partition (split-K, for few sequences x heads and long contexts),
-// each partition writes its normalised partial output plus (max, sum) and a second kernel
-// combines them. A sequence that fits one partition is finished by that partition.
+// each partition writes its normalised partial output plus (max, sum). Given a counter
+// per block column (`split_counters`), the partition that finishes last combines them
+// (each block takes a ticket with an atomic add after its partials are out; the one that
+// draws the last ticket reads every partial and resets the counter to 0 for the next
+// launch). Without counters a second kernel combines them. A sequence that fits one
+// partition is finished by that partition.
+//
+// Rotary fused in (`cos_sin` set, one GQA chunk per kv head): q and this step's k come
+// straight from the qkv projection. Every block rotates its q heads as it stages them
+// (rounded to T, as the separate rotary kernel stores them; q itself is not written), and
+// the block that owns a sequence's last partition rotates the new k, writes it and v into
+// the token's slot, and only then (after a barrier) reads the context, which ends with
+// that slot. No other block reads the slot, so the write needs no wider ordering.
 //
 // Napkin math (per sequence and kv head, context L, head_dim D, group G, 2-byte dtype):
 // reads 4*L*D bytes of K/V, does 4*L*D*G flops -> G flop/byte. The H200 (~4.8 TB/s
@@ -61,8 +72,8 @@ constexpr int kMinPartitionSize = 128;   // tokens: 2 tiles per warp; smaller co
 struct DecodeParams {
   void* out;                 // [num_seqs, num_heads, head_dim]
   const void* q;             // [num_seqs, num_heads, head_dim]
-  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim]
-  const void* v_cache;       // [num_blocks, block_size, num_kv_heads, head_dim]
+  void* k_cache;             // [num_blocks, block_size, num_kv_heads, head_dim]
+  void* v_cache;             // [num_blocks, block_size, num_kv_heads, head_dim]
   const int* block_tables;   // [num_seqs, block_table_stride]
   const int* seq_lens;       // [num_seqs]
   float* part_max;           // [num_seqs, num_heads, max_partitions]          (split only)
@@ -77,6 +88,17 @@ struct DecodeParams {
   int partition_size;        // tokens per partition, a multiple of kTile; 0: one pass
   int max_partitions;        // partitions launched per sequence (grid z); 1: one pass
   float scale;
+  // In-kernel combine of the partitions: [num_seqs * gridDim.x] int32, all 0 before the
+  // launch and after it; nullptr: the reduce kernel combines them.
+  int* split_counters;
+  // Fused rotary and cache write (cos_sin != nullptr; needs a single head chunk per kv head):
+  const void* k_new;         // [num_seqs, num_kv_heads, head_dim] this step's key, before rotary
+  const void* v_new;         // [num_seqs, num_kv_heads, head_dim]
+  const int64_t* positions;  // [num_seqs] position of each query (row of cos_sin)
+  const int64_t* slot_mapping;  // [num_seqs] cache slot of the new key/value; < 0: not stored
+  const float* cos_sin;      // [max_position, head_dim]: cos of each rotated pair, then sin
+  int64_t k_new_stride_seq, k_new_stride_head, v_new_stride_seq, v_new_stride_head;
+  int64_t cos_sin_stride;
 };
 
 // Query heads handled by one block for a GQA group of `group` query heads per kv head.
@@ -148,6 +170,59 @@ AG_DEVICE int num_partitions_of(const DecodeParams& p, int seq_len, int base) {
   return imin(n, p.max_partitions);
 }
 
+// Elements between consecutive slots of a cache block.
+AG_DEVICE int64_t slot_stride_of(const DecodeParams& p) {
+  return static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+}
+
+// Element d of a rotate-half rotary embedding of row x (x_d its value), at the position
+// whose cos | sin row is cs, rounded to T and back, as the separate rotary kernel leaves it.
+template <typename T>
+AG_DEVICE float rotate_half_rounded(float x_d, const T* x, int d, int half, const float* cs) {
+  const int pair = d < half ? d : d - half;
+  const float c = cs[pair], s = cs[half + pair];
+  const float y = d < half ? x_d * c - to_float(x[d + half]) * s : x_d * c + to_float(x[pair]) * s;
+  return to_float(from_float<T>(y));
+}
+
+// The last partition of (sequence, head chunk) to finish combines all of them (see the
+// header): out = sum_i w_i o_i / sum_i w_i with w_i = l_i exp(m_i - max m), o_i the
+// partition's unnormalised accumulator divided by l_i as stored.
+AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
+  __shared__ int ticket;
+  __threadfence();  // this thread's partials are visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
+  __syncthreads();
+  const bool last = ticket == num_parts - 1;
+  if (last) {
+    __threadfence();  // and the other partitions' partials are read after it
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+  }
+  return last;
+}
+
+template <typename T, int HEAD_DIM>
+AG_DEVICE void combine_partitions(const DecodeParams& p, int seq, int head, int num_parts) {
+  const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
+  const float* part_max = p.part_max + row * p.max_partitions;
+  const float* part_sum = p.part_sum + row * p.max_partitions;
+  const float* part_out = p.part_out + row * p.max_partitions * HEAD_DIM;
+  float m = -INFINITY;
+  for (int i = 0; i < num_parts; ++i) m = fmaxf(m, __ldcg(part_max + i));
+  const float m_ref = m == -INFINITY ? 0.f : m;
+  T* out = static_cast<T*>(p.out) + seq * p.out_stride_seq + head * p.out_stride_head;
+  for (int d = threadIdx.x; d < HEAD_DIM; d += kDecodeThreads) {
+    float o = 0.f, total = 0.f;
+    for (int i = 0; i < num_parts; ++i) {
+      const float w = __ldcg(part_sum + i) * __expf(__ldcg(part_max + i) - m_ref);
+      total += w;
+      o += w * __ldcg(part_out + i * HEAD_DIM + d);
+    }
+    out[d] = from_float<T>(total > 0.f ? o / total : 0.f);
+  }
+}
+
 // Grid: (num_kv_heads * head chunks, num_seqs, max_partitions); block: kDecodeThreads.
 template <typename T, int HEAD_DIM, int HEADS>
 __global__ void __launch_bounds__(kDecodeThreads)
@@ -195,12 +270,35 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int num_tiles = end > begin ? ceil_div(end - begin, kTile) : 0;
 
   const T* q = static_cast<const T*>(p.q) + seq * p.q_stride_seq + head0 * p.q_stride_head;
+  constexpr int HALF = HEAD_DIM / 2;
+  const bool rotary = p.cos_sin != nullptr;
+  const float* cs = rotary ? p.cos_sin + p.positions[seq] * p.cos_sin_stride : nullptr;
   for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
     const int d = i % HEAD_DIM;
-    q_smem[h][d] = h < num_heads_here ? to_float(q[h * p.q_stride_head + d]) * p.scale : 0.f;
+    float x = 0.f;
+    if (h < num_heads_here) {
+      const T* qh = q + h * p.q_stride_head;
+      x = to_float(qh[d]);
+      if (rotary) x = rotate_half_rounded<T>(x, qh, d, HALF, cs);
+    }
+    q_smem[h][d] = x * p.scale;
   }
-  __syncthreads();
+  if (rotary && part == num_parts - 1) {  // this block's context ends with the new token
+    const int64_t slot = p.slot_mapping[seq];
+    if (slot >= 0) {
+      const int64_t row = (slot % p.block_size) * slot_stride_of(p) + kv_head * HEAD_DIM;
+      T* k_dst = static_cast<T*>(p.k_cache) + slot / p.block_size * p.k_stride_block + row;
+      T* v_dst = static_cast<T*>(p.v_cache) + slot / p.block_size * p.v_stride_block + row;
+      const T* k_src = static_cast<const T*>(p.k_new) + seq * p.k_new_stride_seq + kv_head * p.k_new_stride_head;
+      const T* v_src = static_cast<const T*>(p.v_new) + seq * p.v_new_stride_seq + kv_head * p.v_new_stride_head;
+      for (int d = threadIdx.x; d < HEAD_DIM; d += kDecodeThreads) {
+        k_dst[d] = from_float<T>(rotate_half_rounded<T>(to_float(k_src[d]), k_src, d, HALF, cs));
+        v_dst[d] = v_src[d];
+      }
+    }
+  }
+  __syncthreads();  // q staged; the new key and value are in the cache for the block's reads
 
   float m_run[HEADS];    // running max of the scores seen by this warp
   float l_run[HEADS];    // this lane's share of the running sum of exp(score - m_run)
@@ -214,7 +312,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
 
   const int* block_table = p.block_tables + seq * p.block_table_stride;
-  const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  const int64_t slot_stride = slot_stride_of(p);
   const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
   const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
   const int qk_token = lane / QK_LANES;
@@ -371,6 +469,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
       p.part_sum[row * p.max_partitions + part] = l_all[h];
     }
   }
+  if (!write_final && p.split_counters != nullptr &&
+      takes_last_ticket(p.split_counters + seq * gridDim.x + blockIdx.x, num_parts)) {
+    for (int h = 0; h < num_heads_here; ++h) combine_partitions<T, HEAD_DIM>(p, seq, head0 + h, num_parts);
+  }
 }
 
 // Combines the partitions of one (sequence, query head): weights l_i * exp(m_i - m).
@@ -422,7 +524,7 @@ void launch_decode(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.num_kv_heads * ceil_div(group, HEADS), p.num_seqs, p.max_partitions);
   auto kernel = paged_attention_decode_kernel<T, HEAD_DIM, HEADS>;
   AG_LAUNCH_KERNEL(kernel, grid, block, 0, stream, p);
-  if (p.max_partitions > 1) {
+  if (p.max_partitions > 1 && p.split_counters == nullptr) {
     auto reduce = paged_attention_reduce_kernel<T, HEAD_DIM>;
     AG_LAUNCH_KERNEL(reduce, dim3(p.num_heads, p.num_seqs), dim3(kReduceThreads), 0, stream, p);
   }
@@ -442,11 +544,18 @@ inline bool decode_supports_head_dim(int head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
+// Whether the fused rotary and cache write can run for a GQA group of `group` query heads
+// per kv head: the block that writes a kv head's new slot must be the only one reading it.
+inline bool decode_rotary_supported(int group) { return group <= kMaxHeadsPerBlock; }
+
 // Launches the decode kernel(s) for element type T (__half or __nv_bfloat16). The caller
 // has validated shapes, filled partition_size / max_partitions from plan_decode() and
-// allocated part_* when max_partitions > 1. Returns false for an unsupported head_dim.
+// allocated part_* when max_partitions > 1 (and split_counters when it wants the
+// partitions combined in the kernel). Returns false for an unsupported head_dim, or
+// rotary asked for with a group decode_rotary_supported() refuses.
 template <typename T>
 bool launch_paged_attention_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (p.cos_sin != nullptr && !decode_rotary_supported(p.num_heads / p.num_kv_heads)) return false;
   switch (p.head_dim) {
     case 64: launch_decode_for_head_dim<T, 64>(p, stream); return true;
     case 128: launch_decode_for_head_dim<T, 128>(p, stream); return true;

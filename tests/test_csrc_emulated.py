@@ -11,7 +11,7 @@ import torch
 
 from asyncgen._ops import reference
 from csrc_emu import harness
-from csrc_emu.cases import make_decode_case, make_store_case, relative_error
+from csrc_emu.cases import make_decode_case, make_rotary_decode_case, make_store_case, relative_error
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -93,6 +93,86 @@ def test_decode_underestimated_max_seq_len_stays_correct(emu):
     out, ref, parts = run_decode(emu, case, partition_size=32, max_seq_len=100)
     assert parts == 4
     assert relative_error(out, ref) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("reverse_blocks", [False, True], ids=["in_order", "reversed"])
+@pytest.mark.parametrize("partition_size", [0, 48], ids=["single", "split"])
+def test_decode_split_combined_in_kernel(emu, partition_size, reverse_blocks):
+    # The partition that draws the last ticket combines them, whichever one finishes last,
+    # and leaves the counters at 0 for the next launch (run twice on the same counters).
+    case = make_decode_case(num_seqs=3, num_heads=8, num_kv_heads=2, head_dim=64, max_len=210,
+                            dtype=torch.float16, seed=11)
+    counters = torch.zeros(3 * 2 + 5, dtype=torch.int32)
+    ref = reference.paged_attention(case.q, case.k_cache_ref, case.v_cache_ref, case.block_tables,
+                                    case.seq_lens, case.query_start_loc, case.scale)
+    for _ in range(2):
+        out = torch.full_like(case.q, float("nan"))
+        parts = emu.paged_attention_decode(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                           case.scale, case.max_seq_len, 0, partition_size,
+                                           split_counters=counters, reverse_blocks=reverse_blocks)
+        assert (parts > 1) == (partition_size > 0)
+        assert relative_error(out, ref) < TOLERANCE[torch.float16]
+        assert not counters.any()
+
+
+# (num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, window)
+ROTARY_SHAPES = [
+    (3, 4, 4, 128, 16, 150, None),    # MHA
+    (3, 8, 2, 64, 16, 203, None),     # GQA 4
+    (2, 16, 2, 64, 32, 170, None),    # GQA 8, block_size 32
+    (2, 6, 2, 128, 16, 97, None),     # GQA 3: heads padded to 4
+    (3, 8, 2, 64, 16, 230, 37),       # sliding window
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("partition_size, counters, reverse", [(0, False, False), (48, False, False),
+                                                              (48, True, False), (32, True, True)],
+                         ids=["single", "split", "split_combined", "split_combined_reversed"])
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "x".join(str(v) for v in s))
+def test_decode_with_fused_rotary_matches_reference(emu, shape, partition_size, counters, reverse, dtype):
+    """rotary_paged_attention_decode against the reference rotary, cache write and
+    attention in turn: the new token's slot holds NaN until the kernel writes it, so an
+    attention that read the context before the write would show it. One sequence is
+    empty (a padded graph row: slot -1, nothing stored, zeros out)."""
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_len, window = shape
+    case = make_decode_case(
+        num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, max_len=max_len, dtype=dtype, sliding_window=window, empty_seq=True, seed=7,
+    )
+    rc = make_rotary_decode_case(case, seed=num_heads)
+    q_before = case.q.clone()
+    split_counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32) if counters else None
+    out = torch.full_like(case.q, float("nan"))
+    parts = emu.paged_attention_decode(
+        out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+        case.max_seq_len, window or 0, partition_size, rotary=(rc.k, rc.v, rc.positions, rc.cos_sin, rc.slot_mapping),
+        split_counters=split_counters, reverse_blocks=reverse,
+    )
+    assert (parts > 1) == (partition_size > 0)
+    ref = reference.paged_attention(rc.q_ref, rc.k_cache_ref, rc.v_cache_ref, case.block_tables, case.seq_lens,
+                                    case.query_start_loc, case.scale, window)
+    assert relative_error(out[:-1], ref[:-1]) < TOLERANCE[dtype]
+    assert torch.equal(out[-1].float(), torch.zeros_like(out[-1].float()))
+    assert torch.equal(case.q, q_before)  # q is read, not rotated in place
+    written = rc.slot_mapping[rc.slot_mapping >= 0]
+    flat = lambda c: c.view(-1, num_kv_heads, head_dim)[written].float()  # noqa: E731
+    ulp = {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    k_ref = flat(rc.k_cache_ref)
+    assert (flat(case.k_cache) - k_ref).abs().max().item() <= ulp * k_ref.abs().max().item()
+    assert torch.equal(flat(case.v_cache), flat(rc.v_cache_ref))
+    if split_counters is not None:
+        assert not split_counters.any()
+
+
+def test_decode_fused_rotary_refuses_groups_past_8(emu):
+    case = make_decode_case(num_seqs=2, num_heads=24, num_kv_heads=2, head_dim=64, max_len=60,
+                            dtype=torch.float16, seed=2)
+    rc = make_rotary_decode_case(case)
+    with pytest.raises(AssertionError, match="group"):
+        emu.paged_attention_decode(torch.empty_like(case.q), case.q, case.k_cache, case.v_cache, case.block_tables,
+                                   case.seq_lens, case.scale, case.max_seq_len,
+                                   rotary=(rc.k, rc.v, rc.positions, rc.cos_sin, rc.slot_mapping))
 
 
 def test_plan_depends_on_shapes_only(emu):

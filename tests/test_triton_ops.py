@@ -541,7 +541,40 @@ def test_elementwise_launchers_reject_bad_arguments():
         OPS.store_kv_cache(k, k[:2], kv_cache, kv_cache, slots)
 
 
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_rotary_attention_matches_reference(scenario):
+    """The layer's rotary, cache write and attention in one call, against the reference
+    composition: same output, same cache contents at the step's slots."""
+    q_lens, seq_lens = SCENARIOS[scenario]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                                 dtype=torch.float16, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    tables = batch["block_tables"].cpu()
+    positions, slots = [], []
+    for b, (q_len, n) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(n - q_len, n):
+            positions.append(pos)
+            slots.append(int(tables[b, pos // 16]) * 16 + pos % 16)
+    num_tokens = len(positions)
+    kv = torch.randn(num_tokens, 4, 64, generator=gen).to(torch.float16).to(DEVICE)
+    args = dict(positions=torch.tensor(positions, device=DEVICE), cos_sin_cache=_cos_sin_cache(256, 64),
+                slot_mapping=torch.tensor(slots, device=DEVICE), block_tables=batch["block_tables"],
+                seq_lens=batch["seq_lens"], query_start_loc=batch["query_start_loc"], scale=0.125)
+    results = []
+    for fn in (ref.rotary_attention, OPS.rotary_attention):
+        k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+        q, k, v = batch["q"].clone(), kv[:, :2].clone(), kv[:, 2:].clone()
+        out = fn(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, **args, max_query_len=max(q_lens),
+                 max_seq_len=max(seq_lens))
+        results.append((out, k_cache.view(-1, 2, 64)[args["slot_mapping"]], v_cache.view(-1, 2, 64)[args["slot_mapping"]]))
+    (out_ref, k_ref, v_ref), (out, k_got, v_got) = results
+    assert_close(out, out_ref, torch.float16)
+    assert_close(k_got, k_ref, torch.float16)
+    assert torch.equal(v_got, v_ref)
+
+
 def test_get_ops_triton_bundle():
     assert OPS.name == "triton"
-    for name in ("rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_attention"):
+    for name in ("rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_attention",
+                 "rotary_store_kv", "rotary_attention"):
         assert callable(getattr(OPS, name))

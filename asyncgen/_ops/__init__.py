@@ -1,13 +1,15 @@
 """Kernels behind typed launchers, grouped into interchangeable backends.
 
-A backend is an :class:`Ops` bundle with the same six functions, each defined by its
+A backend is an :class:`Ops` bundle with the same seven functions, each defined by its
 plain-torch reference in :mod:`asyncgen._ops.reference` (``rotary_store_kv`` is rotary
-then the cache write, which a backend may fuse):
+then the cache write, and ``rotary_attention`` those then attention, which a backend may
+fuse):
 
 - ``"torch"``: the references themselves; runs anywhere (the CPU path).
 - ``"triton"``: Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests).
 - ``"cuda"``: the compiled csrc extension for attention, the cache write and the fused
-  rotary + cache write, Triton for the rest; only where the extension was built.
+  rotary + cache write (+ decode attention), Triton for the rest; only where the
+  extension was built.
 
 The model receives one ``Ops`` at construction; nothing here is global state.
 """
@@ -31,6 +33,7 @@ class Ops:
     store_kv_cache: Callable
     paged_attention: Callable
     rotary_store_kv: Callable
+    rotary_attention: Callable
 
 
 def get_ops(backend: str) -> Ops:
@@ -39,7 +42,7 @@ def get_ops(backend: str) -> Ops:
         from . import reference as r
 
         return Ops("torch", r.rms_norm, r.rotary_embedding, r.silu_and_mul, r.store_kv_cache, r.paged_attention,
-                   r.rotary_store_kv)
+                   r.rotary_store_kv, r.rotary_attention)
     if backend == "triton":
         from . import triton_backend
 
@@ -49,6 +52,20 @@ def get_ops(backend: str) -> Ops:
 
         return cuda_backend.ops()
     raise ValueError(f"unknown ops backend {backend!r}; expected one of {BACKENDS}")
+
+
+def compose_rotary_attention(rotary_store_kv: Callable, paged_attention: Callable) -> Callable:
+    """``rotary_attention`` (see the reference) as a backend's ``rotary_store_kv`` followed
+    by its ``paged_attention``."""
+
+    def rotary_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                         query_start_loc, scale, sliding_window=None, *, max_query_len=None, max_seq_len=None,
+                         split_counters=None):
+        rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                               max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+    return rotary_attention
 
 
 def cuda_backend_available() -> bool:

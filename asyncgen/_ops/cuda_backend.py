@@ -22,6 +22,12 @@ the argument on bad input):
   layers check their weight once (``*_weight_ok``), each input with
   :func:`gemv_input_ok`, and call the ``launch_*`` forms, which skip the Python checks.
   :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
+- ``rotary_attention`` (what the attention layer calls): for decode-only batches the
+  csrc decode kernel takes (below), with int64 positions and slots and at most 8 query
+  heads per kv head, one csrc kernel rotates q and the new k as it reads them, stores
+  the new k and v and attends; when the context is split, the last partition to finish
+  combines the partitions (``split_counters``, the model's int32 buffer of zeros).
+  Otherwise ``rotary_store_kv`` then ``paged_attention``.
 - ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
   bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
   lengths; Triton for everything else (prefill chunks, mixed batches, other shapes).
@@ -81,7 +87,8 @@ def _register_fakes() -> None:
     register = getattr(torch.library, "register_fake", None)
     if register is None:  # torch < 2.4
         return
-    for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "dense_gemv", "quant_gemv_4bit"):
+    for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
+                 "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -106,7 +113,7 @@ def ops() -> Ops:
 
     t = triton_backend.ops()
     return Ops("cuda", t.rms_norm, t.rotary_embedding, t.silu_and_mul, store_kv_cache, paged_attention,
-               rotary_store_kv)
+               rotary_store_kv, rotary_attention)
 
 
 # ----------------------------------------------------------------------------------------
@@ -358,6 +365,93 @@ def paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
+
+
+# The fused decode kernel rotates and stores a kv head's new token in the one block that
+# reads it, which holds at most this many query heads.
+_ROTARY_DECODE_MAX_GROUP = 8
+
+
+def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, split_counters) -> bool:
+    """Whether rotary_paged_attention_decode takes what the decode kernel already takes."""
+    num_seqs, num_heads, head_dim = q.shape
+    return (
+        isinstance(positions, torch.Tensor) and isinstance(slot_mapping, torch.Tensor)
+        and isinstance(cos_sin_cache, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        and k.dim() == 3 and tuple(k.shape) == tuple(v.shape) and k.shape[0] == num_seqs and k.shape[2] == head_dim
+        and num_heads % k.shape[1] == 0 and num_heads // k.shape[1] <= _ROTARY_DECODE_MAX_GROUP
+        and k.dtype == q.dtype and v.dtype == q.dtype and k.stride(2) == 1 and v.stride(2) == 1
+        and positions.dtype == torch.int64 and positions.dim() == 1 and positions.shape[0] == num_seqs
+        and positions.is_contiguous()
+        and slot_mapping.dtype == torch.int64 and slot_mapping.dim() == 1 and slot_mapping.shape[0] == num_seqs
+        and slot_mapping.is_contiguous()
+        and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
+        and cos_sin_cache.stride(1) == 1
+        and (split_counters is None or (split_counters.dtype == torch.int32 and split_counters.dim() == 1
+                                        and split_counters.is_contiguous()))
+    )
+
+
+def rotary_attention(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    split_counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`rotary_store_kv` then :func:`paged_attention` (see the reference). A
+    decode-only step (``max_query_len=1``) that the csrc decode kernel takes, with int64
+    positions and slots, an fp32 cos/sin cache and at most 8 query heads per kv head, runs
+    as one kernel: it rotates q and the new k as it reads them, stores the new k and v,
+    then attends (``split_counters``: that kernel's split-K combine, else a second
+    kernel). q and k are left as they came. Everything else runs the two ops, which check
+    their own arguments."""
+    if (
+        max_query_len == 1
+        and isinstance(q, torch.Tensor) and q.dim() == 3
+        and isinstance(seq_lens, torch.Tensor) and q.shape[0] == seq_lens.shape[0]
+        and isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4
+        and isinstance(v_cache, torch.Tensor) and tuple(v_cache.shape) == tuple(k_cache.shape)
+        and isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2
+        and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+        and k_cache.shape[3] == q.shape[2] and q.shape[1] % max(k_cache.shape[2], 1) == 0
+        and _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, split_counters)
+        and k.shape[1] == k_cache.shape[2]
+        and (sliding_window is None or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+                                        and sliding_window >= 1))
+        and _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, q)
+    ):
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise ValueError(f"scale must be a float, got {scale!r}")
+        _check_hint("max_seq_len", max_seq_len, 0)
+        tensors = dict(q=q, k=k, v=v, positions=positions, cos_sin_cache=cos_sin_cache, k_cache=k_cache,
+                       v_cache=v_cache, slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens)
+        _check_same_cuda_device(**tensors, **({"split_counters": split_counters} if split_counters is not None else {}))
+        out = torch.empty_like(q)
+        if q.shape[0] == 0:
+            return out
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())  # host sync
+        torch.ops.asyncgen_C.rotary_paged_attention_decode(
+            out, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+            split_counters, float(scale), max_seq_len, sliding_window or 0,
+        )
+        return out
+    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                           max_query_len=max_query_len, max_seq_len=max_seq_len)
 
 
 def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

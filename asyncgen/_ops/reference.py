@@ -28,6 +28,7 @@ import torch.nn.functional as F
 __all__ = [
     "paged_attention",
     "rms_norm",
+    "rotary_attention",
     "rotary_embedding",
     "silu_and_mul",
     "store_kv_cache",
@@ -212,3 +213,34 @@ def paged_attention(
         res = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
         out[start:end] = res.transpose(0, 1).to(out.dtype)
     return out
+
+
+def rotary_attention(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    split_counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention layer's whole step between the qkv projection and o_proj:
+    :func:`rotary_store_kv`, then :func:`paged_attention` (returned). ``q`` and ``k`` may
+    be left rotated or not (a fused kernel only reads them). ``split_counters``: an int32
+    buffer of zeros a GPU kernel may use for its split-K combine and leaves at zero (one
+    per launch that can run concurrently); the reference ignores it, as it does the hints."""
+    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+        max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )

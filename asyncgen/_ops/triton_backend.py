@@ -34,7 +34,9 @@ DEFAULT_NUM_SMS = 132
 @functools.lru_cache(maxsize=None)
 def ops() -> Ops:
     """The op bundle whose functions launch Triton kernels (``rotary_store_kv``: the
-    rotary kernel, then the cache-write kernel)."""
+    rotary kernel, then the cache-write kernel; ``rotary_attention``: those, then
+    attention)."""
+    from . import compose_rotary_attention
     from .triton_activation import silu_and_mul
     from .triton_kv_cache import store_kv_cache
     from .triton_paged_attention import paged_attention
@@ -45,7 +47,8 @@ def ops() -> Ops:
         rotary_embedding(positions, q, k, cos_sin_cache)
         store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
-    return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, store_kv_cache, paged_attention, rotary_store_kv)
+    return Ops("triton", rms_norm, rotary_embedding, silu_and_mul, store_kv_cache, paged_attention, rotary_store_kv,
+               compose_rotary_attention(rotary_store_kv, paged_attention))
 
 
 # ----------------------------------------------------------------------------------------

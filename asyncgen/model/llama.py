@@ -68,6 +68,9 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim] each.
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
+        # int32 zeros the attention kernels may use to combine a split context (shared by
+        # the layers, which run one after another); bound by the model runner on CUDA.
+        self.split_counters: Optional[torch.Tensor] = None
 
     def forward(self, positions, x, meta: AttentionMetadata, cos_sin_cache):
         T = x.shape[0]
@@ -75,10 +78,10 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
-        self.ops.rotary_store_kv(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.ops.paged_attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale, self.sliding_window, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        o = self.ops.rotary_attention(
+            positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.query_start_loc, self.scale, self.sliding_window,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, split_counters=self.split_counters,
         )
         return self.o_proj(o.view(T, self.q_size))
 

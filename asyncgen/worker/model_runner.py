@@ -299,14 +299,20 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_cfg
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # One counter per (sequence, kv head) of a decode batch, for the attention kernel's
+        # split-K combine; the layers take turns with it (one stream).
+        counters = None
+        if self.device.type == "cuda":
+            counters = torch.zeros(max(self.cfg.max_num_seqs, 1) * c.num_kv_heads, dtype=torch.int32, device=self.device)
         for layer in self.model.layers:
             attn = layer.self_attn
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.split_counters = counters
 
     def _free_kv_cache(self) -> None:
         for layer in self.model.layers:
-            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+            layer.self_attn.k_cache = layer.self_attn.v_cache = layer.self_attn.split_counters = None
 
     def shutdown(self) -> None:
         """Drops the model and the pool so their device memory can be reused."""

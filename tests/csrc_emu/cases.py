@@ -96,6 +96,56 @@ def make_decode_case(
     )
 
 
+@dataclasses.dataclass
+class RotaryDecodeCase:
+    """A decode step whose new token's k and v are not in the cache yet (its slot holds
+    NaN), for the fused rotary + cache write + attention; the ``*_ref`` tensors are what
+    the separate reference ops give."""
+
+    case: DecodeCase            # its caches hold NaN in the new slots
+    k: torch.Tensor             # [num_seqs, num_kv_heads, head_dim] before rotary, strided views
+    v: torch.Tensor
+    positions: torch.Tensor     # [num_seqs] int64: seq_len - 1
+    cos_sin: torch.Tensor       # [max_position, head_dim] fp32
+    slot_mapping: torch.Tensor  # [num_seqs] int64; -1 for an empty sequence
+    q_ref: torch.Tensor         # q after rotary
+    k_cache_ref: torch.Tensor   # the caches after the reference cache write
+    v_cache_ref: torch.Tensor
+
+
+def make_rotary_decode_case(case: DecodeCase, seed: int = 0) -> RotaryDecodeCase:
+    """Turns ``case`` into a step that still has to rotate q and k and store the new
+    token (the one at ``seq_len - 1`` of every sequence)."""
+    from asyncgen._ops import reference
+
+    g = torch.Generator().manual_seed(seed + 101)
+    num_seqs, num_heads, head_dim = case.q.shape
+    _, block_size, num_kv_heads, _ = case.k_cache.shape
+    device, dtype = case.q.device, case.q.dtype
+    lens = case.seq_lens.long().cpu()
+    positions = (lens - 1).clamp_min(0)
+    tables = case.block_tables.long().cpu()
+    slots = torch.tensor(
+        [int(tables[b, int(positions[b]) // block_size]) * block_size + int(positions[b]) % block_size
+         if lens[b] > 0 else -1 for b in range(num_seqs)],
+        dtype=torch.int64,
+    )
+    kv = torch.randn(num_seqs, 3 * num_kv_heads, head_dim, generator=g).to(dtype)
+    max_pos = int(positions.max()) + 7
+    angles = torch.rand(max_pos, head_dim // 2, generator=g) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    for cache in (case.k_cache, case.v_cache):  # the kernel must write before it reads
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        flat[slots[slots >= 0].to(device)] = float("nan")
+    k, v = kv[:, num_kv_heads : 2 * num_kv_heads].to(device), kv[:, 2 * num_kv_heads :].to(device)
+    q_ref, k_rot = case.q.clone(), k.clone()
+    reference.rotary_embedding(positions.to(device), q_ref, k_rot, cos_sin.to(device))
+    kc_ref, vc_ref = case.k_cache_ref.clone(), case.v_cache_ref.clone()
+    reference.store_kv_cache(k_rot, v, kc_ref, vc_ref, slots.to(device))
+    return RotaryDecodeCase(case, k, v, positions.to(device), cos_sin.to(device), slots.to(device), q_ref,
+                            kc_ref, vc_ref)
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref| in fp32; inf when out has NaN."""
     out, ref = out.float(), ref.float()

@@ -59,6 +59,9 @@ inline BlockRun* g_run = nullptr;
 inline dim3 g_thread_idx, g_block_idx, g_block_dim, g_grid_dim;
 inline std::vector<std::unique_ptr<char[]>> g_stacks;
 inline std::vector<unsigned char> g_dynamic_smem;
+// Blocks run in launch order (x fastest), or the reverse of it: on a GPU any order can
+// happen, and logic that depends on which block finishes last gets both.
+inline bool g_reverse_blocks = false;
 constexpr size_t kStackBytes = 256 * 1024;
 
 inline int linear_tid() {
@@ -152,10 +155,11 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*st
   // Dynamic shared memory: one buffer, reused by the blocks (which run one at a time),
   // filled with a pattern so that reads of unwritten bytes give garbage, not zeros.
   g_dynamic_smem.assign(smem + 16, 0xA5);
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x)
-        run_block(dim3(x, y, z), block, [&] { kernel(args...); });
+  const unsigned total = grid.x * grid.y * grid.z;
+  for (unsigned n = 0; n < total; ++n) {
+    const unsigned i = g_reverse_blocks ? total - 1 - n : n;
+    run_block(dim3(i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)), block, [&] { kernel(args...); });
+  }
 }
 
 }  // namespace emu
@@ -210,3 +214,15 @@ T __shfl_sync(unsigned mask, T value, int source_lane, int width = 32) {
 }
 
 inline float __expf(float x) { return std::exp(x); }
+
+// Blocks run one at a time, so atomics and fences need no more than plain memory.
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
+inline void __threadfence() {}
+template <typename T>
+T __ldcg(const T* address) {
+  return *address;
+}

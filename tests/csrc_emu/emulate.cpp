@@ -15,6 +15,8 @@ using asyncgen::StoreKVParams;
 
 extern "C" {
 
+void ag_set_reverse_blocks(int reverse) { emu::g_reverse_blocks = reverse != 0; }
+
 int ag_plan_decode(int num_seqs, int num_heads, int num_kv_heads, int max_seq_len,
                    int sliding_window, int num_sms, int requested_partition_size,
                    int* partition_size, int* num_partitions) {

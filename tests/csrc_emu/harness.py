@@ -51,6 +51,17 @@ class DecodeParams(ctypes.Structure):
         ("partition_size", ctypes.c_int),
         ("max_partitions", ctypes.c_int),
         ("scale", ctypes.c_float),
+        ("split_counters", ctypes.c_void_p),
+        ("k_new", ctypes.c_void_p),
+        ("v_new", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("cos_sin", ctypes.c_void_p),
+        ("k_new_stride_seq", ctypes.c_int64),
+        ("k_new_stride_head", ctypes.c_int64),
+        ("v_new_stride_seq", ctypes.c_int64),
+        ("v_new_stride_head", ctypes.c_int64),
+        ("cos_sin_stride", ctypes.c_int64),
     ]
 
 
@@ -183,6 +194,7 @@ class Emulator:
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         self.last_quant_kernel = ""
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
+        lib.ag_set_reverse_blocks.argtypes = [ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
 
     def plan(self, num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window, num_sms,
@@ -193,8 +205,12 @@ class Emulator:
         return size.value, count.value
 
     def paged_attention_decode(self, out, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                               max_seq_len, sliding_window=0, partition_size=-1, num_sms=132):
-        """Mirrors the torch op's glue: plan, scratch buffers, params, launch."""
+                               max_seq_len, sliding_window=0, partition_size=-1, num_sms=132, *,
+                               rotary=None, split_counters=None, reverse_blocks=False):
+        """Mirrors the torch ops' glue: plan, scratch buffers, params, launch. ``rotary``:
+        ``(k, v, positions, cos_sin_cache, slot_mapping)`` for the fused rotary and cache
+        write (rotary_paged_attention_decode); ``split_counters``: the int32 counters of
+        the in-kernel combine; ``reverse_blocks`` runs the blocks in reverse order."""
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         size, count = self.plan(num_seqs, num_heads, num_kv_heads, max_seq_len, sliding_window,
@@ -212,8 +228,22 @@ class Emulator:
             num_seqs, num_heads, num_kv_heads, head_dim, k_cache.shape[1], sliding_window,
             size, count, scale,
         )
-        rc = self.lib.ag_paged_attention_decode(ctypes.byref(p), DTYPE_CODES[q.dtype])
-        assert rc == 0, "unsupported head_dim"
+        if count > 1 and split_counters is not None:
+            assert split_counters.numel() >= num_seqs * num_kv_heads
+            p.split_counters = _ptr(split_counters)
+        if rotary is not None:
+            k, v, positions, cos_sin, slot_mapping = rotary
+            p.k_new, p.v_new, p.positions, p.slot_mapping, p.cos_sin = (
+                _ptr(k), _ptr(v), _ptr(positions), _ptr(slot_mapping), _ptr(cos_sin))
+            p.k_new_stride_seq, p.k_new_stride_head = k.stride(0), k.stride(1)
+            p.v_new_stride_seq, p.v_new_stride_head = v.stride(0), v.stride(1)
+            p.cos_sin_stride = cos_sin.stride(0)
+        self.lib.ag_set_reverse_blocks(int(reverse_blocks))
+        try:
+            rc = self.lib.ag_paged_attention_decode(ctypes.byref(p), DTYPE_CODES[q.dtype])
+        finally:
+            self.lib.ag_set_reverse_blocks(0)
+        assert rc == 0, "unsupported head_dim (or group) for the kernel"
         return count
 
     def store_kv_cache(self, key, value, k_cache, v_cache, slot_mapping):

@@ -24,10 +24,14 @@ import argparse
 import math
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
 from asyncgen._ops import cuda_backend, reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared input builders
+from csrc_emu.cases import make_decode_case, make_rotary_decode_case  # noqa: E402
 
 PEAK_GBPS = 4300.0
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -256,6 +260,144 @@ def check_decode(quick: bool) -> None:
     case = Case(seq_lens=ragged_lens(3, 2000, 8), num_heads=8, num_kv_heads=8, head_dim=64, dtype=torch.float16)
     out = case.op(torch.empty_like(case.q), 128, max_seq_len=500)
     check("decode underestimated max_seq_len", relative_error(out, case.reference()) < 2e-3)
+
+
+def _rotary_attention_call(rc, out_of_place=True, split_counters=None, max_seq_len=None):
+    case = rc.case
+    return cuda_backend.rotary_attention(
+        rc.positions, case.q, rc.k, rc.v, rc.cos_sin, case.k_cache, case.v_cache, rc.slot_mapping,
+        case.block_tables, case.seq_lens, case.query_start_loc, case.scale, case.sliding_window,
+        max_query_len=1, max_seq_len=case.max_seq_len if max_seq_len is None else max_seq_len,
+        split_counters=split_counters,
+    )
+
+
+def check_rotary_attention(quick: bool) -> None:
+    """The fused rotary + cache write + decode attention (rotary_paged_attention_decode,
+    through cuda_backend.rotary_attention) against the reference ops in turn: the new
+    token's slot holds NaN until the kernel writes it; split-K off, forced and automatic,
+    combined by a second kernel or in the kernel (counters back at 0 after); and a CUDA
+    graph replayed with new lengths, tokens and slots."""
+    print("rotary_attention (fused decode)")
+    shapes = [  # (num_heads, num_kv_heads, head_dim, block_size, max_len, window)
+        (32, 32, 128, 16, 1500, None), (32, 8, 128, 16, 1300, None), (64, 8, 128, 16, 900, None),
+        (28, 4, 128, 32, 700, None), (8, 8, 64, 16, 1100, None), (16, 4, 256, 16, 600, None),
+        (32, 8, 128, 16, 1500, 300),
+    ]
+    if quick:
+        shapes = shapes[::2]
+    for dtype in (torch.float16, torch.bfloat16):
+        for s, (heads, kv_heads, head_dim, block_size, max_len, window) in enumerate(shapes):
+            for num_seqs in (1, 5):
+                for partition_size, counters in ((0, False), (64, False), (64, True), (-1, True)):
+                    case = make_decode_case(num_seqs=num_seqs, num_heads=heads, num_kv_heads=kv_heads,
+                                            head_dim=head_dim, block_size=block_size, max_len=max_len, dtype=dtype,
+                                            sliding_window=window, empty_seq=num_seqs > 2, seed=s, device=DEVICE)
+                    rc = make_rotary_decode_case(case, seed=s)
+                    ref = reference.paged_attention(rc.q_ref, rc.k_cache_ref, rc.v_cache_ref, case.block_tables,
+                                                    case.seq_lens, case.query_start_loc, case.scale, window)
+                    split_counters = torch.zeros(num_seqs * kv_heads, dtype=torch.int32, device=DEVICE)
+                    out = torch.full_like(case.q, float("nan"))
+                    torch.ops.asyncgen_C.rotary_paged_attention_decode(
+                        out, case.q, rc.k, rc.v, rc.positions, rc.cos_sin, case.k_cache, case.v_cache,
+                        rc.slot_mapping, case.block_tables, case.seq_lens, split_counters if counters else None,
+                        case.scale, case.max_seq_len, window or 0, partition_size)
+                    rows = slice(0, num_seqs - 1) if num_seqs > 2 else slice(0, num_seqs)
+                    err = relative_error(out[rows], ref[rows])
+                    written = rc.slot_mapping[rc.slot_mapping >= 0]
+                    flat = lambda c: c.view(-1, kv_heads, head_dim)[written]  # noqa: E731
+                    k_err = relative_error(flat(case.k_cache), flat(rc.k_cache_ref))
+                    ok = (err < TOLERANCE[dtype] and k_err < TOLERANCE[dtype]
+                          and torch.equal(flat(case.v_cache), flat(rc.v_cache_ref)) and not split_counters.any()
+                          and (num_seqs <= 2 or bool((out[-1] == 0).all())))
+                    check(f"rotary decode {str(dtype)[6:]} B={num_seqs} H={heads} KVH={kv_heads} D={head_dim} "
+                          f"bs={block_size} win={window} part={partition_size} counters={counters}", ok,
+                          f"rel err {err:.2e}, k {k_err:.2e}, counters {int(split_counters.abs().sum())}")
+    # Routing: the launcher takes the fused kernel for a decode step and gives the same.
+    case = make_decode_case(num_seqs=3, num_heads=32, num_kv_heads=8, head_dim=128, max_len=900,
+                            dtype=torch.float16, seed=3, device=DEVICE)
+    rc = make_rotary_decode_case(case, seed=3)
+    ref = reference.paged_attention(rc.q_ref, rc.k_cache_ref, rc.v_cache_ref, case.block_tables, case.seq_lens,
+                                    case.query_start_loc, case.scale)
+    out = _rotary_attention_call(rc, split_counters=torch.zeros(64, dtype=torch.int32, device=DEVICE))
+    check("rotary_attention launcher (decode)", relative_error(out, ref) < 2e-3, f"{relative_error(out, ref):.2e}")
+
+    # A captured graph at a fixed max_seq_len (split), replayed with new lengths and tokens.
+    case = make_decode_case(num_seqs=4, num_heads=32, num_kv_heads=32, head_dim=128, max_len=1800,
+                            dtype=torch.float16, seed=4, device=DEVICE)
+    rc = make_rotary_decode_case(case, seed=4)
+    counters = torch.zeros(4 * 32, dtype=torch.int32, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _rotary_attention_call(rc, split_counters=counters, max_seq_len=2048)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _rotary_attention_call(rc, split_counters=counters, max_seq_len=2048)
+    for step, shrink in enumerate((0, 1, 37, 300, 1200)):
+        lens = (case.seq_lens.long() - shrink).clamp_min(1)
+        case.seq_lens.copy_(lens)
+        rc.positions.copy_(lens - 1)
+        tables = case.block_tables.long()
+        rows = torch.arange(4, device=DEVICE)
+        rc.slot_mapping.copy_(tables[rows, (lens - 1) // 16] * 16 + (lens - 1) % 16)
+        rc.k.copy_(torch.randn_like(rc.k))
+        rc.v.copy_(torch.randn_like(rc.v))
+        kc, vc = case.k_cache.clone(), case.v_cache.clone()
+        ref = reference.rotary_attention(rc.positions, case.q.clone(), rc.k.clone(), rc.v.clone(), rc.cos_sin, kc, vc,
+                                         rc.slot_mapping, case.block_tables, case.seq_lens, case.query_start_loc,
+                                         case.scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        err = relative_error(out, ref)
+        check(f"rotary decode graph replay {step}", err < 2e-3 and not counters.any(), f"rel err {err:.2e}")
+
+
+def bench_rotary_attention() -> None:
+    """Per layer call in a CUDA graph (32 layers' caches in turn, so K/V come from HBM):
+    the fused kernel (split combined in the kernel, or by the second kernel) against
+    rotary_store_kv + paged_attention."""
+    import types
+
+    print("\nrotary + cache write + decode attention, 7B (32 heads, fp16), us per layer call")
+    print(f"{'batch':>5} {'ctx':>5} | {'fused':>7} {'fused+2nd':>9} {'separate':>8}")
+    heads, head_dim, bs = 32, 128, 16
+    angles = torch.rand(8192, head_dim // 2, device=DEVICE) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    for batch, ctx in ((1, 384), (1, 1024), (1, 4096), (4, 1024), (8, 2048), (64, 512)):
+        blocks = batch * (ctx // bs + 1)
+        layers = []
+        for _ in range(32):
+            case = types.SimpleNamespace(
+                q=torch.randn(batch, heads, head_dim, device=DEVICE, dtype=torch.float16),
+                k_cache=torch.randn(blocks, bs, heads, head_dim, device=DEVICE, dtype=torch.float16),
+                v_cache=torch.randn(blocks, bs, heads, head_dim, device=DEVICE, dtype=torch.float16),
+                block_tables=torch.randperm(blocks, device=DEVICE, dtype=torch.int32).view(batch, -1),
+                seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE),
+                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=DEVICE),
+                scale=head_dim**-0.5, sliding_window=None, max_seq_len=ctx)
+            positions = torch.full((batch,), ctx - 1, device=DEVICE)
+            slots = case.block_tables[:, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs
+            kv = torch.randn(batch, 2, heads, head_dim, device=DEVICE, dtype=torch.float16)
+            layers.append(types.SimpleNamespace(case=case, k=kv[:, 0], v=kv[:, 1], positions=positions,
+                                                cos_sin=cos_sin, slot_mapping=slots))
+        counters = torch.zeros(batch * heads, dtype=torch.int32, device=DEVICE)
+        hint = max(ctx, 2048)  # as the engine's graphs: max_model_len
+        fused = 1e3 * cuda_backend.graph_time_ms(
+            lambda rc: _rotary_attention_call(rc, split_counters=counters, max_seq_len=hint), layers)
+        second = 1e3 * cuda_backend.graph_time_ms(lambda rc: _rotary_attention_call(rc, max_seq_len=hint), layers)
+
+        def separate(rc):
+            c = rc.case
+            cuda_backend.rotary_store_kv(rc.positions, c.q, rc.k, rc.v, rc.cos_sin, c.k_cache, c.v_cache, rc.slot_mapping)
+            cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.query_start_loc,
+                                         c.scale, max_query_len=1, max_seq_len=hint)
+
+        sep = 1e3 * cuda_backend.graph_time_ms(separate, layers)
+        print(f"{batch:>5} {ctx:>5} | {fused:>7.2f} {second:>9.2f} {sep:>8.2f}", flush=True)
+        del layers
+        torch.cuda.empty_cache()
 
 
 def check_cuda_graph() -> None:
@@ -498,6 +640,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer correctness shapes")
     parser.add_argument("--no-bench", action="store_true", help="skip the timing")
+    parser.add_argument("--rotary-only", action="store_true",
+                        help="only the fused rotary + decode attention: its checks and timing")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -508,8 +652,12 @@ def main() -> int:
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
 
-    for step in (check_store_kv_cache, check_rotary_store_kv, lambda: check_decode(args.quick), check_cuda_graph, check_launcher,
-                 check_dense_gemv, check_quant_gemv, check_errors):
+    steps = [check_store_kv_cache, check_rotary_store_kv, lambda: check_rotary_attention(args.quick),
+             lambda: check_decode(args.quick), check_cuda_graph, check_launcher, check_dense_gemv, check_quant_gemv,
+             check_errors]
+    if args.rotary_only:
+        steps = [lambda: check_rotary_attention(args.quick)]
+    for step in steps:
         try:
             step()
         except Exception:
@@ -517,10 +665,16 @@ def main() -> int:
             failures.append(f"{getattr(step, '__name__', 'check')}: raised")
         torch.cuda.synchronize()
 
-    rows = [] if args.no_bench else run_benchmarks()
+    if not args.no_bench:
+        try:
+            bench_rotary_attention()
+        except Exception:
+            traceback.print_exc()
+            failures.append("bench_rotary_attention: raised")
+    rows = [] if args.no_bench or args.rotary_only else run_benchmarks()
     if rows:
         print_table(rows)
-    if not args.no_bench:
+    if not args.no_bench and not args.rotary_only:
         run_gemv_benchmarks()
     print(f"\n{num_checks} checks, {len(failures)} failed")
     for f in failures:
