@@ -237,6 +237,17 @@ AG_DEVICE void launch_dependents() {
 #endif
 }
 
+// Asks for the 128-byte line holding `ptr` to be brought into L2; nothing waits for it and
+// no register receives it, so it may be issued before grid_dependency_wait() for data no
+// kernel ahead writes. A no-op in the CPU emulation.
+AG_DEVICE void prefetch_l2(const void* ptr) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+#else
+  (void)ptr;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // Asynchronous 16-byte copies from global to shared memory (sm_80+): they hold no
 // registers while in flight. `pred` false writes zeros and reads nothing. A thread's

@@ -5,13 +5,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <atomic>
 #include <climits>
-#include <cstdlib>
-#include <string>
 
 #include "check.h"
 #include "gemv.cuh"
+#include "launch_policy.h"
 #include "ops.h"
 
 namespace asyncgen {
@@ -39,31 +37,6 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
   AG_CHECK_DTYPE((*bias), x.scalar_type());
   TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be a contiguous [", n,
               "], got shape ", bias->sizes());
-}
-
-// The device's compute capability major version; asked once per device (0: unknown).
-int compute_major(int device) {
-  static std::atomic<int> major[64] = {};  // 0: not asked yet
-  if (device < 0 || device >= 64) return 0;
-  int m = major[device].load(std::memory_order_relaxed);
-  if (m == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
-    major[device].store(m, std::memory_order_relaxed);
-  }
-  return m;
-}
-
-// Whether the device has fp16 mma.sync (sm_80+).
-bool has_tensor_cores(int device) { return compute_major(device) >= 8; }
-
-// Whether the one-row kernel is launched as a dependent of the kernel ahead (sm_90+,
-// unless ASYNCGEN_PDL=0 was set when the first product ran).
-bool dependent_launch(int device) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("ASYNCGEN_PDL");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled && compute_major(device) >= 9;
 }
 
 }  // namespace
@@ -98,10 +71,11 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool dependent = dependent_launch(x.get_device());
   if (x.scalar_type() == at::kHalf) {
-    launch_dense_gemv<__half>(p, stream);
+    launch_dense_gemv<__half>(p, stream, dependent);
   } else {
-    launch_dense_gemv<__nv_bfloat16>(p, stream);
+    launch_dense_gemv<__nv_bfloat16>(p, stream, dependent);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

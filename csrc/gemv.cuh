@@ -72,19 +72,27 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   const int row = blockIdx.x * (kGemvThreads / kWarpSize) + threadIdx.x / kWarpSize;  // output feature
   if (row >= p.n) return;  // a whole warp leaves together
   const T* w = static_cast<const T*>(p.weight) + static_cast<int64_t>(row) * p.weight_stride;
-  const T* x = static_cast<const T*>(p.x);
   const int num_vecs = p.k / 8;
   float acc[ROWS];
 #pragma unroll
   for (int m = 0; m < ROWS; ++m) acc[m] = 0.f;
 
-  for (int base = lane; base < num_vecs; base += kWarpSize * kDenseUnroll) {
-    uint4 raw[kDenseUnroll];
+  uint4 raw[kDenseUnroll];
+  auto load_weights = [&](int base) {
 #pragma unroll
     for (int u = 0; u < kDenseUnroll; ++u) {
       const int v = base + u * kWarpSize;
       raw[u] = v < num_vecs ? load16(w + 8 * v) : make_uint4(0, 0, 0, 0);
     }
+  };
+  // The first weights are requested before x is waited for: launched as a dependent (see
+  // launch_dense_gemv), this overlaps the kernel ahead, which computes x.
+  load_weights(lane);
+  grid_dependency_wait();
+  launch_dependents();  // the kernel after this one may start and wait for its output
+  const T* x = static_cast<const T*>(p.x);
+  for (int base = lane; base < num_vecs; base += kWarpSize * kDenseUnroll) {
+    if (base != lane) load_weights(base);
 #pragma unroll
     for (int u = 0; u < kDenseUnroll; ++u) {
       const int v = base + u * kWarpSize;
@@ -114,8 +122,10 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   }
 }
 
+// dependent (sm_90+): launched so that it may start while the kernel ahead of it runs;
+// it requests its first weights, then waits for x.
 template <typename T>
-bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
+bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream, bool dependent = false) {
   void (*kernel)(const DenseGemvParams) = nullptr;
   if (p.m <= 1) {
     kernel = dense_gemv_kernel<T, 1>;
@@ -128,7 +138,12 @@ bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream) {
   } else {
     return false;
   }
-  AG_LAUNCH_KERNEL(kernel, dim3(ceil_div(p.n, kGemvThreads / kWarpSize)), dim3(kGemvThreads), 0, stream, p);
+  const dim3 grid(ceil_div(p.n, kGemvThreads / kWarpSize)), block(kGemvThreads);
+  if (dependent) {
+    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, 0, stream, p);
+  } else {
+    AG_LAUNCH_KERNEL(kernel, grid, block, 0, stream, p);
+  }
   return true;
 }
 
@@ -507,6 +522,7 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   // Everything above reads only the weights and their constants, so a dependent launch
   // (see launch_quant_gemv1) runs it while the kernel ahead is still computing x.
   grid_dependency_wait();
+  launch_dependents();  // the kernel after this one may start and wait for its output
   const __half* x = static_cast<const __half*>(p.x);
   for (int r = tid; r < rows; r += THREADS) {
     const uint4 raw = load16(x + 8 * r);

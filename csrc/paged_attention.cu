@@ -8,14 +8,17 @@
 #include <climits>
 
 #include "check.h"
+#include "launch_policy.h"
 #include "ops.h"
 #include "paged_attention.cuh"
 
 namespace asyncgen {
 
 // Instantiated in paged_attention_fp16.cu / paged_attention_bf16.cu.
-extern template bool launch_paged_attention_decode<__half>(const DecodeParams& p, cudaStream_t stream);
-extern template bool launch_paged_attention_decode<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream);
+extern template bool launch_paged_attention_decode<__half>(const DecodeParams& p, cudaStream_t stream,
+                                                             bool dependent);
+extern template bool launch_paged_attention_decode<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream,
+                                                             bool dependent);
 
 namespace {
 
@@ -135,9 +138,10 @@ bool prepare_decode(DecodeParams& p, at::Tensor (&parts)[3], const at::Tensor& o
 
 void launch_decode_checked(const DecodeParams& p, const at::Tensor& q) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool dependent = p.cos_sin != nullptr && dependent_launch(q.get_device());
   const bool launched = q.scalar_type() == at::kHalf
-                            ? launch_paged_attention_decode<__half>(p, stream)
-                            : launch_paged_attention_decode<__nv_bfloat16>(p, stream);
+                            ? launch_paged_attention_decode<__half>(p, stream, dependent)
+                            : launch_paged_attention_decode<__nv_bfloat16>(p, stream, dependent);
   TORCH_CHECK(launched, "no decode kernel for head_dim ", p.head_dim, " and ", p.num_heads / p.num_kv_heads,
               " query heads per kv head");
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -273,6 +273,27 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int HALF = HEAD_DIM / 2;
   const bool rotary = p.cos_sin != nullptr;
   const float* cs = rotary ? p.cos_sin + p.positions[seq] * p.cos_sin_stride : nullptr;
+  const int* block_table = p.block_tables + seq * p.block_table_stride;
+  const int64_t slot_stride = slot_stride_of(p);
+  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
+  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
+  if (rotary) {
+    // Launched as a dependent of the qkv product (see launch_decode): until that has
+    // finished, read only what was written before the step (lengths, block tables,
+    // positions, the cache below the new token) and bring the block's first K/V tiles
+    // into L2. A prefetched line holding the new slot is refreshed in L2 by the write.
+    constexpr int LINES = HEAD_DIM * static_cast<int>(sizeof(T)) / 128;  // per K (or V) row
+    const int tokens = imin(num_tiles, 2 * kDecodeWarps) * kTile;
+    for (int i = threadIdx.x; i < tokens * LINES; i += kDecodeThreads) {
+      const int pos = begin + i / LINES;
+      if (pos >= end) break;
+      const int64_t block_id = block_table[pos / p.block_size];
+      const int64_t in_block = (pos % p.block_size) * slot_stride + (i % LINES) * (128 / sizeof(T));
+      prefetch_l2(k_head + block_id * p.k_stride_block + in_block);
+      prefetch_l2(v_head + block_id * p.v_stride_block + in_block);
+    }
+    grid_dependency_wait();
+  }
   for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
     const int d = i % HEAD_DIM;
@@ -311,10 +332,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
   }
 
-  const int* block_table = p.block_tables + seq * p.block_table_stride;
-  const int64_t slot_stride = slot_stride_of(p);
-  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
-  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
   const int qk_token = lane / QK_LANES;
   const int qk_part = lane % QK_LANES;
   const int pv_row = lane / PV_LANES;
@@ -517,13 +534,19 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+// dependent (sm_90+): the fused rotary kernel may start while the kernel ahead of it (the
+// qkv product) still runs; it waits for it before reading q and the new key and value.
 template <typename T, int HEAD_DIM, int HEADS>
-void launch_decode(const DecodeParams& p, cudaStream_t stream) {
+void launch_decode(const DecodeParams& p, cudaStream_t stream, bool dependent) {
   const int group = p.num_heads / p.num_kv_heads;
   const dim3 block(kDecodeThreads);
   const dim3 grid(p.num_kv_heads * ceil_div(group, HEADS), p.num_seqs, p.max_partitions);
   auto kernel = paged_attention_decode_kernel<T, HEAD_DIM, HEADS>;
-  AG_LAUNCH_KERNEL(kernel, grid, block, 0, stream, p);
+  if (dependent && p.cos_sin != nullptr) {
+    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, 0, stream, p);
+  } else {
+    AG_LAUNCH_KERNEL(kernel, grid, block, 0, stream, p);
+  }
   if (p.max_partitions > 1 && p.split_counters == nullptr) {
     auto reduce = paged_attention_reduce_kernel<T, HEAD_DIM>;
     AG_LAUNCH_KERNEL(reduce, dim3(p.num_heads, p.num_seqs), dim3(kReduceThreads), 0, stream, p);
@@ -531,12 +554,12 @@ void launch_decode(const DecodeParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int HEAD_DIM>
-void launch_decode_for_head_dim(const DecodeParams& p, cudaStream_t stream) {
+void launch_decode_for_head_dim(const DecodeParams& p, cudaStream_t stream, bool dependent) {
   switch (decode_heads_per_block(p.num_heads / p.num_kv_heads)) {
-    case 1: launch_decode<T, HEAD_DIM, 1>(p, stream); break;
-    case 2: launch_decode<T, HEAD_DIM, 2>(p, stream); break;
-    case 4: launch_decode<T, HEAD_DIM, 4>(p, stream); break;
-    default: launch_decode<T, HEAD_DIM, kMaxHeadsPerBlock>(p, stream); break;
+    case 1: launch_decode<T, HEAD_DIM, 1>(p, stream, dependent); break;
+    case 2: launch_decode<T, HEAD_DIM, 2>(p, stream, dependent); break;
+    case 4: launch_decode<T, HEAD_DIM, 4>(p, stream, dependent); break;
+    default: launch_decode<T, HEAD_DIM, kMaxHeadsPerBlock>(p, stream, dependent); break;
   }
 }
 
@@ -552,14 +575,15 @@ inline bool decode_rotary_supported(int group) { return group <= kMaxHeadsPerBlo
 // has validated shapes, filled partition_size / max_partitions from plan_decode() and
 // allocated part_* when max_partitions > 1 (and split_counters when it wants the
 // partitions combined in the kernel). Returns false for an unsupported head_dim, or
-// rotary asked for with a group decode_rotary_supported() refuses.
+// rotary asked for with a group decode_rotary_supported() refuses. dependent: see
+// launch_decode (the fused rotary kernel only).
 template <typename T>
-bool launch_paged_attention_decode(const DecodeParams& p, cudaStream_t stream) {
+bool launch_paged_attention_decode(const DecodeParams& p, cudaStream_t stream, bool dependent = false) {
   if (p.cos_sin != nullptr && !decode_rotary_supported(p.num_heads / p.num_kv_heads)) return false;
   switch (p.head_dim) {
-    case 64: launch_decode_for_head_dim<T, 64>(p, stream); return true;
-    case 128: launch_decode_for_head_dim<T, 128>(p, stream); return true;
-    case 256: launch_decode_for_head_dim<T, 256>(p, stream); return true;
+    case 64: launch_decode_for_head_dim<T, 64>(p, stream, dependent); return true;
+    case 128: launch_decode_for_head_dim<T, 128>(p, stream, dependent); return true;
+    case 256: launch_decode_for_head_dim<T, 256>(p, stream, dependent); return true;
     default: return false;
   }
 }

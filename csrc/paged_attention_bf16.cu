@@ -4,6 +4,7 @@
 
 namespace asyncgen {
 
-template bool launch_paged_attention_decode<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream);
+template bool launch_paged_attention_decode<__nv_bfloat16>(const DecodeParams& p, cudaStream_t stream,
+                                                             bool dependent);
 
 }  // namespace asyncgen

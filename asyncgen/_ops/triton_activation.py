@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .triton_backend import (
-    FLOAT_DTYPES, check_devices, check_out, check_tensor, flatten_rows, launches_dependents, next_power_of_2,
+    FLOAT_DTYPES, check_devices, check_out, check_tensor, dependent_launch_options, flatten_rows, launches_dependents,
+    next_power_of_2,
 )
 
 __all__ = ["silu_and_mul"]
@@ -37,9 +38,12 @@ def _silu_and_mul_kernel(
     d,
     BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    DEPENDENT: tl.constexpr,  # launched with launch_pdl: wait for the kernel ahead first
 ):
     if LAUNCH_DEPENDENTS:  # the next kernel may launch now and wait for this one's output
         tl.extra.cuda.gdc_launch_dependents()
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -75,6 +79,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
         x2, out2, x2.stride(0), out2.stride(0), d,
         BLOCK=block,
         LAUNCH_DEPENDENTS=launches_dependents(_silu_and_mul_kernel, x2),
+        **dependent_launch_options(_silu_and_mul_kernel, x2),
         num_warps=4,
     )
     return out

@@ -92,6 +92,31 @@ def launches_dependents(kernel: object, t: torch.Tensor) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_launches_pdl() -> bool:
+    """Whether this Triton takes the ``launch_pdl`` launch option (its CUDA backend)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def dependent_launch(kernel: object, t: torch.Tensor) -> bool:
+    """Whether ``kernel`` is launched as a dependent of the kernel ahead of it
+    (``launch_pdl=True``; it then waits with ``gdc_wait`` before touching anything that
+    kernel writes): where :func:`launches_dependents` holds and Triton has the option.
+    The kernel may then start while a csrc product that signals early is finishing."""
+    return launches_dependents(kernel, t) and _triton_launches_pdl()
+
+
+def dependent_launch_options(kernel: object, t: torch.Tensor) -> dict:
+    """The ``DEPENDENT`` constexpr and the ``launch_pdl`` option for a launch of
+    ``kernel`` on ``t``'s device (see :func:`dependent_launch`)."""
+    dependent = dependent_launch(kernel, t)
+    return {"DEPENDENT": dependent, "launch_pdl": True} if dependent else {"DEPENDENT": False}
+
+
 def check_tensor(
     name: str,
     t: object,

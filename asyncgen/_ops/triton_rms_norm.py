@@ -30,6 +30,7 @@ from .triton_backend import (
     check_out,
     check_shape,
     check_tensor,
+    dependent_launch_options,
     flatten_rows,
     launches_dependents,
     next_power_of_2,
@@ -56,9 +57,12 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    DEPENDENT: tl.constexpr,  # launched with launch_pdl: wait for the kernel ahead first
 ):
     if LAUNCH_DEPENDENTS:  # the next kernel may launch now and wait for this one's output
         tl.extra.cuda.gdc_launch_dependents()
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -150,6 +154,7 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         LAUNCH_DEPENDENTS=launches_dependents(_rms_norm_kernel, x2),
+        **dependent_launch_options(_rms_norm_kernel, x2),
         num_warps=_num_warps(block),
     )
     return out, (residual_out if residual is not None else x)

@@ -54,22 +54,50 @@ def hf_greedy(model, prompts):
     return outs
 
 
-async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, **kwargs):
+async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, dtype="float32", logprobs=None, **kwargs):
     from asyncgen import AsyncEngine, SamplingParams
 
     results = [None] * len(prompts)
-    async with AsyncEngine.from_pretrained(path, device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=16, ops_backend=backend, **kwargs) as engine:
+    async with AsyncEngine.from_pretrained(path, device="cuda", dtype=dtype, max_model_len=1024, max_num_seqs=16, ops_backend=backend, **kwargs) as engine:
 
         async def one(i):
             await anyio.sleep(i * stagger_s)
-            out = await engine.generate(prompts[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-            results[i] = list(out.token_ids)
+            out = await engine.generate(prompts[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                                                                   logprobs=logprobs))
+            results[i] = list(out.token_ids) if logprobs is None else list(out.logprobs)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         stats = engine.stats()
     return results, stats
+
+
+def check_half(path: Path, prompts, head_dim: int) -> int:
+    """fp16, where the csrc decode kernels (the fused rotary + attention, the GEMVs) and the
+    dependent launches run: the cuda backend against the Triton one in the same dtype.
+    Rounding differs, so tokens must agree until the first position where the two
+    disagree, and there the logits must be a near tie (top-2 logprobs within 0.1 in both);
+    up to it, the chosen tokens' logprobs agree within 0.05. Returns the failure count."""
+    failures = 0
+    for name, kw in {"graphs": dict(num_kv_blocks=1024), "staggered": dict(num_kv_blocks=1024, stagger_s=0.03)}.items():
+        runs = {b: anyio.run(functools.partial(engine_greedy, path, prompts, b, dtype="float16", logprobs=2, **kw))[0]
+                for b in ("triton", "cuda")}
+        worst, diverged, bad = 0.0, 0, []
+        for i, (a, b) in enumerate(zip(runs["triton"], runs["cuda"])):
+            j = next((j for j, (x, y) in enumerate(zip(a, b)) if x.token_id != y.token_id), None)
+            upto = len(a) if j is None else j
+            worst = max([worst] + [abs(x.logprob - y.logprob) for x, y in zip(a[:upto], b[:upto])])
+            if j is not None:
+                diverged += 1
+                gaps = [abs(t.top[0][1] - t.top[1][1]) for t in (a[j], b[j]) if len(t.top) >= 2]
+                if not gaps or max(gaps) > 0.1:
+                    bad.append((i, j, gaps))
+        ok = worst < 0.05 and not bad
+        print(f"head_dim={head_dim} fp16 cuda vs triton {name:10s} max logprob diff {worst:.3f}, {diverged} prompts "
+              f"diverge at a near tie{'' if not bad else f'; NOT a tie: {bad}'}  {'OK' if ok else 'MISMATCH'}", flush=True)
+        failures += not ok
+    return failures
 
 
 def main() -> int:
@@ -117,6 +145,8 @@ def main() -> int:
                         print("  (no preemption happened: the setting is too generous)")
                         failures += 1
                     failures += bool(bad)
+            if "cuda" in backends:
+                failures += check_half(Path(d), prompts, head_dim)
     print("engine-vs-transformers:", "PASS" if not failures else f"FAIL ({failures})")
     return 1 if failures else 0
 
