@@ -64,7 +64,7 @@ async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, dtype="f
             await anyio.sleep(i * stagger_s)
             out = await engine.generate(prompts[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
                                                                    logprobs=logprobs))
-            results[i] = list(out.token_ids) if logprobs is None else list(out.logprobs)
+            results[i] = list(out.token_ids) if logprobs is None else list(out.outputs[0].logprobs)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
