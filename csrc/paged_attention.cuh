@@ -242,7 +242,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __shared__ __align__(16) float o_smem[kDecodeWarps][HEADS][HEAD_DIM];
   __shared__ float m_smem[kDecodeWarps][HEADS];
   __shared__ float l_smem[kDecodeWarps][HEADS];
-  launch_dependents();  // without a split, the one-row GEMV after it may start fetching its weights
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -294,6 +293,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     grid_dependency_wait();
   }
+  // The product after this kernel may launch and fetch its weights. A dependent launch
+  // signals only after its wait: before it, the kernel after next could be placed on the
+  // SMs while the kernel ahead still runs.
+  launch_dependents();
   for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += kDecodeThreads) {
     const int h = i / HEAD_DIM;
     const int d = i % HEAD_DIM;

@@ -59,10 +59,13 @@ def _rms_norm_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,
     DEPENDENT: tl.constexpr,  # launched with launch_pdl: wait for the kernel ahead first
 ):
-    if LAUNCH_DEPENDENTS:  # the next kernel may launch now and wait for this one's output
-        tl.extra.cuda.gdc_launch_dependents()
+    # Signal the next kernel (it may launch now and wait for this one's output) only once
+    # this one may run: signalled before its own wait, the kernel after next could be
+    # placed on the SMs while the kernel ahead still runs, which slowed the AWQ decode step.
     if DEPENDENT:
         tl.extra.cuda.gdc_wait()
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
