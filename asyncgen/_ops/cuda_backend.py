@@ -22,9 +22,10 @@ the argument on bad input):
   layers check their weight once (``*_weight_ok``), each input with
   :func:`gemv_input_ok`, and call the ``launch_*`` forms, which skip the Python checks.
   :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
-- ``rotary_attention`` (what the attention layer calls): for decode-only batches the
-  csrc decode kernel takes (below), with int64 positions and slots and at most 8 query
-  heads per kv head, one csrc kernel rotates q and the new k as it reads them, stores
+- ``rotary_attention`` (what the attention layer calls): for decode-only batches of up to
+  :data:`ROTARY_DECODE_FUSED_MAX_SEQS` sequences that the csrc decode kernel takes
+  (below), with int64 positions and slots and at most 8 query heads per kv head, one csrc
+  kernel rotates q and the new k as it reads them, stores
   the new k and v and attends; when the context is split, the last partition to finish
   combines the partitions (``split_counters``, the model's int32 buffer of zeros).
   Otherwise ``rotary_store_kv`` then ``paged_attention``.
@@ -370,6 +371,13 @@ def paged_attention(
 # The fused decode kernel rotates and stores a kv head's new token in the one block that
 # reads it, which holds at most this many query heads.
 _ROTARY_DECODE_MAX_GROUP = 8
+# Up to this many sequences rotary_attention takes the fused decode kernel. On an H200 (7B,
+# us per layer call, tests/gpu/check_csrc_ops.py; docs/BENCHMARKS.md) it took 11.3 against
+# 15.0 for one sequence at 384 tokens and 27.8 against 32.9 for four at 1,024, tied at
+# eight (90.7 against 90.8), and at 64 sequences it was no faster (153.9 against 149.5 and
+# 154.6 in two runs): there every block's cache write and barrier come before its reads,
+# and a batch that fills the GPU has nothing to gain from the fewer launches.
+ROTARY_DECODE_FUSED_MAX_SEQS = 8
 
 
 def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, split_counters) -> bool:
@@ -412,7 +420,8 @@ def rotary_attention(
     split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`rotary_store_kv` then :func:`paged_attention` (see the reference). A
-    decode-only step (``max_query_len=1``) that the csrc decode kernel takes, with int64
+    decode-only step (``max_query_len=1``) of at most :data:`ROTARY_DECODE_FUSED_MAX_SEQS`
+    sequences that the csrc decode kernel takes, with int64
     positions and slots, an fp32 cos/sin cache and at most 8 query heads per kv head, runs
     as one kernel: it rotates q and the new k as it reads them, stores the new k and v,
     then attends (``split_counters``: that kernel's split-K combine, else a second
@@ -420,7 +429,7 @@ def rotary_attention(
     their own arguments."""
     if (
         max_query_len == 1
-        and isinstance(q, torch.Tensor) and q.dim() == 3
+        and isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] <= ROTARY_DECODE_FUSED_MAX_SEQS
         and isinstance(seq_lens, torch.Tensor) and q.shape[0] == seq_lens.shape[0]
         and isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4
         and isinstance(v_cache, torch.Tensor) and tuple(v_cache.shape) == tuple(k_cache.shape)
