@@ -578,3 +578,18 @@ def test_get_ops_triton_bundle():
     for name in ("rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_attention",
                  "rotary_store_kv", "rotary_attention"):
         assert callable(getattr(OPS, name))
+
+
+def test_dependent_launch_only_for_small_batches(monkeypatch):
+    """The elementwise kernels wait for the kernel ahead (launch_pdl) only at decode batch
+    sizes, and never on the CPU interpreter (where gdc_wait does not exist)."""
+    from asyncgen._ops import triton_backend as tb
+    from asyncgen._ops.triton_rms_norm import _rms_norm_kernel
+
+    x = torch.zeros(3, 8)
+    assert tb.dependent_launch_options(_rms_norm_kernel, x) == {"DEPENDENT": False}
+    monkeypatch.setattr(tb, "launches_dependents", lambda kernel, t: True)
+    monkeypatch.setattr(tb, "_triton_launches_pdl", lambda: True)
+    rows = tb.DEPENDENT_MAX_ROWS
+    assert tb.dependent_launch_options(_rms_norm_kernel, torch.zeros(rows, 8)) == {"DEPENDENT": True, "launch_pdl": True}
+    assert tb.dependent_launch_options(_rms_norm_kernel, torch.zeros(rows + 1, 8)) == {"DEPENDENT": False}

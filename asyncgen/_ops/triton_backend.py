@@ -102,12 +102,21 @@ def _triton_launches_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+# Rows (tokens) up to which the Triton elementwise kernels are launched as dependents: the
+# decode batches whose products are the csrc GEMVs, the only kernels ahead of them that
+# signal early. Past it the kernel ahead is a cuBLAS or Triton GEMM, which never signals,
+# and the 7B decode step at batch 64 measured 8.08 ms with the dependent launch at every
+# row count against 7.79 ms before it (docs/BENCHMARKS.md).
+DEPENDENT_MAX_ROWS = 8
+
+
 def dependent_launch(kernel: object, t: torch.Tensor) -> bool:
     """Whether ``kernel`` is launched as a dependent of the kernel ahead of it
     (``launch_pdl=True``; it then waits with ``gdc_wait`` before touching anything that
-    kernel writes): where :func:`launches_dependents` holds and Triton has the option.
-    The kernel may then start while a csrc product that signals early is finishing."""
-    return launches_dependents(kernel, t) and _triton_launches_pdl()
+    kernel writes): for ``t`` of at most :data:`DEPENDENT_MAX_ROWS` rows, where
+    :func:`launches_dependents` holds and Triton has the option. The kernel may then
+    start while a csrc product that signals early is finishing."""
+    return t.shape[0] <= DEPENDENT_MAX_ROWS and launches_dependents(kernel, t) and _triton_launches_pdl()
 
 
 def dependent_launch_options(kernel: object, t: torch.Tensor) -> dict:
