@@ -223,7 +223,10 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
     AG_CHECK_DTYPE(c, at::kInt);
     TORCH_CHECK(c.dim() == 1 && c.is_contiguous(), "split_counters must be a contiguous 1-d tensor");
     // One counter per block column (kv head; one head chunk with the fused rotary) and sequence.
-    if (c.numel() >= static_cast<int64_t>(p.num_seqs) * p.num_kv_heads) p.split_counters = c.data_ptr<int>();
+    const int64_t needed = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads;
+    TORCH_CHECK(c.numel() >= needed, "split_counters has ", c.numel(), " entries; ", p.num_seqs, " sequences x ",
+                p.num_kv_heads, " kv heads need ", needed);
+    p.split_counters = c.data_ptr<int>();
   }
   launch_decode_checked(p, q);
 }

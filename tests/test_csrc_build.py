@@ -79,6 +79,37 @@ def test_paged_attention_rejects_bad_hints_and_cpu_tensors():
         cuda_backend.paged_attention(**_decode_args())
 
 
+def _rotary_attention_args(**overrides):
+    args = _decode_args()
+    num_seqs, num_heads, head_dim = args["q"].shape
+    args.update(
+        positions=torch.zeros(num_seqs, dtype=torch.int64),
+        k=torch.randn(num_seqs, 2, head_dim, dtype=torch.float16),
+        v=torch.randn(num_seqs, 2, head_dim, dtype=torch.float16),
+        cos_sin_cache=torch.randn(16, head_dim),
+        slot_mapping=torch.arange(num_seqs, dtype=torch.int64),
+        max_query_len=1,
+        max_seq_len=1,
+    )
+    args.update(overrides)
+    return args
+
+
+def test_rotary_attention_rejects_bad_arguments_by_name(monkeypatch):
+    # With the extension "present", a decode step meets the fused kernel's checks; bad
+    # arguments and CPU tensors are named either there or by the ops it falls back to.
+    monkeypatch.setattr(cuda_backend, "_extension", lambda: object())
+    with pytest.raises(ValueError, match="scale must be a float"):
+        cuda_backend.rotary_attention(**_rotary_attention_args(scale="0.1"))
+    with pytest.raises(ValueError, match="max_seq_len must be None or an int"):
+        cuda_backend.rotary_attention(**_rotary_attention_args(max_seq_len=-2))
+    with pytest.raises(ValueError, match="q is on cpu; the cuda backend needs CUDA tensors"):
+        cuda_backend.rotary_attention(**_rotary_attention_args())
+    # Not fusable (k's head_dim does not match q's): the separate ops check it.
+    with pytest.raises(ValueError, match="k must have shape"):
+        cuda_backend.rotary_attention(**_rotary_attention_args(k=torch.randn(2, 2, 32, dtype=torch.float16)))
+
+
 def test_store_kv_cache_rejects_bad_arguments_by_name():
     key = torch.randn(5, 2, 64, dtype=torch.float16)
     cache = torch.zeros(3, 16, 2, 64, dtype=torch.float16)
