@@ -185,9 +185,8 @@ AG_DEVICE float rotate_half_rounded(float x_d, const T* x, int d, int half, cons
   return to_float(from_float<T>(y));
 }
 
-// The last partition of (sequence, head chunk) to finish combines all of them (see the
-// header): out = sum_i w_i o_i / sum_i w_i with w_i = l_i exp(m_i - max m), o_i the
-// partition's unnormalised accumulator divided by l_i as stored.
+// Whether this block is the last of `num_parts` partitions to finish (see the header);
+// the last one resets the counter. Called by every thread of the block.
 AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
   __shared__ int ticket;
   __threadfence();  // this thread's partials are visible device-wide before the ticket
@@ -202,6 +201,9 @@ AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
   return last;
 }
 
+// out = sum_i w_i o_i / sum_i w_i over the partitions of (sequence, query head), with
+// w_i = l_i exp(m_i - max m) and o_i the partition's output as stored (normalised by its
+// own l_i), as the reduce kernel computes it. Partials of other blocks are read past L1.
 template <typename T, int HEAD_DIM>
 AG_DEVICE void combine_partitions(const DecodeParams& p, int seq, int head, int num_parts) {
   const int64_t row = static_cast<int64_t>(seq) * p.num_heads + head;
