@@ -170,11 +170,6 @@ AG_DEVICE int num_partitions_of(const DecodeParams& p, int seq_len, int base) {
   return imin(n, p.max_partitions);
 }
 
-// Elements between consecutive slots of a cache block.
-AG_DEVICE int64_t slot_stride_of(const DecodeParams& p) {
-  return static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
-}
-
 // Element d of a rotate-half rotary embedding of row x (x_d its value), at the position
 // whose cos | sin row is cs, rounded to T and back, as the separate rotary kernel leaves it.
 template <typename T>
@@ -275,7 +270,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const bool rotary = p.cos_sin != nullptr;
   const float* cs = rotary ? p.cos_sin + p.positions[seq] * p.cos_sin_stride : nullptr;
   const int* block_table = p.block_tables + seq * p.block_table_stride;
-  const int64_t slot_stride = slot_stride_of(p);
+  const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;  // between slots of a block
   const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
   const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
   if (rotary) {
@@ -313,7 +308,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if (rotary && part == num_parts - 1) {  // this block's context ends with the new token
     const int64_t slot = p.slot_mapping[seq];
     if (slot >= 0) {
-      const int64_t row = (slot % p.block_size) * slot_stride_of(p) + kv_head * HEAD_DIM;
+      const int64_t row = (slot % p.block_size) * slot_stride + kv_head * HEAD_DIM;
       T* k_dst = static_cast<T*>(p.k_cache) + slot / p.block_size * p.k_stride_block + row;
       T* v_dst = static_cast<T*>(p.v_cache) + slot / p.block_size * p.v_stride_block + row;
       const T* k_src = static_cast<const T*>(p.k_new) + seq * p.k_new_stride_seq + kv_head * p.k_new_stride_head;

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .triton_backend import (
-    FLOAT_DTYPES, check_devices, check_out, check_tensor, dependent_launch_options, flatten_rows, launches_dependents,
-    next_power_of_2,
+    FLOAT_DTYPES, chain_prologue, check_devices, check_out, check_tensor, dependent_launch_options, flatten_rows,
+    launches_dependents, next_power_of_2,
 )
 
 __all__ = ["silu_and_mul"]
@@ -38,15 +38,9 @@ def _silu_and_mul_kernel(
     d,
     BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
-    DEPENDENT: tl.constexpr,  # launched with launch_pdl: wait for the kernel ahead first
+    DEPENDENT: tl.constexpr,  # launched with launch_pdl (see chain_prologue)
 ):
-    # Signal the next kernel (it may launch now and wait for this one's output) only once
-    # this one may run: signalled before its own wait, the kernel after next could be
-    # placed on the SMs while the kernel ahead still runs, which slowed the AWQ decode step.
-    if DEPENDENT:
-        tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_prologue(DEPENDENT, LAUNCH_DEPENDENTS)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d

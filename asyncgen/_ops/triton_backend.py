@@ -19,6 +19,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from . import Ops
 
@@ -117,6 +119,20 @@ def dependent_launch(kernel: object, t: torch.Tensor) -> bool:
     :func:`launches_dependents` holds and Triton has the option. The kernel may then
     start while a csrc product that signals early is finishing."""
     return t.shape[0] <= DEPENDENT_MAX_ROWS and launches_dependents(kernel, t) and _triton_launches_pdl()
+
+
+@triton.jit
+def chain_prologue(DEPENDENT: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+    """The first thing a kernel of the decode step's launch chain does: with DEPENDENT
+    (see :func:`dependent_launch_options`) wait for the kernel ahead, then, with
+    LAUNCH_DEPENDENTS (:func:`launches_dependents`), let the next kernel launch and wait
+    for this one's output. Only after the wait: signalled before it, the kernel after next
+    could be placed on the SMs while the kernel ahead still runs, which slowed the AWQ
+    decode step."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def dependent_launch_options(kernel: object, t: torch.Tensor) -> dict:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .triton_backend import (
     FLOAT_DTYPES,
+    chain_prologue,
     check_devices,
     check_out,
     check_shape,
@@ -57,15 +58,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
-    DEPENDENT: tl.constexpr,  # launched with launch_pdl: wait for the kernel ahead first
+    DEPENDENT: tl.constexpr,  # launched with launch_pdl (see chain_prologue)
 ):
-    # Signal the next kernel (it may launch now and wait for this one's output) only once
-    # this one may run: signalled before its own wait, the kernel after next could be
-    # placed on the SMs while the kernel ahead still runs, which slowed the AWQ decode step.
-    if DEPENDENT:
-        tl.extra.cuda.gdc_wait()
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_prologue(DEPENDENT, LAUNCH_DEPENDENTS)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
