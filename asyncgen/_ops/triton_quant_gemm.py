@@ -19,6 +19,16 @@ tile lies in one group (``group_size`` a multiple of ``BLOCK_K``, no ``g_idx``) 
 one row of scales and zeros per tile, else one per weight row. With few output tiles the
 K loop is split across programs (``SPLIT_K``) that add into an fp32 buffer atomically.
 
+Within one group and where every code fits a 16-bit float's significand (4-bit codes; 8-bit
+in fp16), the tile is dequantized without integer-to-float conversions, which issue at a
+quarter of the arithmetic rate on the GPU and, with the fp32 -> fp16 rounding after them,
+bounded the GEMM at decode batches: code ``c`` ORed into the significand of ``2**e`` is
+the float ``2**e + c`` (``e`` = 10 in fp16, 7 in bf16), and ``(2**e + c) - (2**e + z)``
+is exact, so ``((2**e + c) - (2**e + z)) * s`` in the scales' dtype, one rounding, is the
+reference's weight bit for bit. In SASS (sm_90) the inner loop of a 64x64x128 tile lost
+its 32 I2FP and 16 F2FP per thread and went from 401 to 334 instructions, the
+subtraction and the product issuing as half2 pairs.
+
 Napkin math, Llama-2-7B MLP gate|up (K = 4096, N = 22016), 4-bit, group 128:
     weights 45 MB (+ 2.8 MB scales and zeros) against 180 MB in fp16.
     M = 256: 46 GFLOP, ~70 us on H200 tensor cores (~660 TFLOP/s dense fp16); weight reads
@@ -115,6 +125,62 @@ def dequant_tile_unpacked_once(
     return w.to(scales_ptr.dtype.element_ty)
 
 
+@triton.jit
+def dequant_tile_magic(
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    rn,  # [BLOCK_N] columns of the tile
+    n_mask,
+    k0,  # first row of the tile, a multiple of BLOCK_K (so of the pack factor)
+    num_words,  # K // pack
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    group_size,
+    BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MATH_FP32: tl.constexpr,
+):
+    """:func:`dequant_tile_unpacked_once` without integer-to-float conversions: every
+    code is ORed into the significand of a 16-bit float ``2**e + code``, then
+    ``(that - (2**e + zero)) * scale`` in the scales' dtype. The subtraction is exact
+    (small integers), and the product of two 16-bit floats rounded once is the
+    reference's fp32 product rounded once. The ``pack`` codes of a word become rows
+    ``pack * i + j`` through joins in the registers of the thread that loaded it."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    IS_FP16: tl.constexpr = scales_ptr.dtype.element_ty == tl.float16
+    # fp16 1024.0 (10 significand bits) or bf16 128.0 (7): 2**e + code for codes below that.
+    MAGIC: tl.constexpr = 0x6400 if IS_FP16 else 0x4300
+    MAGIC_VALUE: tl.constexpr = 1024.0 if IS_FP16 else 128.0
+    kw = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    mask = (kw < num_words)[:, None] & n_mask[None, :]
+    words = tl.load(qweight_ptr + kw.to(tl.int64)[:, None] * stride_qk + rn[None, :], mask=mask, other=0)
+    g = k0 // group_size
+    s = tl.load(scales_ptr + g * stride_sg + rn, mask=n_mask, other=0.0)[None, :]
+    z = tl.load(zeros_ptr + g * stride_zg + rn, mask=n_mask, other=0.0)[None, :]
+    c0 = (((words >> (0 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+    c1 = (((words >> (1 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+    c2 = (((words >> (2 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+    c3 = (((words >> (3 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+    if PACK == 8:
+        c4 = (((words >> (4 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c5 = (((words >> (5 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c6 = (((words >> (6 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c7 = (((words >> (7 * BITS)) & MASK) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        # [W, N, b0, b1, b2] with code j = 4 b2 + 2 b1 + b0, then rows 8 i + j.
+        t = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
+        codes = tl.reshape(tl.permute(t, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+    else:
+        t = tl.join(tl.join(c0, c1), tl.join(c2, c3))
+        codes = tl.reshape(tl.permute(t, (0, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+    if MATH_FP32:
+        return ((codes.to(tl.float32) - (z.to(tl.float32) + MAGIC_VALUE)) * s.to(tl.float32)).to(s.dtype)
+    return (codes - (z + MAGIC_VALUE).to(s.dtype)) * s
+
+
 @triton.jit(do_not_specialize=["M"])  # the row count changes every step: one variant for all
 def _quant_gemm_kernel(
     x_ptr,  # [M, K]
@@ -141,6 +207,8 @@ def _quant_gemm_kernel(
     GROUP_PER_TILE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     UNPACK_ONCE: tl.constexpr,  # with GROUP_PER_TILE: load each packed word once per tile
+    MAGIC: tl.constexpr,  # with GROUP_PER_TILE: that, without int-to-float conversions
+    MATH_FP32: tl.constexpr,  # MAGIC's arithmetic in fp32 (the interpreter's bf16 is wrong)
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -172,7 +240,12 @@ def _quant_gemm_kernel(
         else:
             cols = rk
         a = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if UNPACK_ONCE and GROUP_PER_TILE:
+        if MAGIC and GROUP_PER_TILE:
+            w = dequant_tile_magic(
+                qweight_ptr, scales_ptr, zeros_ptr, rn, n_mask, k0, K // (32 // BITS),
+                stride_qk, stride_sg, stride_zg, group_size, BITS, BLOCK_K, BLOCK_N, MATH_FP32,
+            )
+        elif UNPACK_ONCE and GROUP_PER_TILE:
             w = dequant_tile_unpacked_once(
                 qweight_ptr, scales_ptr, zeros_ptr, rn, n_mask, k0, K // (32 // BITS),
                 stride_qk, stride_sg, stride_zg, group_size, BITS, BLOCK_K, BLOCK_N,
@@ -262,6 +335,8 @@ def _dequantize_kernel(
     BITS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     GROUP_PER_TILE: tl.constexpr,
+    MAGIC: tl.constexpr,
+    MATH_FP32: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -270,7 +345,12 @@ def _dequantize_kernel(
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_mask = rk < K
     n_mask = rn < N
-    if GROUP_PER_TILE:  # each packed word loaded once
+    if GROUP_PER_TILE and MAGIC:  # each packed word loaded once, no int-to-float conversions
+        w = dequant_tile_magic(
+            qweight_ptr, scales_ptr, zeros_ptr, rn, n_mask, k0, K // (32 // BITS),
+            stride_qk, stride_sg, stride_zg, group_size, BITS, BLOCK_K, BLOCK_N, MATH_FP32,
+        )
+    elif GROUP_PER_TILE:  # each packed word loaded once
         w = dequant_tile_unpacked_once(
             qweight_ptr, scales_ptr, zeros_ptr, rn, n_mask, k0, K // (32 // BITS),
             stride_qk, stride_sg, stride_zg, group_size, BITS, BLOCK_K, BLOCK_N,
@@ -324,6 +404,8 @@ def _launch_dequantize(qweight, scales, zeros, bits: int, group_size: int, g_idx
         BITS=bits,
         HAS_G_IDX=g_idx is not None,
         GROUP_PER_TILE=group_per_tile(group_size, k, _DEQUANT_BLOCK_K, g_idx),
+        MAGIC=magic_exact(bits, scales.dtype),
+        MATH_FP32=scales.dtype == torch.bfloat16 and is_interpreted(_dequantize_kernel),
         BLOCK_K=_DEQUANT_BLOCK_K,
         BLOCK_N=_DEQUANT_BLOCK_N,
         num_warps=4,
@@ -376,35 +458,48 @@ def split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> int:
     return split
 
 
-def _config(m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: torch.device) -> dict:
+def magic_exact(bits: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`dequant_tile_magic` holds every code of ``bits`` in ``dtype``'s
+    significand: fp16 has 10 bits, bf16 7."""
+    return (dtype == torch.float16 and bits <= 10) or (dtype == torch.bfloat16 and bits <= 7)
+
+
+def _config(
+    m: int, n: int, k: int, bits: int, group_size: int, g_idx, device: torch.device, scales_dtype: torch.dtype
+) -> dict:
     """Launch configuration by the number of rows (decode batch or prompt chunk).
 
     From timing the alternatives on an H200 at the 7B layer shapes
-    (``tests/gpu/check_quant_ops.py --sweep``, docs/BENCHMARKS.md): unpacking each word
-    once per tile won at almost every shape (up to 2.6x at M = 256), and 8 warps with a
-    K split of at most 2-4 at M = 64.
+    (``tests/gpu/check_quant_ops.py --sweep-only``, docs/BENCHMARKS.md): unpacking each
+    word once per tile won at almost every shape (up to 2.6x at M = 256); with the codes
+    ORed into floats (``MAGIC``), 64-column tiles and a K split of at most 4 (1 for the
+    wide layers, which have tiles enough) up to 64 rows, 128 columns and 8 warps for the
+    4096-wide ones at 33-64 rows.
     """
-    wide = n > 4096 or k > 8192
     if m <= 32:
-        block_m, block_n, block_k, warps, stages = (16 if m <= 16 else 32), (128 if wide else 64), 128, 4, 4
+        if m <= 16:
+            block_m, block_n, block_k, warps, stages, max_split = 16, 64, 128, 4, 4, 4
+        else:
+            block_m, block_n, block_k, warps, stages, max_split = 32, 64, 64, 4, 4, 2
     elif m <= 64:
-        block_m, block_n, block_k, warps, stages = 64, (128 if k > 8192 else 64), 128, 8, 3
+        if n > 4096:
+            block_m, block_n, block_k, warps, stages, max_split = 64, 64, 128, 4, 3, 1
+        else:
+            block_m, block_n, block_k, warps, stages, max_split = 64, (64 if k > 8192 else 128), 128, 8, 3, 4
     elif m <= 256:
-        block_m, block_n, block_k, warps, stages = (128 if n > 8192 else 64), 128, 64, 8, 3
+        block_m, block_n, block_k, warps, stages, max_split = (128 if n > 8192 else 64), 128, 64, 8, 3, 1
     else:
-        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
+        block_m, block_n, block_k, warps, stages, max_split = 128, 128, 64, 8, 3, 1
     # Prefer a tile that stays inside one group (one scale row per tile) when one fits.
     if g_idx is None and group_size < k:
         while block_k > 16 and group_size % block_k:
             block_k //= 2
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     # Splitting K only pays while the weight read dominates (few rows).
-    split = split_k(tiles, k, block_k, device) if m <= 64 else 1
-    if 32 < m <= 64:
-        split = min(split, 4 if k > 8192 else 2)
+    split = min(split_k(tiles, k, block_k, device), max_split)
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=8, num_warps=warps,
-        num_stages=stages, UNPACK_ONCE=True,
+        num_stages=stages, UNPACK_ONCE=True, MAGIC=magic_exact(bits, scales_dtype),
     )
 
 
@@ -436,7 +531,7 @@ def quant_gemm(
         # Gathering x's columns once (a small copy) instead of inside every tile: on an
         # H200, act-order 4096x11008 at M = 64 took 139 us against 415-465 us.
         x, perm = x.index_select(1, perm), None
-    cfg = _config(m, n, k, bits, group_size, g_idx, x.device)
+    cfg = _config(m, n, k, bits, group_size, g_idx, x.device, scales.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     split = cfg["SPLIT_K"]
     target = out if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
@@ -455,6 +550,7 @@ def quant_gemm(
         HAS_BIAS=bias is not None,
         GROUP_PER_TILE=group_per_tile(group_size, k, cfg["BLOCK_K"], g_idx),
         DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and is_interpreted(_quant_gemm_kernel)),
+        MATH_FP32=scales.dtype == torch.bfloat16 and is_interpreted(_quant_gemm_kernel),
         **cfg,
     )
     if split > 1:

@@ -148,42 +148,82 @@ def check_graph_capture() -> None:
     print(f"  graph capture+replay {'ok' if ok else 'FAIL'} rel_err {worst:.1e}", flush=True)
 
 
-def sweep() -> None:
-    """Times alternative launch configurations at decode sizes; prints the fastest per case
-    next to the default (to tune ``_config`` in the two kernel modules)."""
+def sweep(rows=(16, 32, 64, 128)) -> None:
+    """Times the Triton GEMM's launch configurations at decode and short-prompt sizes with
+    the codes ORed into fp16 (``MAGIC``); prints, per layer shape and row count, the
+    default, the fastest, and the default's tiles with the codes converted instead, next
+    to fp16 cuBLAS and the csrc tensor-core kernel (to tune ``_config``). Every
+    configuration timed is first checked against dequantize-then-matmul; one that fails
+    is reported and not ranked."""
     import itertools
 
+    from asyncgen._ops import cuda_backend
+    from asyncgen._ops import quant_reference as qref
     from asyncgen._ops import triton_quant_gemm as tqg
+    from triton.testing import do_bench
 
+    def quick_us(fn) -> float:
+        return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+    def space(m):
+        if m <= 32:
+            return [dict(BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=4)
+                    for bn, bk, sk in itertools.product((64, 128, 256), (64, 128), (1, 2, 4))
+                    if not (bn == 256 and bk == 128)]
+        if m <= 64:
+            return [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=3)
+                    for bn, bk, sk, w in itertools.product((64, 128, 256), (64, 128), (1, 2, 4), (4, 8))
+                    if not (bn == 256 and bk == 128)]
+        return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, GROUP_M=8, num_warps=w, num_stages=3)
+                for bm, bn, bk, w in itertools.product((64, 128), (128, 256), (64, 128), (4, 8))
+                if not (bn == 256 and bk == 128)]
+
+    tc = cuda_backend.QUANT_KERNELS.get("tensor_cores") if cuda_backend.is_available() else None
     gen = torch.Generator(device="cuda").manual_seed(2)
-    print("\nsweep (4-bit, group 128): default vs best configuration")
-    m64 = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=st, UNPACK_ONCE=u)
-           for bn, bk, sk, (w, st), u in itertools.product((64, 128), (64, 128), (1, 2, 4), ((8, 3),), (False, True))]
-    m256 = [dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8, num_warps=w, num_stages=st, UNPACK_ONCE=u)
-            for bm, (w, st), u in itertools.product((64, 128), ((4, 3), (8, 3), (8, 4)), (False, True))]
-    m16 = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=sk, GROUP_M=8, num_warps=4, num_stages=st, UNPACK_ONCE=u)
-           for bn, sk, st, u in itertools.product((64, 128), (1, 4), (3, 4), (False, True))]
+    print("\nsweep (4-bit, group 128), us: default | best with MAGIC | default tiles converting | fp16 cuBLAS | csrc "
+          "tensor cores")
     for k, n in SHAPES:
         qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
-        cases = [(tqg, tqg.quant_gemm, 64, m64), (tqg, tqg.quant_gemm, 256, m256)]
-        if (k, n) in ((4096, 4096), (4096, 22016)):
-            cases = [(tqg, tqg.quant_gemm, 16, m16), *cases]
-        for module, fn, m, space in cases:
+        dense = qref.dequantize(qweight, scales, zeros, 4, 128)
+        for m in rows:
             x = torch.randn(m, k, generator=gen, device="cuda").half()
-            default = bench_us(lambda: fn(x, qweight, scales, zeros, 4, 128))
-            original, best = module._config, (default, "default")
+            want = (x.float() @ dense.float())
+            scale = want.abs().max().item()
+            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+            default = quick_us(lambda: tqg.quant_gemm(x, qweight, scales, zeros, 4, 128, out=out))
+            fp16 = quick_us(lambda: torch.mm(x, dense, out=out))
+            csrc = None
+            if tc is not None and m <= 64:
+                csrc = quick_us(lambda: cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, 128, kernel=tc))
+            best = {True: (float("inf"), None), False: (float("inf"), None)}
+            original = tqg._config
             try:
-                for cfg in space:
-                    module._config = lambda *a, _cfg=cfg: dict(_cfg)
+                default_cfg = original(m, n, k, 4, 128, None, x.device, scales.dtype)
+                candidates = [(dict(c, UNPACK_ONCE=True, MAGIC=True), True) for c in space(m)]
+                candidates.append((dict(default_cfg, MAGIC=False), False))
+                for cfg, magic in candidates:
+                    tqg._config = lambda *a, _cfg=cfg: dict(_cfg)
                     try:
-                        us = bench_us(lambda: fn(x, qweight, scales, zeros, 4, 128))
-                    except Exception:  # out of resources and the like: skip the configuration
+                        got = tqg.quant_gemm(x, qweight, scales, zeros, 4, 128)
+                    except Exception:  # out of shared memory or registers: not a candidate
                         continue
-                    if us < best[0]:
-                        best = (us, cfg)
+                    rel = (got.float() - want).abs().max().item() / max(scale, 1e-6)
+                    if not (rel < 2e-3):
+                        ROWS.append(Row("sweep", f"{k}x{n} M={m} {cfg}", rel, False, 0.0, 0.0, 0))
+                        print(f"  FAIL {k}x{n} M={m} {cfg}: rel_err {rel:.1e}", flush=True)
+                        continue
+                    us = quick_us(lambda: tqg.quant_gemm(x, qweight, scales, zeros, 4, 128, out=out))
+                    if us < best[magic][0]:
+                        best[magic] = (us, cfg)
             finally:
-                module._config = original
-            print(f"  {fn.__name__} {k}x{n} M={m}: default {default:.1f} us, best {best[0]:.1f} us {best[1]}", flush=True)
+                tqg._config = original
+            csrc_s = f"{csrc:.1f}" if csrc is not None else "-"
+            print(f"  {k}x{n} M={m}: default {default:.1f} | MAGIC {best[True][0]:.1f} | converting "
+                  f"{best[False][0]:.1f} | fp16 {fp16:.1f} | csrc {csrc_s}", flush=True)
+            print(f"      best MAGIC {best[True][1]}", flush=True)
+            print(f"      default {original(m, n, k, 4, 128, None, x.device, scales.dtype)}", flush=True)
+        del qweight, scales, zeros, dense
+        torch.cuda.empty_cache()
 
 
 def check_dependent_launch() -> None:
