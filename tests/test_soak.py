@@ -221,6 +221,9 @@ def test_online_benchmark_quick_with_prefix_caching_comparison(tiny_model, tmp_p
         assert s["num_completed"] == s["num_requests"] == 8 and s["num_errors"] == 0, (label, s)
         assert s["leaked_blocks"] == 0
         assert s["ttft_s"]["p50"] > 0 and s["tpot_s"]["p99"] > 0 and s["output_tokens_per_s"] > 0
+        # from the client's call: never longer than from the planned arrival, which it follows
+        assert 0 < s["ttft_from_send_s"]["p50"] <= s["ttft_s"]["p50"] and s["send_lateness_s"]["p50"] >= 0
+        assert all(r["sent"] >= r["arrival"] for r in run["requests"])
         assert s["loop_lag_ms"]["samples"] > 0 and s["loop_lag_ms"]["p99"] is not None
         # ignore_eos with max_tokens = the drawn length: every request generates exactly that
         assert all(r["num_output_tokens"] == r["output_len"] for r in run["requests"])
@@ -231,3 +234,4 @@ def test_online_benchmark_quick_with_prefix_caching_comparison(tiny_model, tmp_p
             # every request after the first finds the shared prefix's full blocks cached
             assert on["mean_cached_prompt_tokens"] >= 48 - 16 and off["mean_cached_prompt_tokens"] == 0
         assert report["prefix_caching_ttft_ratio"]["mean"] > 0
+        assert report["prefix_caching_ttft_from_send_ratio"]["mean"] > 0

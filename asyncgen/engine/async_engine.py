@@ -280,6 +280,9 @@ class AsyncEngine:
                     # above all).
                     core.emit(reqs)
                     reqs = []
+                    # Their consumers run now, before the launch's host work: on the device
+                    # thread it would hold the GIL that their tasks need.
+                    await anyio.lowlevel.checkpoint()
                 await self._launch_ahead(inflight)
                 # Emit in slices, yielding between them (and letting the streams' consumers
                 # take their chunks), so no stretch of engine work holds the host's loop long.

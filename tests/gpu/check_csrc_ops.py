@@ -272,14 +272,14 @@ def _rotary_attention_call(rc, out_of_place=True, split_counters=None, max_seq_l
     )
 
 
-def _fused_decode_op(rc, split_counters=None, max_seq_len=None):
+def _fused_decode_op(rc, split_counters=None, max_seq_len=None, partition_size=-1):
     """The fused kernel itself (whatever the launcher's batch limit)."""
     case = rc.case
     out = torch.empty_like(case.q)
     torch.ops.asyncgen_C.rotary_paged_attention_decode(
         out, case.q, rc.k, rc.v, rc.positions, rc.cos_sin, case.k_cache, case.v_cache, rc.slot_mapping,
         case.block_tables, case.seq_lens, split_counters, case.scale,
-        case.max_seq_len if max_seq_len is None else max_seq_len, case.sliding_window or 0)
+        case.max_seq_len if max_seq_len is None else max_seq_len, case.sliding_window or 0, partition_size)
     return out
 
 
@@ -365,6 +365,9 @@ def check_rotary_attention(quick: bool) -> None:
         check(f"rotary decode graph replay {step}", err < 2e-3 and not counters.any(), f"rel err {err:.2e}")
 
 
+PARTITION_SIZES = (32, 64, 128, 256)  # forced split-K partitions timed next to the automatic plan
+
+
 def bench_rotary_attention() -> None:
     """Per layer call in a CUDA graph (32 layers' caches in turn, so K/V come from HBM):
     the fused kernel (split combined in the kernel, or by the second kernel) against
@@ -372,7 +375,8 @@ def bench_rotary_attention() -> None:
     import types
 
     print("\nrotary + cache write + decode attention, 7B (32 heads, fp16), us per layer call")
-    print(f"{'batch':>5} {'ctx':>5} | {'fused':>7} {'fused+2nd':>9} {'separate':>8}")
+    print(f"{'batch':>5} {'ctx':>5} | {'fused':>7} {'fused+2nd':>9} {'separate':>8} | fused with partitions of "
+          f"{' '.join(f'{p:>6}' for p in PARTITION_SIZES)} tokens")
     heads, head_dim, bs = 32, 128, 16
     angles = torch.rand(8192, head_dim // 2, device=DEVICE) * 6.3
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
@@ -406,7 +410,11 @@ def bench_rotary_attention() -> None:
                                          c.scale, max_query_len=1, max_seq_len=hint)
 
         sep = 1e3 * cuda_backend.graph_time_ms(separate, layers)
-        print(f"{batch:>5} {ctx:>5} | {fused:>7.2f} {second:>9.2f} {sep:>8.2f}", flush=True)
+        forced = [1e3 * cuda_backend.graph_time_ms(
+            lambda rc, _p=p: _fused_decode_op(rc, split_counters=counters, max_seq_len=hint, partition_size=_p), layers)
+            for p in PARTITION_SIZES]
+        print(f"{batch:>5} {ctx:>5} | {fused:>7.2f} {second:>9.2f} {sep:>8.2f} | "
+              f"{' '.join(f'{t:>6.2f}' for t in forced)}", flush=True)
         del layers
         torch.cuda.empty_cache()
 
