@@ -226,6 +226,68 @@ def sweep(rows=(16, 32, 64, 128)) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_graph(rows=(48, 64), copies: int = 8) -> None:
+    """Times the Triton GEMM's configurations at 33-64 rows as the engine's start-up
+    routing times kernels: one CUDA graph through ``copies`` copies of each 7B weight
+    shape (more than the L2 holds), next to fp16 cuBLAS and the csrc tensor-core kernel
+    through the same copies. Every configuration is first checked against
+    dequantize-then-matmul; prints the five fastest per shape and row count."""
+    import itertools
+
+    from asyncgen._ops import cuda_backend
+    from asyncgen._ops import quant_reference as qref
+    from asyncgen._ops import triton_quant_gemm as tqg
+
+    space = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, GROUP_M=8, num_warps=w, num_stages=st,
+                  UNPACK_ONCE=True, MAGIC=True)
+             for bn, bk, sk, w, st in itertools.product((64, 128), (128, 256), (1, 2), (4, 8), (2, 3, 4))
+             if not (bn == 128 and bk == 256 and st == 4)]
+    tc = cuda_backend.QUANT_KERNELS.get("tensor_cores") if cuda_backend.is_available() else None
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    print(f"\nsweep in CUDA graphs over {copies} weight copies (4-bit, group 128), us per call")
+    for k, n in [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]:
+        weights = [make_weights(k, n, 4, 128, False, gen)[:3] for _ in range(copies)]
+        dense = [qref.dequantize(*w, 4, 128) for w in weights[:2]]
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+            wants = [x.float() @ d.float() for d in dense]
+            fp16_w = [qref.dequantize(*w, 4, 128) for w in weights]
+            fp16 = 1e3 * cuda_backend.graph_time_ms(lambda w: torch.mm(x, w, out=out), fp16_w)
+            del fp16_w
+            csrc = None
+            if tc is not None:
+                csrc = 1e3 * cuda_backend.graph_time_ms(
+                    lambda w: cuda_backend.launch_quant_gemv_4bit(x, *w, 128, out=out, kernel=tc), weights)
+            original, results = tqg._config, []
+            default = original(m, n, k, 4, 128, None, x.device, torch.float16)
+            try:
+                for cfg in [default] + space:
+                    tqg._config = lambda *a, _cfg=cfg: dict(_cfg)
+                    try:
+                        rel = max((tqg.quant_gemm(x, *w, 4, 128).float() - want).abs().max().item()
+                                  / want.abs().max().item() for w, want in zip(weights, wants))
+                    except Exception:  # out of shared memory or registers: not a candidate
+                        continue
+                    if not rel < 2e-3:
+                        ROWS.append(Row("sweep", f"{k}x{n} M={m} {cfg}", rel, False, 0.0, 0.0, 0))
+                        print(f"  FAIL {k}x{n} M={m} {cfg}: rel_err {rel:.1e}", flush=True)
+                        continue
+                    us = 1e3 * cuda_backend.graph_time_ms(lambda w: tqg.quant_gemm(x, *w, 4, 128, out=out), weights)
+                    results.append((us, cfg is default, cfg))
+            finally:
+                tqg._config = original
+            results.sort(key=lambda r: r[0])
+            d_us = next((r[0] for r in results if r[1]), float("nan"))
+            csrc_s = f"{csrc:.1f}" if csrc is not None else "-"
+            print(f"  {k}x{n} M={m}: fp16 {fp16:.1f} | csrc tensor cores {csrc_s} | Triton default {d_us:.1f}", flush=True)
+            for us, _, cfg in results[:5]:
+                short = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")}
+                print(f"      {us:7.1f} {short}", flush=True)
+        del weights, dense
+        torch.cuda.empty_cache()
+
+
 def check_dependent_launch() -> None:
     """The csrc one-row GEMV is launched as a dependent of the kernel ahead (sm_90+): it
     starts fetching weights before that kernel ends and waits for it before reading x.
@@ -296,6 +358,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="these batches instead of the default ones")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configurations")
     ap.add_argument("--sweep-only", action="store_true", help="only time the alternative configurations")
+    ap.add_argument("--sweep-graph", action="store_true",
+                    help="only time the GEMM's configurations at 48 and 64 rows in CUDA graphs")
     ap.add_argument("--dependent-only", action="store_true", help="only the dependent-launch chain check")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -312,6 +376,9 @@ def main() -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     if args.sweep_only:
         sweep()
+        return 0
+    if args.sweep_graph:
+        sweep_graph()
         return 0
     shapes = SHAPES[:2] if args.quick else SHAPES
     batches = args.batches or ([1, 64] if args.quick else BATCHES)
