@@ -22,7 +22,7 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "Tensor cos_sin_cache, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor(d!)? split_counters, float scale, int max_seq_len, int sliding_window, "
       "int partition_size=-1) -> ()");
-  m.def("dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row=0) -> ()");
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, int kernel=0) -> ()");

@@ -42,7 +42,9 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
 }  // namespace
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const c10::optional<at::Tensor>& bias) {
+                const c10::optional<at::Tensor>& bias, int64_t warps_per_row) {
+  TORCH_CHECK(warps_per_row == 0 || warps_per_row == 1 || warps_per_row == 2 || warps_per_row == 4,
+              "warps_per_row must be 0 (automatic), 1, 2 or 4, got ", warps_per_row);
   AG_CHECK_DIM(weight, 2);
   AG_CHECK_CUDA(x, weight);
   AG_CHECK_CUDA(out, weight);
@@ -68,6 +70,7 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   p.m = static_cast<int>(x.size(0));
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
+  p.warps_per_row = static_cast<int>(warps_per_row);
   if (n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -13,6 +13,9 @@
 // 4096 x 4096 fp16 weight that is 4096 warps streaming 8 KiB each: enough work to keep
 // every SM's loads in flight, where a cuBLAS GEMM sized for M = 1 may launch only a few
 // dozen CTAs (measured on an H200: 28 us for o_proj against a 7.8 us bandwidth floor).
+// With warps_per_row = 2 or 4 that many warps of a block share each row, taking its
+// 2 KiB chunks in turn, and add their sums through shared memory: twice or four times
+// the loads in flight for a layer with few, long rows (down_proj: 4096 rows of 22 KiB).
 //
 // quant_gemv_4bit: a block covers 4 * AG_QGEMV_COL_THREADS output columns, its other
 // threads split K. A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows
@@ -48,6 +51,7 @@ struct DenseGemvParams {
   const void* bias;    // [N] or null
   int64_t out_stride, x_stride, weight_stride;
   int m, n, k;
+  int warps_per_row;  // 1, 2 or 4 (0: 1)
 };
 
 struct QuantGemvParams {
@@ -66,13 +70,20 @@ struct QuantGemvParams {
 
 constexpr int kDenseUnroll = 4;
 
-template <typename T, int ROWS>
+template <typename T, int ROWS, int SPLIT>
 __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGemvParams p) {
+  constexpr int kWarps = kGemvThreads / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * (kGemvThreads / kWarpSize) + threadIdx.x / kWarpSize;  // output feature
-  if (row >= p.n) return;  // a whole warp leaves together
-  const T* w = static_cast<const T*>(p.weight) + static_cast<int64_t>(row) * p.weight_stride;
-  const int num_vecs = p.k / 8;
+  const int warp = threadIdx.x / kWarpSize;
+  const int part = warp % SPLIT;  // which of the row's SPLIT warps this is
+  const int row = blockIdx.x * (kWarps / SPLIT) + warp / SPLIT;  // output feature
+  const bool active = row < p.n;
+  if (SPLIT == 1 && !active) return;  // a whole warp leaves together (no barrier below)
+  const T* w = static_cast<const T*>(p.weight) + static_cast<int64_t>(active ? row : 0) * p.weight_stride;
+  const int num_vecs = active ? p.k / 8 : 0;
+  // Part j takes chunks j, j + SPLIT, ... of kWarpSize * kDenseUnroll vectors.
+  const int first = lane + part * kWarpSize * kDenseUnroll;
+  constexpr int kStride = SPLIT * kWarpSize * kDenseUnroll;
   float acc[ROWS];
 #pragma unroll
   for (int m = 0; m < ROWS; ++m) acc[m] = 0.f;
@@ -87,12 +98,12 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   };
   // The first weights are requested before x is waited for: launched as a dependent (see
   // launch_dense_gemv), this overlaps the kernel ahead, which computes x.
-  load_weights(lane);
+  load_weights(first);
   grid_dependency_wait();
   launch_dependents();  // the kernel after this one may start and wait for its output
   const T* x = static_cast<const T*>(p.x);
-  for (int base = lane; base < num_vecs; base += kWarpSize * kDenseUnroll) {
-    if (base != lane) load_weights(base);
+  for (int base = first; base < num_vecs; base += kStride) {
+    if (base != first) load_weights(base);
 #pragma unroll
     for (int u = 0; u < kDenseUnroll; ++u) {
       const int v = base + u * kWarpSize;
@@ -112,6 +123,19 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   }
 #pragma unroll
   for (int m = 0; m < ROWS; ++m) acc[m] = warp_sum(acc[m]);
+  if (SPLIT > 1) {
+    __shared__ float partial[kWarps][ROWS];
+    if (lane == 0) {
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m) partial[warp][m] = acc[m];
+    }
+    __syncthreads();
+    if (part != 0 || !active) return;
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+      for (int j = 1; j < SPLIT; ++j) acc[m] += partial[warp + j][m];  // in part order
+    }
+  }
   if (lane == 0) {
     const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
     T* out = static_cast<T*>(p.out);
@@ -124,21 +148,24 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
 
 // dependent (sm_90+): launched so that it may start while the kernel ahead of it runs;
 // it requests its first weights, then waits for x.
+template <typename T, int SPLIT>
+void (*dense_gemv_kernel_for(int m))(const DenseGemvParams) {
+  if (m <= 1) return dense_gemv_kernel<T, 1, SPLIT>;
+  if (m <= 2) return dense_gemv_kernel<T, 2, SPLIT>;
+  if (m <= 4) return dense_gemv_kernel<T, 4, SPLIT>;
+  if (m <= kGemvMaxRows) return dense_gemv_kernel<T, 8, SPLIT>;
+  return nullptr;
+}
+
 template <typename T>
 bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream, bool dependent = false) {
-  void (*kernel)(const DenseGemvParams) = nullptr;
-  if (p.m <= 1) {
-    kernel = dense_gemv_kernel<T, 1>;
-  } else if (p.m <= 2) {
-    kernel = dense_gemv_kernel<T, 2>;
-  } else if (p.m <= 4) {
-    kernel = dense_gemv_kernel<T, 4>;
-  } else if (p.m <= kGemvMaxRows) {
-    kernel = dense_gemv_kernel<T, 8>;
-  } else {
-    return false;
-  }
-  const dim3 grid(ceil_div(p.n, kGemvThreads / kWarpSize)), block(kGemvThreads);
+  const int split = p.warps_per_row <= 1 ? 1 : p.warps_per_row;
+  void (*kernel)(const DenseGemvParams) = split == 1   ? dense_gemv_kernel_for<T, 1>(p.m)
+                                          : split == 2 ? dense_gemv_kernel_for<T, 2>(p.m)
+                                          : split == 4 ? dense_gemv_kernel_for<T, 4>(p.m)
+                                                       : nullptr;
+  if (kernel == nullptr) return false;
+  const dim3 grid(ceil_div(p.n, kGemvThreads / kWarpSize / split)), block(kGemvThreads);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, 0, stream, p);
   } else {

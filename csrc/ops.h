@@ -41,8 +41,9 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
                                    int64_t partition_size);
 
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
+// warps_per_row: 1, 2 or 4 warps share each output feature (0: one).
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const c10::optional<at::Tensor>& bias);
+                const c10::optional<at::Tensor>& bias, int64_t warps_per_row);
 
 // out = x @ W (+ bias) for 1 to 64 rows of fp16 x, W given as 4-bit codes packed along K
 // (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].

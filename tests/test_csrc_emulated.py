@@ -251,15 +251,28 @@ def test_rotary_store_kv_matches_reference(emu, dtype, num_heads, num_kv_heads, 
 # --- GEMV (csrc/gemv.cuh) ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("warps_per_row", [0, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("m, n, k, bias", [(1, 45, 264, False), (3, 16, 1040, True), (8, 9, 64, True)])
-def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype):
+@pytest.mark.parametrize(
+    "m, n, k, bias",
+    [
+        # chunks of 128 vectors (1024 weights) go to a row's warps in turn
+        (1, 45, 264, False),   # a partial last block of rows; one chunk: a row's other warps add nothing
+        (3, 16, 1040, True),   # 130 vectors: the second warp gets 2
+        (8, 9, 64, True),      # fewer vectors than a warp has lanes
+        (2, 7, 2112, False),   # 264 vectors: 2 + 1 chunks at 2 warps a row, 1 + 1 + a part at 4
+        (1, 5, 4392, True),    # 549 vectors: every warp of 4 a full chunk, the first a second, partial one
+    ],
+)
+def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype, warps_per_row):
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     weight = torch.randn(n, k + 8, generator=g).to(dtype)[:, :k]  # a row stride longer than K
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    out = torch.full((m, n + 3), float("nan"), dtype=dtype)[:, :n]
-    emu.dense_gemv(out, x, weight, b)
+    padded = torch.full((m, n + 3), float("nan"), dtype=dtype)
+    out = padded[:, :n]
+    emu.dense_gemv(out, x, weight, b, warps_per_row)
+    assert torch.isnan(padded[:, n:]).all()  # nothing written past the last feature
     ref = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
     assert relative_error(out, ref) < TOLERANCE[dtype]
 

@@ -46,8 +46,8 @@ def fake_csrc(monkeypatch):
     def dense_supported(x, weight, bias=None):
         return input_ok(x, weight.dtype, weight.shape[1])
 
-    def launch_dense(x, weight, bias=None, out=None):
-        calls.append(("dense", x.shape[0]))
+    def launch_dense(x, weight, bias=None, out=None, *, warps_per_row=1):
+        calls.append(("dense", x.shape[0]) if warps_per_row == 1 else ("dense", x.shape[0], warps_per_row))
         return torch.nn.functional.linear(x, weight, bias)
 
     monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_max_rows", quant_max_rows)
@@ -118,31 +118,55 @@ def test_dense_layers_use_the_gemv_up_to_their_chosen_rows(fake_csrc):
 
 
 def test_choose_dense_gemv_keeps_the_rows_where_it_won(fake_csrc, monkeypatch):
-    # Fake timings (ours, cuBLAS) by (N, rows): the GEMV wins for the 16x64 weights at 1
-    # and 2 rows, then loses; it never wins for the 32x64 one.
-    timings = {(16, 1): (1.0, 2.0), (16, 2): (1.0, 2.0), (16, 4): (3.0, 2.0), (32, 1): (2.0, 1.0)}
+    # Fake timings by (N, rows, warps a row; 0 for cuBLAS): for the 16x64 weights two warps
+    # a row are fastest at 1 row, and the GEMV wins at 1 and 2 rows, then loses; it never
+    # wins for the 32x64 one, where one warp a row is its fastest.
+    timings = {
+        (16, 1, 1): 1.5, (16, 1, 2): 1.0, (16, 1, 4): 1.2, (16, 1, 0): 2.0,
+        (16, 2, 2): 1.0, (16, 2, 0): 2.0, (16, 4, 2): 3.0, (16, 4, 0): 2.0,
+        (32, 1, 1): 2.0, (32, 1, 2): 2.5, (32, 1, 4): 3.0, (32, 1, 0): 1.0,
+    }
     measured, state = [], {}
 
     def fake_time(fn, items):
         before = len(fake_csrc)
         fn(items[0])
-        ours = len(fake_csrc) > before  # the GEMV is timed first, then F.linear
+        ours = len(fake_csrc) > before  # each GEMV timing comes before its F.linear
         if ours:
-            state["rows"] = fake_csrc[-1][1]
+            call = fake_csrc[-1]
+            state["rows"], warps = call[1], (call[2] if len(call) > 2 else 1)
         n = items[0].weight.shape[0]
-        measured.append((n, state["rows"], len(items), ours))
-        return timings[(n, state["rows"])][0 if ours else 1]
+        key = (n, state["rows"], warps if ours else 0)
+        measured.append((*key, len(items)))
+        return timings[key]
 
+    monkeypatch.setattr(cuda_backend, "dense_gemv", lambda x, w, b=None, out=None, *, warps_per_row=1:
+                        cuda_backend.launch_dense_gemv(x, w, b, out, warps_per_row=warps_per_row))
     monkeypatch.setattr(cuda_backend, "_time_ms", fake_time)
     layers = [RowLinear(f"l{i}", 64, n, False, torch.float32, "cpu") for i, n in enumerate((16, 16, 32, 16))]
     chosen = cuda_backend.choose_dense_gemv(layers, rows=(1, 2, 4, 8))
-    assert chosen == {(16, 64, torch.float32): 2, (32, 64, torch.float32): 0}
+    assert chosen == {(16, 64, torch.float32): (2, 2), (32, 64, torch.float32): (0, 1)}
     assert [layer.gemv_rows for layer in layers] == [2, 2, 0, 2]
-    # Each timing ran over every layer of its shape, both kernels, up to the first loss.
+    assert [layer.gemv_warps_per_row for layer in layers] == [2, 2, 1, 2]
+    # Each timing ran over every layer of its shape: at 1 row every split, then the chosen
+    # one against cuBLAS up to the first loss.
     assert measured == [
-        (16, 1, 3, True), (16, 1, 3, False), (16, 2, 3, True), (16, 2, 3, False), (16, 4, 3, True), (16, 4, 3, False),
-        (32, 1, 1, True), (32, 1, 1, False),
+        (16, 1, 1, 3), (16, 1, 2, 3), (16, 1, 4, 3), (16, 1, 0, 3), (16, 2, 2, 3), (16, 2, 0, 3), (16, 4, 2, 3),
+        (16, 4, 0, 3), (32, 1, 1, 1), (32, 1, 2, 1), (32, 1, 4, 1), (32, 1, 0, 1),
     ]
+
+
+def test_dense_layers_pass_their_warps_per_row(fake_csrc):
+    layer = RowLinear("down_proj", 64, 48, False, torch.float32, "cpu")
+    layer.weight.data.copy_(torch.randn(48, 64, generator=torch.Generator().manual_seed(1)))
+    layer.gemv_rows, layer.gemv_warps_per_row = 1, 4
+    x = torch.randn(1, 64)
+    assert close(layer(x), torch.nn.functional.linear(x, layer.weight)) and fake_csrc == [("dense", 1, 4)]
+
+
+def test_dense_gemv_names_a_bad_warps_per_row():
+    with pytest.raises(ValueError, match="warps_per_row"):
+        cuda_backend.dense_gemv(torch.zeros(1, 64), torch.zeros(48, 64), warps_per_row=3)
 
 
 def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc, monkeypatch):

@@ -48,8 +48,8 @@ import torch
 from . import Ops
 
 __all__ = [
-    "GEMV_MAX_ROWS", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported", "dense_gemv_weight_ok",
-    "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
+    "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported",
+    "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
@@ -495,6 +495,7 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
 # GEMV (csrc/gemv.cuh)
 
 GEMV_MAX_ROWS = 8  # the most rows of x the csrc GEMV kernels take
+GEMV_WARPS_PER_ROW = (1, 2, 4)  # warps the dense GEMV may give each output feature
 QUANT_MMA_MAX_ROWS = 64  # the most rows of x the csrc 4-bit kernel takes on tensor cores
 _MMA_SMEM_LIMIT = 48 * 1024  # bytes: its staged scales and zeros, 128 per group
 
@@ -541,29 +542,35 @@ def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def dense_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    *, warps_per_row: int = 1,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 1 to :data:`GEMV_MAX_ROWS` rows of ``x`` [M, K]
-    (``weight`` [N, K]); fp32 accumulation. Raises ``ValueError`` where
-    :func:`dense_gemv_supported` is false."""
+    (``weight`` [N, K]); fp32 accumulation. ``warps_per_row`` (one of
+    :data:`GEMV_WARPS_PER_ROW`): how many warps share each output feature's row. Raises
+    ``ValueError`` where :func:`dense_gemv_supported` is false or ``warps_per_row`` is not
+    one of those."""
+    if warps_per_row not in GEMV_WARPS_PER_ROW:
+        raise ValueError(f"warps_per_row must be one of {GEMV_WARPS_PER_ROW}, got {warps_per_row!r}")
     if not dense_gemv_supported(x, weight, bias):
         raise ValueError(
             f"dense_gemv takes 1-{GEMV_MAX_ROWS} rows of fp16/bf16 x [M, K] with K % 8 == 0 and weight [N, K] of "
             f"x's dtype, both 16-byte aligned rows on one CUDA device; got x {tuple(x.shape)} {x.dtype}, "
             f"weight {tuple(weight.shape)} {weight.dtype}"
         )
-    return launch_dense_gemv(x, weight, bias, out)
+    return launch_dense_gemv(x, weight, bias, out, warps_per_row=warps_per_row)
 
 
 def launch_dense_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    *, warps_per_row: int = 1,
 ) -> torch.Tensor:
     """:func:`dense_gemv` without the Python checks, for callers that checked the weight
     once (:func:`dense_gemv_weight_ok`) and each input (:func:`gemv_input_ok`). The op
     still validates its arguments in C++."""
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias)
+    torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row)
     return out
 
 
@@ -745,32 +752,42 @@ def graph_time_ms(fn, items, passes: int = 3) -> float:
 
 
 @torch.inference_mode()
-def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, int]:
+def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, tuple[int, int]]:
     """For each distinct weight shape among ``layers`` (modules with a ``weight`` [N, K]
-    and a ``gemv_rows`` attribute), times :func:`dense_gemv` against ``F.linear`` at each
-    row count in ``rows`` and sets ``gemv_rows`` to the largest count up to which the
-    csrc kernel won every time (0: never). Each timing runs through all the layers of
-    that shape in turn, so the weights come from memory as in a forward pass rather than
-    from L2. Run before CUDA graphs are captured; the result only changes which kernel
-    computes, not what.
+    and ``gemv_rows`` / ``gemv_warps_per_row`` attributes), times :func:`dense_gemv`
+    against ``F.linear`` at each row count in ``rows`` and sets ``gemv_rows`` to the
+    largest count up to which the csrc kernel won every time (0: never). At the first
+    count the kernel is timed with each of :data:`GEMV_WARPS_PER_ROW` warps a row, and
+    the fastest is the layer's ``gemv_warps_per_row`` (timed against ``F.linear`` from
+    then on). Each timing runs through all the layers of that shape in turn, so the
+    weights come from memory as in a forward pass rather than from L2. Run before CUDA
+    graphs are captured; the result only changes which kernel computes, not what.
+    Returns {(N, K, dtype): (gemv_rows, gemv_warps_per_row)}.
     """
     by_shape: dict[tuple, list] = {}
     for layer in layers:
         w = layer.weight
         by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(layer)
-    chosen: dict[tuple, int] = {}
+    chosen: dict[tuple, tuple[int, int]] = {}
     for key, group in by_shape.items():
-        best = 0
-        for m in sorted(rows):
+        best, split = 0, 1
+        for i, m in enumerate(sorted(rows)):
             x = torch.randn(m, key[1], dtype=key[2], device=group[0].weight.device)
             if not all(dense_gemv_supported(x, g.weight, g.bias) for g in group):
                 break
-            ours = _time_ms(lambda g: dense_gemv(x, g.weight, g.bias), group)
+            if i == 0:
+                times = {w: _time_ms(lambda g, w=w: dense_gemv(x, g.weight, g.bias, warps_per_row=w), group)
+                         for w in GEMV_WARPS_PER_ROW}
+                split = min(times, key=times.get)
+                ours = times[split]
+            else:
+                ours = _time_ms(lambda g: dense_gemv(x, g.weight, g.bias, warps_per_row=split), group)
             theirs = _time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
             if ours >= theirs:
                 break
             best = m
-        chosen[key] = best
+        chosen[key] = (best, split)
         for layer in group:
             layer.gemv_rows = best
+            layer.gemv_warps_per_row = split
     return chosen

@@ -70,7 +70,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
             x2 = x.reshape(-1, x.shape[-1])
             if cuda_backend.gemv_input_ok(x2, layer.weight.dtype, layer.in_features):
-                y = cuda_backend.launch_dense_gemv(x2, layer.weight, layer.bias)
+                y = cuda_backend.launch_dense_gemv(
+                    x2, layer.weight, layer.bias, warps_per_row=layer.gemv_warps_per_row
+                )
                 return y.view(*x.shape[:-1], layer.out_features)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
@@ -108,9 +110,11 @@ class LinearBase(nn.Module):
             self.offsets[k] = off
             off += v
         self.out_features = off
-        # Up to this many rows of input go to the csrc GEMV instead of F.linear (0: never);
-        # set per weight shape by asyncgen._ops.cuda_backend.choose_dense_gemv.
+        # Up to this many rows of input go to the csrc GEMV instead of F.linear (0: never),
+        # with this many warps per output feature; set per weight shape by
+        # asyncgen._ops.cuda_backend.choose_dense_gemv.
         self.gemv_rows = 0
+        self.gemv_warps_per_row = 1
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, dtype, device)
         self.bias = (

@@ -172,7 +172,8 @@ class ModelRunner:
         if layers:
             t0 = time.perf_counter()
             chosen = cuda_backend.choose_dense_gemv(layers)
-            table = ", ".join(f"{n}x{k}: {rows}" for (n, k, _), rows in chosen.items())
+            table = ", ".join(f"{n}x{k}: {rows}" + (f" ({warps} warps a row)" if rows and warps > 1 else "")
+                              for (n, k, _), (rows, warps) in chosen.items())
             log.info("csrc GEMV up to this many rows per weight shape (else cuBLAS): %s (timed in %.2f s)",
                      table, time.perf_counter() - t0)
         quantized = [m for m in linear if getattr(m, "quant_kernel", None) == "cuda"]

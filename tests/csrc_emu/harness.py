@@ -124,6 +124,7 @@ class DenseGemvParams(ctypes.Structure):
         ("m", ctypes.c_int),
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
+        ("warps_per_row", ctypes.c_int),
     ]
 
 
@@ -276,11 +277,11 @@ class Emulator:
                                          positions.dtype == torch.int64)
         assert rc == 0
 
-    def dense_gemv(self, out, x, weight, bias=None):
+    def dense_gemv(self, out, x, weight, bias=None, warps_per_row=0):
         """out[m, n] = x[m] . weight[n] (+ bias[n]); the glue's layout requirements hold."""
         p = DenseGemvParams(
             _ptr(out), _ptr(x), _ptr(weight), _ptr(bias), out.stride(0), x.stride(0), weight.stride(0),
-            x.shape[0], weight.shape[0], weight.shape[1],
+            x.shape[0], weight.shape[0], weight.shape[1], warps_per_row,
         )
         assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "too many rows"
 

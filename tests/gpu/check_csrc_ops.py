@@ -480,10 +480,12 @@ def check_dense_gemv() -> None:
             bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype) if n == 100 else None
             for m in (1, 3, 8):
                 x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-                out = cuda_backend.dense_gemv(x, w, bias)
                 ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
-                err = relative_error(out, ref)
-                check(f"dense_gemv {n}x{k} M={m} {dtype}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
+                for warps in cuda_backend.GEMV_WARPS_PER_ROW:
+                    out = cuda_backend.dense_gemv(x, w, bias, warps_per_row=warps)
+                    err = relative_error(out, ref)
+                    check(f"dense_gemv {n}x{k} M={m} {dtype} warps/row={warps}", err < TOLERANCE[dtype],
+                          f"rel err {err:.2e}")
     # In a CUDA graph, with new inputs at replay.
     w = torch.randn(4096, 4096, generator=gen, device=DEVICE).half() * 0.02
     x = torch.randn(2, 4096, generator=gen, device=DEVICE).half()
@@ -610,6 +612,28 @@ def run_benchmarks() -> list[tuple]:
     return rows
 
 
+def bench_dense_gemv_split(copies: int = 8) -> None:
+    """The dense GEMV at one row with 1, 2 and 4 warps a row against cuBLAS, as the engine's
+    start-up timing sees them: one CUDA graph through ``copies`` copies of each 7B weight
+    (more than the L2 holds), also at 7B's long-K shape alone (down_proj)."""
+    print(f"\ndense GEMV, one row, fp16, CUDA graph over {copies} weight copies: us per call (GB/s)")
+    splits = " | ".join(f"{w} warp(s)/row".rjust(15) for w in cuda_backend.GEMV_WARPS_PER_ROW)
+    print(f"{'N x K':<12} | {'cuBLAS':>13} | {splits}")
+    gen = torch.Generator(device=DEVICE).manual_seed(10)
+    for n, k in GEMV_SHAPES:
+        ws = [torch.randn(n, k, generator=gen, device=DEVICE).half() * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, generator=gen, device=DEVICE).half()
+        out = torch.empty(1, n, dtype=torch.float16, device=DEVICE)
+        gb = n * k * 2 / 1e3
+        times = [1e3 * cuda_backend.graph_time_ms(lambda w: torch.mm(x, w.t(), out=out), ws)]
+        for warps in cuda_backend.GEMV_WARPS_PER_ROW:
+            times.append(1e3 * cuda_backend.graph_time_ms(
+                lambda w, _w=warps: cuda_backend.launch_dense_gemv(x, w, None, out, warps_per_row=_w), ws))
+        print(f"{n}x{k:<6} | " + " | ".join(f"{t:6.1f} ({gb / t:5.0f})" for t in times), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def run_gemv_benchmarks() -> None:
     """csrc GEMV against cuBLAS (dense) and the Triton 4-bit GEMV at 7B decode shapes."""
     from asyncgen._ops import quant_reference as qref
@@ -661,6 +685,8 @@ def main() -> int:
     parser.add_argument("--no-bench", action="store_true", help="skip the timing")
     parser.add_argument("--rotary-only", action="store_true",
                         help="only the fused rotary + decode attention: its checks and timing")
+    parser.add_argument("--gemv-only", action="store_true",
+                        help="only the dense GEMV: its checks and its timing by warps per row")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -676,6 +702,8 @@ def main() -> int:
              check_errors]
     if args.rotary_only:
         steps = [lambda: check_rotary_attention(args.quick)]
+    if args.gemv_only:
+        steps = [check_dense_gemv, bench_dense_gemv_split]
     for step in steps:
         try:
             step()
@@ -684,16 +712,17 @@ def main() -> int:
             failures.append(f"{getattr(step, '__name__', 'check')}: raised")
         torch.cuda.synchronize()
 
-    if not args.no_bench:
+    if not args.no_bench and not args.gemv_only:
         try:
             bench_rotary_attention()
         except Exception:
             traceback.print_exc()
             failures.append("bench_rotary_attention: raised")
-    rows = [] if args.no_bench or args.rotary_only else run_benchmarks()
+    rows = [] if args.no_bench or args.rotary_only or args.gemv_only else run_benchmarks()
     if rows:
         print_table(rows)
-    if not args.no_bench and not args.rotary_only:
+    if not args.no_bench and not args.rotary_only and not args.gemv_only:
+        bench_dense_gemv_split()
         run_gemv_benchmarks()
     print(f"\n{num_checks} checks, {len(failures)} failed")
     for f in failures:
