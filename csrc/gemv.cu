@@ -43,8 +43,9 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias, int64_t warps_per_row) {
-  TORCH_CHECK(warps_per_row == 0 || warps_per_row == 1 || warps_per_row == 2 || warps_per_row == 4,
-              "warps_per_row must be 0 (automatic), 1, 2 or 4, got ", warps_per_row);
+  TORCH_CHECK(warps_per_row == 0 || warps_per_row == 1 || warps_per_row == 2 || warps_per_row == 4 ||
+                  warps_per_row == 8,
+              "warps_per_row must be 0 (one), 1, 2, 4 or 8, got ", warps_per_row);
   AG_CHECK_DIM(weight, 2);
   AG_CHECK_CUDA(x, weight);
   AG_CHECK_CUDA(out, weight);

@@ -13,9 +13,12 @@
 // 4096 x 4096 fp16 weight that is 4096 warps streaming 8 KiB each: enough work to keep
 // every SM's loads in flight, where a cuBLAS GEMM sized for M = 1 may launch only a few
 // dozen CTAs (measured on an H200: 28 us for o_proj against a 7.8 us bandwidth floor).
-// With warps_per_row = 2 or 4 that many warps of a block share each row, taking its
-// 2 KiB chunks in turn, and add their sums through shared memory: twice or four times
-// the loads in flight for a layer with few, long rows (down_proj: 4096 rows of 22 KiB).
+// With warps_per_row = 2, 4 or 8 that many warps of a block share each row, taking its
+// 2 KiB chunks in turn, and add their sums through shared memory. One warp a row gets
+// to 64-87 % of the H200's read bandwidth at the 7B shapes, four 76-98 % (see
+// docs/BENCHMARKS.md): a warp waits for each batch of its loads before it issues the
+// next, and the kernel's last rows ran on a partly filled GPU; shorter rows per warp
+// shorten both.
 //
 // quant_gemv_4bit: a block covers 4 * AG_QGEMV_COL_THREADS output columns, its other
 // threads split K. A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows
@@ -51,7 +54,7 @@ struct DenseGemvParams {
   const void* bias;    // [N] or null
   int64_t out_stride, x_stride, weight_stride;
   int m, n, k;
-  int warps_per_row;  // 1, 2 or 4 (0: 1)
+  int warps_per_row;  // 1, 2, 4 or 8 (0: 1)
 };
 
 struct QuantGemvParams {
@@ -163,6 +166,7 @@ bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream, bool depen
   void (*kernel)(const DenseGemvParams) = split == 1   ? dense_gemv_kernel_for<T, 1>(p.m)
                                           : split == 2 ? dense_gemv_kernel_for<T, 2>(p.m)
                                           : split == 4 ? dense_gemv_kernel_for<T, 4>(p.m)
+                                          : split == 8 ? dense_gemv_kernel_for<T, 8>(p.m)
                                                        : nullptr;
   if (kernel == nullptr) return false;
   const dim3 grid(ceil_div(p.n, kGemvThreads / kWarpSize / split)), block(kGemvThreads);

@@ -41,7 +41,7 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
                                    int64_t partition_size);
 
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
-// warps_per_row: 1, 2 or 4 warps share each output feature (0: one).
+// warps_per_row: 1, 2, 4 or 8 warps share each output feature (0: one).
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias, int64_t warps_per_row);
 

@@ -251,7 +251,7 @@ def test_rotary_store_kv_matches_reference(emu, dtype, num_heads, num_kv_heads, 
 # --- GEMV (csrc/gemv.cuh) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("warps_per_row", [0, 2, 4])
+@pytest.mark.parametrize("warps_per_row", [0, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
     "m, n, k, bias",
@@ -262,6 +262,7 @@ def test_rotary_store_kv_matches_reference(emu, dtype, num_heads, num_kv_heads, 
         (8, 9, 64, True),      # fewer vectors than a warp has lanes
         (2, 7, 2112, False),   # 264 vectors: 2 + 1 chunks at 2 warps a row, 1 + 1 + a part at 4
         (1, 5, 4392, True),    # 549 vectors: every warp of 4 a full chunk, the first a second, partial one
+        (1, 3, 9216, False),   # 1152 vectors: 9 chunks, the first of 8 warps takes two
     ],
 )
 def test_dense_gemv_matches_reference(emu, m, n, k, bias, dtype, warps_per_row):

@@ -122,9 +122,9 @@ def test_choose_dense_gemv_keeps_the_rows_where_it_won(fake_csrc, monkeypatch):
     # a row are fastest at 1 row, and the GEMV wins at 1 and 2 rows, then loses; it never
     # wins for the 32x64 one, where one warp a row is its fastest.
     timings = {
-        (16, 1, 1): 1.5, (16, 1, 2): 1.0, (16, 1, 4): 1.2, (16, 1, 0): 2.0,
+        (16, 1, 1): 1.5, (16, 1, 2): 1.0, (16, 1, 4): 1.2, (16, 1, 8): 1.1, (16, 1, 0): 2.0,
         (16, 2, 2): 1.0, (16, 2, 0): 2.0, (16, 4, 2): 3.0, (16, 4, 0): 2.0,
-        (32, 1, 1): 2.0, (32, 1, 2): 2.5, (32, 1, 4): 3.0, (32, 1, 0): 1.0,
+        (32, 1, 1): 2.0, (32, 1, 2): 2.5, (32, 1, 4): 3.0, (32, 1, 8): 3.5, (32, 1, 0): 1.0,
     }
     measured, state = [], {}
 
@@ -151,8 +151,8 @@ def test_choose_dense_gemv_keeps_the_rows_where_it_won(fake_csrc, monkeypatch):
     # Each timing ran over every layer of its shape: at 1 row every split, then the chosen
     # one against cuBLAS up to the first loss.
     assert measured == [
-        (16, 1, 1, 3), (16, 1, 2, 3), (16, 1, 4, 3), (16, 1, 0, 3), (16, 2, 2, 3), (16, 2, 0, 3), (16, 4, 2, 3),
-        (16, 4, 0, 3), (32, 1, 1, 1), (32, 1, 2, 1), (32, 1, 4, 1), (32, 1, 0, 1),
+        (16, 1, 1, 3), (16, 1, 2, 3), (16, 1, 4, 3), (16, 1, 8, 3), (16, 1, 0, 3), (16, 2, 2, 3), (16, 2, 0, 3),
+        (16, 4, 2, 3), (16, 4, 0, 3), (32, 1, 1, 1), (32, 1, 2, 1), (32, 1, 4, 1), (32, 1, 8, 1), (32, 1, 0, 1),
     ]
 
 

@@ -495,7 +495,7 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
 # GEMV (csrc/gemv.cuh)
 
 GEMV_MAX_ROWS = 8  # the most rows of x the csrc GEMV kernels take
-GEMV_WARPS_PER_ROW = (1, 2, 4)  # warps the dense GEMV may give each output feature
+GEMV_WARPS_PER_ROW = (1, 2, 4, 8)  # warps the dense GEMV may give each output feature
 QUANT_MMA_MAX_ROWS = 64  # the most rows of x the csrc 4-bit kernel takes on tensor cores
 _MMA_SMEM_LIMIT = 48 * 1024  # bytes: its staged scales and zeros, 128 per group
 
