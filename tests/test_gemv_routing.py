@@ -142,7 +142,7 @@ def test_choose_dense_gemv_keeps_the_rows_where_it_won(fake_csrc, monkeypatch):
 
     monkeypatch.setattr(cuda_backend, "dense_gemv", lambda x, w, b=None, out=None, *, warps_per_row=1:
                         cuda_backend.launch_dense_gemv(x, w, b, out, warps_per_row=warps_per_row))
-    monkeypatch.setattr(cuda_backend, "_time_ms", fake_time)
+    monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
     layers = [RowLinear(f"l{i}", 64, n, False, torch.float32, "cpu") for i, n in enumerate((16, 16, 32, 16))]
     chosen = cuda_backend.choose_dense_gemv(layers, rows=(1, 2, 4, 8))
     assert chosen == {(16, 64, torch.float32): (2, 2), (32, 64, torch.float32): (0, 1)}

@@ -712,22 +712,6 @@ def launch_quant_gemv_4bit(
     return out
 
 
-def _time_ms(fn, items) -> float:
-    """Per-call device time of ``fn(item)`` over ``items``, best of a few passes."""
-    for item in items[:2]:
-        fn(item)
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for item in items:
-            fn(item)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / len(items))
-    return best
-
-
 def graph_time_ms(fn, items, passes: int = 3) -> float:
     """Per-item device time of ``fn(item)`` over ``items``, captured once as a CUDA graph
     and replayed (best of ``passes``), so that launch costs on the host do not hide the
@@ -759,9 +743,12 @@ def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, tuple[int, int]]
     largest count up to which the csrc kernel won every time (0: never). At the first
     count the kernel is timed with each of :data:`GEMV_WARPS_PER_ROW` warps a row, and
     the fastest is the layer's ``gemv_warps_per_row`` (timed against ``F.linear`` from
-    then on). Each timing runs through all the layers of that shape in turn, so the
-    weights come from memory as in a forward pass rather than from L2. Run before CUDA
-    graphs are captured; the result only changes which kernel computes, not what.
+    then on). Each timing replays one CUDA graph through all the layers of that shape in
+    turn, so the weights come from memory as in a forward pass rather than from L2, and
+    the host's launch costs do not hide a 10 us kernel's own time (timed eagerly, the
+    choice between 2, 4 and 8 warps for o_proj changed from run to run on an H200). Run
+    before CUDA graphs are captured; the result only changes which kernel computes, not
+    what.
     Returns {(N, K, dtype): (gemv_rows, gemv_warps_per_row)}.
     """
     by_shape: dict[tuple, list] = {}
@@ -776,13 +763,13 @@ def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, tuple[int, int]]
             if not all(dense_gemv_supported(x, g.weight, g.bias) for g in group):
                 break
             if i == 0:
-                times = {w: _time_ms(lambda g, w=w: dense_gemv(x, g.weight, g.bias, warps_per_row=w), group)
+                times = {w: graph_time_ms(lambda g, w=w: dense_gemv(x, g.weight, g.bias, warps_per_row=w), group)
                          for w in GEMV_WARPS_PER_ROW}
                 split = min(times, key=times.get)
                 ours = times[split]
             else:
-                ours = _time_ms(lambda g: dense_gemv(x, g.weight, g.bias, warps_per_row=split), group)
-            theirs = _time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
+                ours = graph_time_ms(lambda g: dense_gemv(x, g.weight, g.bias, warps_per_row=split), group)
+            theirs = graph_time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
             if ours >= theirs:
                 break
             best = m
