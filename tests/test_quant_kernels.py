@@ -151,30 +151,24 @@ def test_dequantize_checks_name_the_argument():
         dequantize(w["qweight"], w["scales"], w["zeros"], 5, size)
 
 
-@pytest.mark.parametrize("case", [GEMM_CASES[1], GEMM_CASES[2], GEMM_CASES[4], GEMM_CASES[6]])
-def test_gemm_loading_each_row_of_words_matches_reference(monkeypatch, case):
-    # The default unpacks each packed word once per tile where the tile lies in one
-    # group; the other configuration (a load per weight row, as with per-row groups)
-    # on the same cases.
+# Where a tile lies in one group the default unpacks each packed word once and ORs 4-bit
+# codes into floats; the paths it replaced, still taken elsewhere (per-row groups, codes
+# that do not fit a significand), on the same cases.
+OTHER_DEQUANT = {
+    "converted": {"MAGIC": False},  # each word once, codes converted to floats
+    "each-row": {"MAGIC": False, "UNPACK_ONCE": False},  # a load per weight row, as with per-row groups
+}
+
+
+@pytest.mark.parametrize("path", OTHER_DEQUANT)
+@pytest.mark.parametrize("case", [GEMM_CASES[i] for i in (0, 1, 2, 4, 6)])
+def test_gemm_other_dequantization_paths_match_reference(monkeypatch, case, path):
     from asyncgen._ops import triton_quant_gemm as tqg
 
     default = tqg._config
-    monkeypatch.setattr(tqg, "_config", lambda *a: {**default(*a), "UNPACK_ONCE": False})
+    monkeypatch.setattr(tqg, "_config", lambda *a: {**default(*a), **OTHER_DEQUANT[path]})
     m, k, n, bits, group, kind, bias = case
     got, want, x, args = run_both(quant_gemm, m, k, n, bits, group, torch.float16, kind, bias, seed=3)
-    assert_matches(got, want, torch.float16, x, args)
-
-
-@pytest.mark.parametrize("case", [GEMM_CASES[0], GEMM_CASES[1], GEMM_CASES[6]])
-def test_gemm_converting_codes_matches_reference(monkeypatch, case):
-    # The default ORs 4-bit codes into fp16/bf16 floats; the conversion path it replaced
-    # (still taken where a code does not fit the significand) on the same cases.
-    from asyncgen._ops import triton_quant_gemm as tqg
-
-    default = tqg._config
-    monkeypatch.setattr(tqg, "_config", lambda *a: {**default(*a), "MAGIC": False})
-    m, k, n, bits, group, kind, bias = case
-    got, want, x, args = run_both(quant_gemm, m, k, n, bits, group, torch.float16, kind, bias, seed=6)
     assert_matches(got, want, torch.float16, x, args)
 
 
