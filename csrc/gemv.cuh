@@ -15,10 +15,10 @@
 // dozen CTAs (measured on an H200: 28 us for o_proj against a 7.8 us bandwidth floor).
 // With warps_per_row = 2, 4 or 8 that many warps of a block share each row, taking its
 // 2 KiB chunks in turn, and add their sums through shared memory. One warp a row gets
-// to 64-87 % of the H200's read bandwidth at the 7B shapes, four 76-98 % (see
+// to 64-91 % of the H200's read bandwidth at the 7B shapes, four 76-98 % (see
 // docs/BENCHMARKS.md): a warp waits for each batch of its loads before it issues the
-// next, and the kernel's last rows ran on a partly filled GPU; shorter rows per warp
-// shorten both.
+// next, so more warps a row keep more bytes in flight, and the launch's last wave is a
+// smaller share of it.
 //
 // quant_gemv_4bit: a block covers 4 * AG_QGEMV_COL_THREADS output columns, its other
 // threads split K. A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows
