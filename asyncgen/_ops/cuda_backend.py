@@ -45,7 +45,7 @@ from types import ModuleType
 
 import torch
 
-from . import Ops
+from . import Ops, compose_rotary_attention
 
 __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_supported",
@@ -400,6 +400,10 @@ def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, spli
     )
 
 
+# What rotary_attention runs where the fused decode kernel does not take the call.
+_rotary_store_then_attention = compose_rotary_attention(rotary_store_kv, paged_attention)
+
+
 def rotary_attention(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -458,9 +462,10 @@ def rotary_attention(
             split_counters, float(scale), max_seq_len, sliding_window or 0,
         )
         return out
-    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                           max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return _rotary_store_then_attention(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )
 
 
 def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

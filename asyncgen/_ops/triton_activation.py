@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from .triton_backend import (
-    FLOAT_DTYPES, chain_prologue, check_devices, check_out, check_tensor, dependent_launch_options, flatten_rows,
-    launches_dependents, next_power_of_2,
+    FLOAT_DTYPES, chain_options, chain_prologue, check_devices, check_out, check_tensor, flatten_rows,
+    next_power_of_2,
 )
 
 __all__ = ["silu_and_mul"]
@@ -75,8 +75,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
         x2, out2, x2.stride(0), out2.stride(0), d,
         BLOCK=block,
-        LAUNCH_DEPENDENTS=launches_dependents(_silu_and_mul_kernel, x2),
-        **dependent_launch_options(_silu_and_mul_kernel, x2),
+        **chain_options(_silu_and_mul_kernel, x2),
         num_warps=4,
     )
     return out

@@ -82,10 +82,11 @@ def _compute_major(device_index: int) -> int:
 
 
 def launches_dependents(kernel: object, t: torch.Tensor) -> bool:
-    """Whether ``kernel`` (a Triton kernel about to run on ``t``'s device) should signal
-    at its start that the next kernel may launch: on sm_90+ GPUs, where the csrc one-row
-    GEMV is launched as a dependent and prefetches its weights while this kernel runs.
-    The signal has no effect where the next kernel is launched the ordinary way."""
+    """Whether ``kernel`` (a Triton kernel about to run on ``t``'s device) should signal,
+    once it may read its inputs (:func:`chain_prologue`), that the next kernel may launch:
+    on sm_90+ GPUs, where the csrc one-row GEMV is launched as a dependent and prefetches
+    its weights while this kernel runs. The signal has no effect where the next kernel is
+    launched the ordinary way."""
     return (
         t.is_cuda
         and not is_interpreted(kernel)
@@ -107,25 +108,31 @@ def _triton_launches_pdl() -> bool:
 # Rows (tokens) up to which the Triton elementwise kernels are launched as dependents: the
 # decode batches whose products are the csrc GEMVs, the only kernels ahead of them that
 # signal early. Past it the kernel ahead is a cuBLAS or Triton GEMM, which never signals,
-# and the 7B decode step at batch 64 measured 8.08 ms with the dependent launch at every
-# row count against 7.79 ms before it (docs/BENCHMARKS.md).
+# so the dependent launch has nothing to overlap (the 7B decode step at batch 64 took
+# 8.08 ms with it at every row count and 8.04 ms with this limit; docs/BENCHMARKS.md).
 DEPENDENT_MAX_ROWS = 8
 
 
-def dependent_launch(kernel: object, t: torch.Tensor) -> bool:
-    """Whether ``kernel`` is launched as a dependent of the kernel ahead of it
-    (``launch_pdl=True``; it then waits with ``gdc_wait`` before touching anything that
-    kernel writes): for ``t`` of at most :data:`DEPENDENT_MAX_ROWS` rows, where
-    :func:`launches_dependents` holds and Triton has the option. The kernel may then
-    start while a csrc product that signals early is finishing."""
-    return t.shape[0] <= DEPENDENT_MAX_ROWS and launches_dependents(kernel, t) and _triton_launches_pdl()
+def chain_options(kernel: object, t: torch.Tensor) -> dict:
+    """The launch arguments of a :func:`chain_prologue` kernel about to run on ``t``:
+    ``LAUNCH_DEPENDENTS`` (:func:`launches_dependents`), and ``DEPENDENT`` with the
+    ``launch_pdl`` option, true for ``t`` of at most :data:`DEPENDENT_MAX_ROWS` rows
+    where the kernel signals and Triton has the option. A dependent kernel may start
+    while a csrc product that signals early is finishing; it waits (``gdc_wait``) before
+    touching anything that product writes."""
+    signals = launches_dependents(kernel, t)
+    dependent = signals and t.shape[0] <= DEPENDENT_MAX_ROWS and _triton_launches_pdl()
+    options = {"LAUNCH_DEPENDENTS": signals, "DEPENDENT": dependent}
+    if dependent:
+        options["launch_pdl"] = True
+    return options
 
 
 @triton.jit
 def chain_prologue(DEPENDENT: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
-    """The first thing a kernel of the decode step's launch chain does: with DEPENDENT
-    (see :func:`dependent_launch_options`) wait for the kernel ahead, then, with
-    LAUNCH_DEPENDENTS (:func:`launches_dependents`), let the next kernel launch and wait
+    """The first thing a kernel of the decode step's launch chain does (its two flags from
+    :func:`chain_options`): with DEPENDENT wait for the kernel ahead, then, with
+    LAUNCH_DEPENDENTS, let the next kernel launch and wait
     for this one's output. Only after the wait: signalled before it, the kernel after next
     could be placed on the SMs while the kernel ahead still runs, which slowed the AWQ
     decode step."""
@@ -136,10 +143,10 @@ def chain_prologue(DEPENDENT: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
 
 
 def dependent_launch_options(kernel: object, t: torch.Tensor) -> dict:
-    """The ``DEPENDENT`` constexpr and the ``launch_pdl`` option for a launch of
-    ``kernel`` on ``t``'s device (see :func:`dependent_launch`)."""
-    dependent = dependent_launch(kernel, t)
-    return {"DEPENDENT": dependent, "launch_pdl": True} if dependent else {"DEPENDENT": False}
+    """:func:`chain_options` without ``LAUNCH_DEPENDENTS``: the dependent launch alone."""
+    options = chain_options(kernel, t)
+    del options["LAUNCH_DEPENDENTS"]
+    return options
 
 
 def check_tensor(

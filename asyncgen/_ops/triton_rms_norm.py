@@ -26,14 +26,13 @@ import triton.language as tl
 
 from .triton_backend import (
     FLOAT_DTYPES,
+    chain_options,
     chain_prologue,
     check_devices,
     check_out,
     check_shape,
     check_tensor,
-    dependent_launch_options,
     flatten_rows,
-    launches_dependents,
     next_power_of_2,
 )
 
@@ -151,8 +150,7 @@ def rms_norm(
         hidden, float(eps),
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        LAUNCH_DEPENDENTS=launches_dependents(_rms_norm_kernel, x2),
-        **dependent_launch_options(_rms_norm_kernel, x2),
+        **chain_options(_rms_norm_kernel, x2),
         num_warps=_num_warps(block),
     )
     return out, (residual_out if residual is not None else x)
