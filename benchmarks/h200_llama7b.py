@@ -251,20 +251,33 @@ async def asyncgen_runs(
             heap.freeze()
         res["offline"] = await offline(prompts, new_tokens, record=timeline)
 
-        times = []
-        async for chunk in engine.stream(prompts[0], SamplingParams(max_tokens=single_tokens, ignore_eos=True)):
-            times.append(time.perf_counter())
-        decode_s = times[-1] - times[0]
-        res["single_stream"] = {
-            "ttft_or_first_gap_s": None, "decode_tokens": len(times) - 1,
-            "tokens_per_s": (len(times) - 1) / decode_s,
-        }
+        res["single_stream"] = await single_stream(engine, prompts[0], single_tokens)
         res["decode_step_ms"], res["decode_step_sync_ms"] = decode_step_times(engine, step_batches, ctx)
         if profile:
             res["profile"] = profile_steps(engine)
+        model = engine._runner.model
+        res["fused_decode_rows"] = model.fused_decode_rows
+        if model.fused_decode_rows:
+            # The same one stream and batch-1 step with each layer's norms, residual adds and
+            # SiLU as separate kernels (LlamaForCausalLM._forward_fused off), graphs recaptured.
+            model.fused_decode_rows = 0
+            engine._runner.capture_graphs()
+            res["unfused"] = {"single_stream": await single_stream(engine, prompts[1], single_tokens)}
+            res["unfused"]["decode_step_ms"], res["unfused"]["decode_step_sync_ms"] = decode_step_times(engine, [1], ctx)
     finally:
         await engine.aclose()
     return res
+
+
+async def single_stream(engine, prompt, tokens: int) -> dict:
+    """Decode tokens/s of one stream: from its first chunk to its last."""
+    from asyncgen import SamplingParams
+
+    times = []
+    async for _ in engine.stream(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
+        times.append(time.perf_counter())
+    return {"ttft_or_first_gap_s": None, "decode_tokens": len(times) - 1,
+            "tokens_per_s": (len(times) - 1) / (times[-1] - times[0])}
 
 
 def decode_step_times(engine, batches, ctx: int) -> tuple[dict, dict]:
@@ -471,6 +484,10 @@ def main() -> None:
         print(f"; HF generate {results['hf_single_stream']['tokens_per_s']:.1f} tok/s")
     else:
         print()
+    if "unfused" in a:
+        u = a["unfused"]
+        print(f"    fused decode (steps of up to {a['fused_decode_rows']} tokens) off: single stream "
+              f"{u['single_stream']['tokens_per_s']:.1f} tok/s, batch-1 step {u['decode_step_ms'][1]:.2f} ms pipelined")
     for b, ms in a["decode_step_ms"].items():
         print(f"(c) decode step batch {b:>3} ctx {ctx}: {ms:.2f} ms pipelined, {a['decode_step_sync_ms'][b]:.2f} ms "
               f"one at a time (floor {floors[b]:.2f} ms, {floors[b] / ms * 100:.0f}% of bandwidth)")

@@ -20,6 +20,16 @@
 // next, so more warps a row keep more bytes in flight, and the launch's last wave is a
 // smaller share of it.
 //
+// A decode step of a token or two also runs its RMSNorms, residual adds and SiLU inside
+// the dense GEMVs (MODE below), which leaves five kernels a Llama layer: q|k|v, attention,
+// o_proj, gate|up and down_proj. The RMSNorm needs the sum of squares of the whole row,
+// which no block of the consumer has, so the product before it (o_proj, down_proj) adds
+// its output to the residual and each of its blocks adds the squares of the sums it wrote
+// (an fp64 atomic); the product after it reads that sum once and normalises each x vector
+// as it loads it. gate|up puts gate row j and up row N / 2 + j in the same block, so the
+// block writes silu(gate) * up itself. Nothing is computed twice, and no block waits for
+// another: the cost is the extra loads of the norm weight, which L1 and L2 serve.
+//
 // quant_gemv_4bit: a block covers 4 * AG_QGEMV_COL_THREADS output columns, its other
 // threads split K. A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows
 // of K for each of 4 adjacent columns; 8 such threads read one 128-byte line. Each K lane
@@ -48,13 +58,19 @@ constexpr int kGemvMaxRows = 8;
 constexpr int kGemvThreads = 256;
 
 struct DenseGemvParams {
-  void* out;           // [M, N]
-  const void* x;       // [M, K]
+  void* out;           // [M, N] ([M, N / 2] gated; the residual, read and written, with sum_squares_out)
+  const void* x;       // [M, K] (with norm_weight: the residual stream, normalised as it is read)
   const void* weight;  // [N, K]
   const void* bias;    // [N] or null
   int64_t out_stride, x_stride, weight_stride;
   int m, n, k;
   int warps_per_row;  // 1, 2, 4 or 8 (0: 1)
+  // The decode step's fusions (all null / false: the plain product; see kGemvNormIn ..):
+  const void* norm_weight;        // [K]: x is RMS-normalised by it and sum_squares_in
+  const double* sum_squares_in;   // [M]: sum over k of x[m, k]^2
+  double* sum_squares_out;        // [M]: out += y, and the sum of the new out[m, :]^2 added here
+  float eps;
+  bool gated;  // out[m, j] = silu(y[m, j]) * y[m, N / 2 + j]
 };
 
 struct QuantGemvParams {
@@ -73,15 +89,45 @@ struct QuantGemvParams {
 
 constexpr int kDenseUnroll = 4;
 
-template <typename T, int ROWS, int SPLIT>
+// What a dense GEMV does besides its product (template MODE, bits; 0: the plain product).
+// The three let a decode step at one or two tokens run a Llama layer as q|k|v, attention,
+// o_proj, gate|up and down_proj with nothing between them (see launch_dense_gemv):
+constexpr int kGemvNormIn = 1;  // x is the residual stream, RMS-normalised as it is read
+constexpr int kGemvGated = 2;   // out = silu(gate) * up, the product's halves paired in a block
+constexpr int kGemvAddOut = 4;  // out (the residual) += y, and the sum of its new squares added up
+
+template <typename T>
+AG_DEVICE float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+template <typename T, int ROWS, int SPLIT, int MODE>
 __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGemvParams p) {
   constexpr int kWarps = kGemvThreads / kWarpSize;
+  constexpr int kBlockRows = kWarps / SPLIT;  // weight rows (product features) of a block
+  constexpr bool kNorm = (MODE & kGemvNormIn) != 0;
+  constexpr bool kGatedOut = (MODE & kGemvGated) != 0;
+  constexpr bool kAdd = (MODE & kGemvAddOut) != 0;
+  static_assert(!kGatedOut || kBlockRows % 2 == 0, "a gated block holds gate and up rows in pairs");
+  static_assert(!(kGatedOut && kAdd), "one epilogue at a time");
+  constexpr bool kEpilogue = kGatedOut || kAdd;  // the block's results meet in shared memory
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
-  const int part = warp % SPLIT;  // which of the row's SPLIT warps this is
-  const int row = blockIdx.x * (kWarps / SPLIT) + warp / SPLIT;  // output feature
-  const bool active = row < p.n;
-  if (SPLIT == 1 && !active) return;  // a whole warp leaves together (no barrier below)
+  const int part = warp % SPLIT;    // which of the row's SPLIT warps this is
+  const int local = warp / SPLIT;   // which of the block's rows
+  int row;                          // weight row
+  bool active;
+  if (kGatedOut) {
+    // Block b holds gate rows j and up rows N / 2 + j for the block's kBlockRows / 2 j.
+    constexpr int kPairs = kBlockRows / 2;
+    const int j = blockIdx.x * kPairs + local % kPairs;
+    active = j < p.n / 2;
+    row = local < kPairs ? j : p.n / 2 + j;
+  } else {
+    row = blockIdx.x * kBlockRows + local;
+    active = row < p.n;
+  }
+  if (SPLIT == 1 && !kEpilogue && !active) return;  // a whole warp leaves together (no barrier below)
   const T* w = static_cast<const T*>(p.weight) + static_cast<int64_t>(active ? row : 0) * p.weight_stride;
   const int num_vecs = active ? p.k / 8 : 0;
   // Part j takes chunks j, j + SPLIT, ... of kWarpSize * kDenseUnroll vectors.
@@ -105,6 +151,12 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   grid_dependency_wait();
   launch_dependents();  // the kernel after this one may start and wait for its output
   const T* x = static_cast<const T*>(p.x);
+  const T* gamma = static_cast<const T*>(p.norm_weight);
+  float inv_rms[ROWS];  // kNorm: 1 / sqrt(mean of x[m, :]^2 + eps)
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    inv_rms[m] = kNorm && m < p.m ? rsqrtf(static_cast<float>(p.sum_squares_in[m] / p.k) + p.eps) : 0.f;
+  }
   for (int base = first; base < num_vecs; base += kStride) {
     if (base != first) load_weights(base);
 #pragma unroll
@@ -113,11 +165,19 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
       if (v >= num_vecs) break;
       float wf[8];
       Float8<T>::unpack(raw[u], wf);
+      float gf[8];
+      if constexpr (kNorm) Float8<T>::unpack(load16(gamma + 8 * v), gf);
 #pragma unroll
       for (int m = 0; m < ROWS; ++m) {
         if (m < p.m) {
           float xf[8];
           Float8<T>::unpack(load16(x + m * p.x_stride + 8 * v), xf);
+          if constexpr (kNorm) {
+            // As the RMSNorm rounds: the normalised value to T, then its product with the
+            // norm's weight.
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xf[i] = round_to<T>(gf[i] * round_to<T>(xf[i] * inv_rms[m]));
+          }
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[m] = fmaf(xf[i], wf[i], acc[m]);
         }
@@ -126,50 +186,144 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   }
 #pragma unroll
   for (int m = 0; m < ROWS; ++m) acc[m] = warp_sum(acc[m]);
-  if (SPLIT > 1) {
+  T* out = static_cast<T*>(p.out);
+  if constexpr (!kEpilogue) {
+    if (SPLIT > 1) {
+      __shared__ float partial[kWarps][ROWS];
+      if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m) partial[warp][m] = acc[m];
+      }
+      __syncthreads();
+      if (part != 0 || !active) return;
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m) {
+        for (int j = 1; j < SPLIT; ++j) acc[m] += partial[warp + j][m];  // in part order
+      }
+    }
+    if (lane == 0) {
+      const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
+#pragma unroll
+      for (int m = 0; m < ROWS; ++m) {
+        if (m < p.m) out[m * p.out_stride + row] = from_float<T>(acc[m] + b);
+      }
+    }
+  } else {
+    // Epilogues: each row's y (bias added, rounded to T as the product's output is) goes to
+    // shared memory, then the block's threads take (row, m) pairs.
     __shared__ float partial[kWarps][ROWS];
+    __shared__ float result[kBlockRows][ROWS];
     if (lane == 0) {
 #pragma unroll
       for (int m = 0; m < ROWS; ++m) partial[warp][m] = acc[m];
     }
     __syncthreads();
-    if (part != 0 || !active) return;
+    if (part == 0 && lane == 0 && active) {
+      const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
 #pragma unroll
-    for (int m = 0; m < ROWS; ++m) {
-      for (int j = 1; j < SPLIT; ++j) acc[m] += partial[warp + j][m];  // in part order
+      for (int m = 0; m < ROWS; ++m) {
+        float s = acc[m];
+        for (int j = 1; j < SPLIT; ++j) s += partial[warp + j][m];  // in part order
+        result[local][m] = round_to<T>(s + b);
+      }
     }
-  }
-  if (lane == 0) {
-    const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
-    T* out = static_cast<T*>(p.out);
+    __syncthreads();
+    if constexpr (kGatedOut) {
+      constexpr int kPairs = kBlockRows / 2;
+      for (int i = threadIdx.x; i < kPairs * ROWS; i += kGemvThreads) {
+        const int pair = i / ROWS, m = i % ROWS;
+        const int j = blockIdx.x * kPairs + pair;
+        if (m < p.m && j < p.n / 2) {
+          const float gate = result[pair][m], up = result[kPairs + pair][m];
+          const float act = round_to<T>(gate / (1.f + __expf(-gate)));  // silu, rounded as the op does
+          out[m * p.out_stride + j] = from_float<T>(act * up);
+        }
+      }
+    } else {
+      // The squares of fp16/bf16 values are exact in fp64, and an fp64 sum of a row's
+      // squares carries some 29 bits more than the fp32 mean the norm takes from it: the
+      // order in which the blocks' atomics land changes that mean only where the sum falls
+      // within about 1e-12 (relative) of an fp32 rounding boundary.
+      __shared__ double squares[kBlockRows][ROWS];
+      for (int i = threadIdx.x; i < kBlockRows * ROWS; i += kGemvThreads) {
+        const int r = i / ROWS, m = i % ROWS;
+        const int n = blockIdx.x * kBlockRows + r;
+        double square = 0.0;
+        if (m < p.m && n < p.n) {
+          T* o = out + m * p.out_stride + n;
+          const float v = round_to<T>(result[r][m] + to_float(*o));  // as `y + residual` rounds
+          *o = from_float<T>(v);
+          square = static_cast<double>(v) * v;
+        }
+        squares[r][m] = square;
+      }
+      __syncthreads();
+      if (threadIdx.x < ROWS && threadIdx.x < p.m) {
+        double s = 0.0;
 #pragma unroll
-    for (int m = 0; m < ROWS; ++m) {
-      if (m < p.m) out[m * p.out_stride + row] = from_float<T>(acc[m] + b);
+        for (int r = 0; r < kBlockRows; ++r) s += squares[r][threadIdx.x];
+        atomicAdd(p.sum_squares_out + threadIdx.x, s);
+      }
     }
   }
 }
 
 // dependent (sm_90+): launched so that it may start while the kernel ahead of it runs;
 // it requests its first weights, then waits for x.
-template <typename T, int SPLIT>
+template <typename T, int SPLIT, int MODE>
 void (*dense_gemv_kernel_for(int m))(const DenseGemvParams) {
-  if (m <= 1) return dense_gemv_kernel<T, 1, SPLIT>;
-  if (m <= 2) return dense_gemv_kernel<T, 2, SPLIT>;
-  if (m <= 4) return dense_gemv_kernel<T, 4, SPLIT>;
-  if (m <= kGemvMaxRows) return dense_gemv_kernel<T, 8, SPLIT>;
+  if (m <= 1) return dense_gemv_kernel<T, 1, SPLIT, MODE>;
+  if (m <= 2) return dense_gemv_kernel<T, 2, SPLIT, MODE>;
+  if (m <= 4) return dense_gemv_kernel<T, 4, SPLIT, MODE>;
+  if (m <= kGemvMaxRows) return dense_gemv_kernel<T, 8, SPLIT, MODE>;
   return nullptr;
 }
 
+template <typename T, int MODE>
+void (*dense_gemv_kernel_for_split(int split, int m))(const DenseGemvParams) {
+  switch (split) {
+    case 1: return dense_gemv_kernel_for<T, 1, MODE>(m);
+    case 2: return dense_gemv_kernel_for<T, 2, MODE>(m);
+    case 4: return dense_gemv_kernel_for<T, 4, MODE>(m);
+    case 8:
+      if constexpr ((MODE & kGemvGated) != 0) {
+        return nullptr;  // one row a block: no room for a gate row and its up row
+      } else {
+        return dense_gemv_kernel_for<T, 8, MODE>(m);
+      }
+    default: return nullptr;
+  }
+}
+
+// The MODE of a launch's parameters, or -1 for a combination no kernel has (gated with
+// an added output, or either without the other's required pointers).
+inline int dense_gemv_mode(const DenseGemvParams& p) {
+  const bool norm = p.norm_weight != nullptr;
+  if (norm != (p.sum_squares_in != nullptr)) return -1;
+  const bool add = p.sum_squares_out != nullptr;
+  if (p.gated && (add || p.n % 2 != 0)) return -1;
+  return (norm ? kGemvNormIn : 0) | (p.gated ? kGemvGated : 0) | (add ? kGemvAddOut : 0);
+}
+
+// Returns false where no kernel takes the launch: more than kGemvMaxRows rows, a
+// warps_per_row other than 0/1/2/4/8, 8 warps a row gated, or a mode dense_gemv_mode
+// refuses. The modes built: plain, kGemvNormIn (q|k|v after a fused add), kGemvNormIn |
+// kGemvGated (gate|up) and kGemvAddOut (o_proj, down_proj).
 template <typename T>
 bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream, bool dependent = false) {
   const int split = p.warps_per_row <= 1 ? 1 : p.warps_per_row;
-  void (*kernel)(const DenseGemvParams) = split == 1   ? dense_gemv_kernel_for<T, 1>(p.m)
-                                          : split == 2 ? dense_gemv_kernel_for<T, 2>(p.m)
-                                          : split == 4 ? dense_gemv_kernel_for<T, 4>(p.m)
-                                          : split == 8 ? dense_gemv_kernel_for<T, 8>(p.m)
-                                                       : nullptr;
+  void (*kernel)(const DenseGemvParams) = nullptr;
+  switch (dense_gemv_mode(p)) {
+    case 0: kernel = dense_gemv_kernel_for_split<T, 0>(split, p.m); break;
+    case kGemvNormIn: kernel = dense_gemv_kernel_for_split<T, kGemvNormIn>(split, p.m); break;
+    case kGemvNormIn | kGemvGated: kernel = dense_gemv_kernel_for_split<T, kGemvNormIn | kGemvGated>(split, p.m); break;
+    case kGemvAddOut: kernel = dense_gemv_kernel_for_split<T, kGemvAddOut>(split, p.m); break;
+    default: break;
+  }
   if (kernel == nullptr) return false;
-  const dim3 grid(ceil_div(p.n, kGemvThreads / kWarpSize / split)), block(kGemvThreads);
+  const int rows_per_block = kGemvThreads / kWarpSize / split;
+  const int blocks = p.gated ? ceil_div(p.n / 2, rows_per_block / 2) : ceil_div(p.n, rows_per_block);
+  const dim3 grid(blocks), block(kGemvThreads);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, 0, stream, p);
   } else {

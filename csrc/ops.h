@@ -45,6 +45,17 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias, int64_t warps_per_row);
 
+// dense_gemv with the decode step's fusions (csrc/gemv.cuh, kGemvNormIn ..):
+// - norm_weight and sum_squares_in [M] (float64, sum_k x[m, k]^2): x is the residual
+//   stream, and the product takes RMSNorm(x) * norm_weight (eps) in its place;
+// - gated: weight is gate | up, out [M, N / 2] = silu(x W_gate^T) * (x W_up^T);
+// - sum_squares_out [M] (float64): out is the residual, out += y in place, and the sum of
+//   the squares of the new out[m, :] is added to sum_squares_out[m] (which starts at 0).
+void dense_gemv_fused(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias, int64_t warps_per_row,
+                      const c10::optional<at::Tensor>& norm_weight, const c10::optional<at::Tensor>& sum_squares_in,
+                      double eps, const c10::optional<at::Tensor>& sum_squares_out, bool gated);
+
 // out = x @ W (+ bias) for 1 to 64 rows of fp16 x, W given as 4-bit codes packed along K
 // (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].
 // kernel: 0 the tensor-core kernel where it takes the call, else the CUDA-core one (up to

@@ -125,6 +125,11 @@ class DenseGemvParams(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("warps_per_row", ctypes.c_int),
+        ("norm_weight", ctypes.c_void_p),
+        ("sum_squares_in", ctypes.c_void_p),
+        ("sum_squares_out", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("gated", ctypes.c_bool),
     ]
 
 
@@ -277,13 +282,16 @@ class Emulator:
                                          positions.dtype == torch.int64)
         assert rc == 0
 
-    def dense_gemv(self, out, x, weight, bias=None, warps_per_row=0):
-        """out[m, n] = x[m] . weight[n] (+ bias[n]); the glue's layout requirements hold."""
+    def dense_gemv(self, out, x, weight, bias=None, warps_per_row=0, *, norm_weight=None, sum_squares_in=None,
+                   eps=0.0, sum_squares_out=None, gated=False):
+        """out[m, n] = x[m] . weight[n] (+ bias[n]), with the fusions of the glue's
+        ``dense_gemv_fused`` when their arguments are given; its layout requirements hold."""
         p = DenseGemvParams(
             _ptr(out), _ptr(x), _ptr(weight), _ptr(bias), out.stride(0), x.stride(0), weight.stride(0),
             x.shape[0], weight.shape[0], weight.shape[1], warps_per_row,
+            _ptr(norm_weight), _ptr(sum_squares_in), _ptr(sum_squares_out), eps, gated,
         )
-        assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "too many rows"
+        assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "no kernel takes the launch"
 
     def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, tensor_cores=True):
         """out = x @ dequant(qweight) (+ bias), fp16, 4-bit codes packed along K. With
