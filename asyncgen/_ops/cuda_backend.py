@@ -602,7 +602,8 @@ def dense_gemv_fused(
       (rounded as ``y + residual`` is) and the sum of the squares of the new ``add_to[m]``
       is added to ``sum_squares_out[m]``; returns ``add_to``.
 
-    Rounding follows the unfused ops. ``gated`` takes at most 4 warps a row and excludes
+    Rounding follows the unfused ops, except that the normalised input stays fp32 (the
+    separate ``rms_norm`` rounds it to the dtype). ``gated`` takes at most 4 warps a row and excludes
     ``add_to``. Raises ``ValueError`` naming what does not fit."""
     if warps_per_row not in GEMV_WARPS_PER_ROW or (gated and warps_per_row > 4):
         raise ValueError(f"warps_per_row must be one of {GEMV_WARPS_PER_ROW} (at most 4 gated), got {warps_per_row!r}")

@@ -198,8 +198,9 @@ class LlamaForCausalLM(nn.Module):
         GEMVs: o_proj and down_proj add their output to the residual stream in place and
         sum its squares (``sums``, one row per norm), and the next product (gate|up, or the
         next layer's q|k|v) normalises the residual as it reads it, with those sums; gate|up
-        writes silu(gate) * up. The same arithmetic as the unfused path, each value rounded
-        where the separate ops round it; the squares are added in fp64 (csrc/gemv.cuh)."""
+        writes silu(gate) * up. The same arithmetic as the unfused path, rounded where the
+        separate ops round except for the normalised input, which stays fp32; the squares
+        are added in fp64 (csrc/gemv.cuh)."""
         from .._ops.cuda_backend import launch_dense_gemv_fused as gemv
 
         layers = self.layers

@@ -592,6 +592,27 @@ def bench_fused_layer(copies: int = 8) -> None:
 
     t_unfused = 1e3 * cuda_backend.graph_time_ms(unfused, layers)
     t_fused = 1e3 * cuda_backend.graph_time_ms(fused, layers)
+    # Each product alone, plain and fused (warm inputs; graph over the copies).
+    gemv, plain = cuda_backend.launch_dense_gemv_fused, cuda_backend.launch_dense_gemv
+    act = torch.randn(1, 11008, generator=gen, device=DEVICE).half()
+    pairs = {
+        "qkv norm": (lambda l: plain(hidden, l["qkv"], warps_per_row=4),
+                     lambda l: gemv(hidden, l["qkv"], warps_per_row=4, norm_weight=l["ln1"],
+                                    sum_squares_in=sums[0], eps=1e-5)),
+        "o add": (lambda l: plain(attn, l["o"], warps_per_row=4),
+                  lambda l: gemv(attn, l["o"], warps_per_row=4, add_to=hidden, sum_squares_out=sums[1])),
+        "gate_up norm+gated": (lambda l: plain(hidden, l["gate_up"], warps_per_row=4),
+                               lambda l: gemv(hidden, l["gate_up"], warps_per_row=4, norm_weight=l["ln2"],
+                                              sum_squares_in=sums[0], eps=1e-5, gated=True)),
+        "gate_up gated": (lambda l: plain(hidden, l["gate_up"], warps_per_row=4),
+                          lambda l: cuda_backend.launch_dense_gemv_fused(hidden, l["gate_up"], warps_per_row=4,
+                                                                         gated=True)),
+        "down add": (lambda l: plain(act, l["down"], warps_per_row=4),
+                     lambda l: gemv(act, l["down"], warps_per_row=4, add_to=hidden, sum_squares_out=sums[1])),
+    }
+    for name, (a, b) in pairs.items():
+        print(f"  {name:<20} plain {1e3 * cuda_backend.graph_time_ms(a, layers):6.1f} us, "
+              f"fused {1e3 * cuda_backend.graph_time_ms(b, layers):6.1f} us", flush=True)
     print(f"\none 7B layer's products at one token, fp16, CUDA graph over {copies} layers: unfused "
           f"{t_unfused:.1f} us (2 norms, 4 GEMVs, SiLU), fused {t_fused:.1f} us (4 GEMVs); "
           f"{(t_unfused - t_fused) * 32:.0f} us less over 32 layers", flush=True)
