@@ -155,6 +155,18 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   launch_dependents();  // the kernel after this one may start and wait for its output
   const T* x = static_cast<const T*>(p.x);
   const T* gamma = static_cast<const T*>(p.norm_weight);
+  T* out = static_cast<T*>(p.out);
+  // What the epilogue reads is requested now, so that its latency hides under the
+  // weights' instead of adding to the end of every block: the sums of squares (kNorm),
+  // and in kAdd the residual value each of the first kBlockRows * ROWS threads adds to.
+  // They are converted only where used: a conversion here would wait for the load.
+  double sum_squares[ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) sum_squares[m] = kNorm && m < p.m ? p.sum_squares_in[m] : 0.0;
+  const int add_row = threadIdx.x / ROWS, add_m = threadIdx.x % ROWS;  // kAdd: this thread's (row, m)
+  const int add_n = blockIdx.x * kBlockRows + add_row;
+  const bool adds = kAdd && add_row < kBlockRows && add_m < p.m && add_n < p.n;
+  const T residual = adds ? out[add_m * p.out_stride + add_n] : from_float<T>(0.f);
   for (int base = first; base < num_vecs; base += kStride) {
     if (base != first) load_weights(base);
 #pragma unroll
@@ -186,10 +198,9 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   for (int m = 0; m < ROWS; ++m) {
     acc[m] = warp_sum(acc[m]);
     if constexpr (kNorm) {  // 1 / sqrt(mean of x[m, :]^2 + eps); a sum over K is linear in it
-      if (m < p.m) acc[m] *= rsqrtf(static_cast<float>(p.sum_squares_in[m]) / p.k + p.eps);
+      if (m < p.m) acc[m] *= rsqrtf(static_cast<float>(sum_squares[m]) / p.k + p.eps);
     }
   }
-  T* out = static_cast<T*>(p.out);
   if constexpr (!kEpilogue) {
     if (SPLIT > 1) {
       __shared__ float partial[kWarps][ROWS];
@@ -247,18 +258,16 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
       // squares carries some 29 bits more than the fp32 mean the norm takes from it: the
       // order in which the blocks' atomics land changes that mean only where the sum falls
       // within about 1e-12 (relative) of an fp32 rounding boundary.
+      static_assert(kBlockRows * ROWS <= kGemvThreads);
       __shared__ double squares[kBlockRows][ROWS];
-      for (int i = threadIdx.x; i < kBlockRows * ROWS; i += kGemvThreads) {
-        const int r = i / ROWS, m = i % ROWS;
-        const int n = blockIdx.x * kBlockRows + r;
+      if (add_row < kBlockRows) {
         double square = 0.0;
-        if (m < p.m && n < p.n) {
-          T* o = out + m * p.out_stride + n;
-          const float v = round_to<T>(result[r][m] + to_float(*o));  // as `y + residual` rounds
-          *o = from_float<T>(v);
+        if (adds) {
+          const float v = round_to<T>(result[add_row][add_m] + to_float(residual));  // as `y + residual` rounds
+          out[add_m * p.out_stride + add_n] = from_float<T>(v);
           square = static_cast<double>(v) * v;
         }
-        squares[r][m] = square;
+        squares[add_row][add_m] = square;
       }
       __syncthreads();
       if (threadIdx.x < ROWS && threadIdx.x < p.m) {
