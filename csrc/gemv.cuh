@@ -169,25 +169,51 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   const T residual = adds ? out[add_m * p.out_stride + add_n] : from_float<T>(0.f);
   for (int base = first; base < num_vecs; base += kStride) {
     if (base != first) load_weights(base);
+    // All of a chunk's loads of x (and of the norm's weight) are issued before its first
+    // product, one L1/L2 round trip a chunk rather than one a vector; past the row's end
+    // they are predicated off and give zeros, as the weights do. From 4 rows on x is
+    // loaded vector by vector (its registers would not fit).
+    constexpr bool kPrefetchX = ROWS <= 2;
+    uint4 xr[kDenseUnroll][kPrefetchX ? ROWS : 1];
+    uint4 gr[kDenseUnroll];
 #pragma unroll
     for (int u = 0; u < kDenseUnroll; ++u) {
       const int v = base + u * kWarpSize;
-      if (v >= num_vecs) break;
+      const bool valid = v < num_vecs;
+      if constexpr (kNorm) gr[u] = valid ? load16(gamma + 8 * v) : make_uint4(0, 0, 0, 0);
+      if constexpr (kPrefetchX) {
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m) {
+          xr[u][m] = valid && m < p.m ? load16(x + m * p.x_stride + 8 * v) : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+#ifdef __CUDA_ARCH__
+    asm volatile("" ::: "memory");  // keeps the compiler from sinking those loads into the products
+#endif
+#pragma unroll
+    for (int u = 0; u < kDenseUnroll; ++u) {
+      const int v = base + u * kWarpSize;
+      const bool valid = v < num_vecs;
       float wf[8];
       Float8<T>::unpack(raw[u], wf);
       if constexpr (kNorm) {
         // sum_k W[n, k] gamma[k] x[k] / rms = (sum_k (W[n, k] gamma[k]) x[k]) / rms: the
         // norm's weight scales the weights (once for all rows), 1 / rms the sums below.
         float gf[8];
-        Float8<T>::unpack(load16(gamma + 8 * v), gf);
+        Float8<T>::unpack(gr[u], gf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) wf[i] *= gf[i];
       }
 #pragma unroll
       for (int m = 0; m < ROWS; ++m) {
-        if (m < p.m) {
+        if (kPrefetchX || m < p.m) {
           float xf[8];
-          Float8<T>::unpack(load16(x + m * p.x_stride + 8 * v), xf);
+          if constexpr (kPrefetchX) {
+            Float8<T>::unpack(xr[u][m], xf);
+          } else {
+            Float8<T>::unpack(valid ? load16(x + m * p.x_stride + 8 * v) : make_uint4(0, 0, 0, 0), xf);
+          }
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[m] = fmaf(xf[i], wf[i], acc[m]);
         }
