@@ -22,10 +22,9 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "Tensor cos_sin_cache, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor(d!)? split_counters, float scale, int max_seq_len, int sliding_window, "
       "int partition_size=-1) -> ()");
-  m.def("dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row=0) -> ()");
   m.def(
-      "dense_gemv_fused(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row, "
-      "Tensor? norm_weight, Tensor? sum_squares_in, float eps, Tensor(b!)? sum_squares_out, bool gated) -> ()");
+      "dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row=0, "
+      "bool gated=False) -> ()");
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, int kernel=0) -> ()");
@@ -37,7 +36,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
   m.impl("rotary_paged_attention_decode", &asyncgen::rotary_paged_attention_decode);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
-  m.impl("dense_gemv_fused", &asyncgen::dense_gemv_fused);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
 }
 

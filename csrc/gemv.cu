@@ -39,10 +39,6 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
               "], got shape ", bias->sizes());
 }
 
-}  // namespace
-
-namespace {
-
 // The plain product's checks and parameters; `n_out` is out's column count (N, or N / 2
 // gated).
 DenseGemvParams dense_params(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -79,13 +75,6 @@ DenseGemvParams dense_params(const at::Tensor& out, const at::Tensor& x, const a
   return p;
 }
 
-void check_sum_squares(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  AG_CHECK_CUDA(t, x);
-  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == x.size(0) && t.stride(0) == 1,
-              name, " must be a contiguous float64 [", x.size(0), "], got ", t.scalar_type(), " of shape ", t.sizes(),
-              " strides ", t.strides());
-}
-
 void launch_dense(const DenseGemvParams& p, const at::Tensor& x) {
   if (p.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -93,45 +82,19 @@ void launch_dense(const DenseGemvParams& p, const at::Tensor& x) {
   const bool dependent = dependent_launch(x.get_device());
   const bool ok = x.scalar_type() == at::kHalf ? launch_dense_gemv<__half>(p, stream, dependent)
                                                : launch_dense_gemv<__nv_bfloat16>(p, stream, dependent);
-  TORCH_CHECK(ok, "no dense GEMV kernel takes warps_per_row=", p.warps_per_row,
-              p.gated ? " gated (at most 4)" : "");
+  TORCH_CHECK(ok, "no dense GEMV kernel takes warps_per_row=", p.warps_per_row, p.gated ? " gated" : "");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const c10::optional<at::Tensor>& bias, int64_t warps_per_row) {
-  launch_dense(dense_params(out, x, weight, bias, warps_per_row, weight.size(0)), x);
-}
-
-void dense_gemv_fused(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& bias, int64_t warps_per_row,
-                      const c10::optional<at::Tensor>& norm_weight, const c10::optional<at::Tensor>& sum_squares_in,
-                      double eps, const c10::optional<at::Tensor>& sum_squares_out, bool gated) {
+                const c10::optional<at::Tensor>& bias, int64_t warps_per_row, bool gated) {
   AG_CHECK_DIM(weight, 2);
-  TORCH_CHECK(!gated || weight.size(0) % 2 == 0, "a gated product needs an even number of weight rows, got ",
-              weight.size(0));
-  TORCH_CHECK(!(gated && sum_squares_out.has_value()), "gated and sum_squares_out exclude each other");
-  TORCH_CHECK(norm_weight.has_value() == sum_squares_in.has_value(),
-              "norm_weight and sum_squares_in come together");
+  TORCH_CHECK(!gated || (weight.size(0) % 2 == 0 && warps_per_row <= 4),
+              "gated takes an even number of weight rows (gate | up) and at most 4 warps a row, got ",
+              weight.size(0), " rows and warps_per_row=", warps_per_row);
   DenseGemvParams p = dense_params(out, x, weight, bias, warps_per_row, gated ? weight.size(0) / 2 : weight.size(0));
-  if (norm_weight.has_value()) {
-    AG_CHECK_CUDA((*norm_weight), x);
-    AG_CHECK_DTYPE((*norm_weight), x.scalar_type());
-    TORCH_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == x.size(1) && norm_weight->is_contiguous() &&
-                    is_aligned16(*norm_weight),
-                "norm_weight must be a contiguous, 16-byte aligned [", x.size(1), "], got shape ", norm_weight->sizes());
-    check_sum_squares(*sum_squares_in, "sum_squares_in", x);
-    TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
-    p.norm_weight = norm_weight->data_ptr();
-    p.sum_squares_in = sum_squares_in->data_ptr<double>();
-    p.eps = static_cast<float>(eps);
-  }
-  if (sum_squares_out.has_value()) {
-    check_sum_squares(*sum_squares_out, "sum_squares_out", x);
-    p.sum_squares_out = sum_squares_out->data_ptr<double>();
-  }
   p.gated = gated;
   launch_dense(p, x);
 }

@@ -20,18 +20,13 @@
 // next, so more warps a row keep more bytes in flight, and the launch's last wave is a
 // smaller share of it.
 //
-// A decode step of a token or two also runs its RMSNorms, residual adds and SiLU inside
-// the dense GEMVs (MODE below), which leaves five kernels a Llama layer: q|k|v, attention,
-// o_proj, gate|up and down_proj. The RMSNorm needs the sum of squares of the whole row,
-// which no block of the consumer has, so the product before it (o_proj, down_proj) adds
-// its output to the residual and each of its blocks adds the squares of the sums it wrote
-// (an fp64 atomic); the product after it multiplies its weights by the norm's weight as it
-// loads them and its sums by 1 / rms at the end. Unlike the separate RMSNorm, which rounds
-// the normalised row to the dtype twice, the normalised input stays in fp32 (rounding it
-// in every block cost more conversions than the product's own arithmetic: measured 20 %
-// slower at 7B). gate|up puts gate row j and up row N / 2 + j in the same block, so the
-// block writes silu(gate) * up itself. Nothing is computed twice, and no block waits for
-// another: the cost is the loads of the norm weight (from L1 and L2) and a multiply each.
+// Each chunk's loads (the weights, and x for up to 2 rows) are issued together before
+// its products: loaded vector by vector, x cost an L1 round trip per vector, and at one
+// row the products took 3-13 % longer (down_proj 24.8 against 21.7 us; docs/BENCHMARKS.md).
+//
+// gated (gate|up of an MLP, weight rows gate | up): a block holds gate row j and up row
+// N / 2 + j together, and writes silu(gate) * up, rounded as the separate ops round it,
+// so the SiLU-and-multiply kernel between gate|up and down_proj goes.
 //
 // quant_gemv_4bit: a block covers 4 * AG_QGEMV_COL_THREADS output columns, its other
 // threads split K. A column thread loads 16 bytes of one packed row: 4 words, i.e. 8 rows
@@ -61,19 +56,14 @@ constexpr int kGemvMaxRows = 8;
 constexpr int kGemvThreads = 256;
 
 struct DenseGemvParams {
-  void* out;           // [M, N] ([M, N / 2] gated; the residual, read and written, with sum_squares_out)
-  const void* x;       // [M, K] (with norm_weight: the residual stream, normalised as it is read)
+  void* out;           // [M, N] ([M, N / 2] gated)
+  const void* x;       // [M, K]
   const void* weight;  // [N, K]
   const void* bias;    // [N] or null
   int64_t out_stride, x_stride, weight_stride;
   int m, n, k;
   int warps_per_row;  // 1, 2, 4 or 8 (0: 1)
-  // The decode step's fusions (all null / false: the plain product; see kGemvNormIn ..):
-  const void* norm_weight;        // [K]: x is RMS-normalised by it and sum_squares_in
-  const double* sum_squares_in;   // [M]: sum over k of x[m, k]^2
-  double* sum_squares_out;        // [M]: out += y, and the sum of the new out[m, :]^2 added here
-  float eps;
-  bool gated;  // out[m, j] = silu(y[m, j]) * y[m, N / 2 + j]
+  bool gated;         // out[m, j] = silu(y[m, j]) * y[m, N / 2 + j]; at most 4 warps a row
 };
 
 struct QuantGemvParams {
@@ -92,36 +82,24 @@ struct QuantGemvParams {
 
 constexpr int kDenseUnroll = 4;
 
-// What a dense GEMV does besides its product (template MODE, bits; 0: the plain product).
-// The three let a decode step at one or two tokens run a Llama layer as q|k|v, attention,
-// o_proj, gate|up and down_proj with nothing between them (see launch_dense_gemv):
-constexpr int kGemvNormIn = 1;  // x is the residual stream, RMS-normalised as it is read
-constexpr int kGemvGated = 2;   // out = silu(gate) * up, the product's halves paired in a block
-constexpr int kGemvAddOut = 4;  // out (the residual) += y, and the sum of its new squares added up
-
 template <typename T>
 AG_DEVICE float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
-template <typename T, int ROWS, int SPLIT, int MODE>
+template <typename T, int ROWS, int SPLIT, bool GATED>
 __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGemvParams p) {
   constexpr int kWarps = kGemvThreads / kWarpSize;
-  constexpr int kBlockRows = kWarps / SPLIT;  // weight rows (product features) of a block
-  constexpr bool kNorm = (MODE & kGemvNormIn) != 0;
-  constexpr bool kGatedOut = (MODE & kGemvGated) != 0;
-  constexpr bool kAdd = (MODE & kGemvAddOut) != 0;
-  static_assert(!kGatedOut || kBlockRows % 2 == 0, "a gated block holds gate and up rows in pairs");
-  static_assert(!(kGatedOut && kAdd), "one epilogue at a time");
-  constexpr bool kEpilogue = kGatedOut || kAdd;  // the block's results meet in shared memory
+  constexpr int kBlockRows = kWarps / SPLIT;  // weight rows of a block
+  static_assert(!GATED || kBlockRows % 2 == 0, "a gated block holds gate and up rows in pairs");
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
-  const int part = warp % SPLIT;    // which of the row's SPLIT warps this is
-  const int local = warp / SPLIT;   // which of the block's rows
-  int row;                          // weight row
+  const int part = warp % SPLIT;   // which of the row's SPLIT warps this is
+  const int local = warp / SPLIT;  // which of the block's rows
+  int row;                         // weight row (output feature of the product)
   bool active;
-  if (kGatedOut) {
-    // Block b holds gate rows j and up rows N / 2 + j for the block's kBlockRows / 2 j.
+  if constexpr (GATED) {
+    // Block b holds gate rows j and up rows N / 2 + j for its kBlockRows / 2 values of j.
     constexpr int kPairs = kBlockRows / 2;
     const int j = blockIdx.x * kPairs + local % kPairs;
     active = j < p.n / 2;
@@ -130,7 +108,7 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
     row = blockIdx.x * kBlockRows + local;
     active = row < p.n;
   }
-  if (SPLIT == 1 && !kEpilogue && !active) return;  // a whole warp leaves together (no barrier below)
+  if (SPLIT == 1 && !GATED && !active) return;  // a whole warp leaves together (no barrier below)
   const T* w = static_cast<const T*>(p.weight) + static_cast<int64_t>(active ? row : 0) * p.weight_stride;
   const int num_vecs = active ? p.k / 8 : 0;
   // Part j takes chunks j, j + SPLIT, ... of kWarpSize * kDenseUnroll vectors.
@@ -154,57 +132,31 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   grid_dependency_wait();
   launch_dependents();  // the kernel after this one may start and wait for its output
   const T* x = static_cast<const T*>(p.x);
-  const T* gamma = static_cast<const T*>(p.norm_weight);
-  T* out = static_cast<T*>(p.out);
-  // What the epilogue reads is requested now, so that its latency hides under the
-  // weights' instead of adding to the end of every block: the sums of squares (kNorm),
-  // and in kAdd the residual value each of the first kBlockRows * ROWS threads adds to.
-  // They are converted only where used: a conversion here would wait for the load.
-  double sum_squares[ROWS];
-#pragma unroll
-  for (int m = 0; m < ROWS; ++m) sum_squares[m] = kNorm && m < p.m ? p.sum_squares_in[m] : 0.0;
-  const int add_row = threadIdx.x / ROWS, add_m = threadIdx.x % ROWS;  // kAdd: this thread's (row, m)
-  const int add_n = blockIdx.x * kBlockRows + add_row;
-  const bool adds = kAdd && add_row < kBlockRows && add_m < p.m && add_n < p.n;
-  const T residual = adds ? out[add_m * p.out_stride + add_n] : from_float<T>(0.f);
   for (int base = first; base < num_vecs; base += kStride) {
     if (base != first) load_weights(base);
-    // All of a chunk's loads of x (and of the norm's weight) are issued before its first
-    // product, one L1/L2 round trip a chunk rather than one a vector; past the row's end
-    // they are predicated off and give zeros, as the weights do. From 4 rows on x is
-    // loaded vector by vector (its registers would not fit).
+    // All of the chunk's x loads are issued before its first product (up to 2 rows; from
+    // 4 on their registers would not fit): one L1/L2 round trip a chunk, not one a vector.
+    // Past the row's end they are predicated off and give zeros, as the weights do.
     constexpr bool kPrefetchX = ROWS <= 2;
     uint4 xr[kDenseUnroll][kPrefetchX ? ROWS : 1];
-    uint4 gr[kDenseUnroll];
+    if constexpr (kPrefetchX) {
 #pragma unroll
-    for (int u = 0; u < kDenseUnroll; ++u) {
-      const int v = base + u * kWarpSize;
-      const bool valid = v < num_vecs;
-      if constexpr (kNorm) gr[u] = valid ? load16(gamma + 8 * v) : make_uint4(0, 0, 0, 0);
-      if constexpr (kPrefetchX) {
+      for (int u = 0; u < kDenseUnroll; ++u) {
+        const int v = base + u * kWarpSize;
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
-          xr[u][m] = valid && m < p.m ? load16(x + m * p.x_stride + 8 * v) : make_uint4(0, 0, 0, 0);
+          xr[u][m] = v < num_vecs && m < p.m ? load16(x + m * p.x_stride + 8 * v) : make_uint4(0, 0, 0, 0);
         }
       }
-    }
 #ifdef __CUDA_ARCH__
-    asm volatile("" ::: "memory");  // keeps the compiler from sinking those loads into the products
+      asm volatile("" ::: "memory");  // keeps the compiler from sinking those loads into the products
 #endif
+    }
 #pragma unroll
     for (int u = 0; u < kDenseUnroll; ++u) {
       const int v = base + u * kWarpSize;
-      const bool valid = v < num_vecs;
       float wf[8];
       Float8<T>::unpack(raw[u], wf);
-      if constexpr (kNorm) {
-        // sum_k W[n, k] gamma[k] x[k] / rms = (sum_k (W[n, k] gamma[k]) x[k]) / rms: the
-        // norm's weight scales the weights (once for all rows), 1 / rms the sums below.
-        float gf[8];
-        Float8<T>::unpack(gr[u], gf);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) wf[i] *= gf[i];
-      }
 #pragma unroll
       for (int m = 0; m < ROWS; ++m) {
         if (kPrefetchX || m < p.m) {
@@ -212,7 +164,7 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
           if constexpr (kPrefetchX) {
             Float8<T>::unpack(xr[u][m], xf);
           } else {
-            Float8<T>::unpack(valid ? load16(x + m * p.x_stride + 8 * v) : make_uint4(0, 0, 0, 0), xf);
+            Float8<T>::unpack(v < num_vecs ? load16(x + m * p.x_stride + 8 * v) : make_uint4(0, 0, 0, 0), xf);
           }
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[m] = fmaf(xf[i], wf[i], acc[m]);
@@ -221,13 +173,9 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
     }
   }
 #pragma unroll
-  for (int m = 0; m < ROWS; ++m) {
-    acc[m] = warp_sum(acc[m]);
-    if constexpr (kNorm) {  // 1 / sqrt(mean of x[m, :]^2 + eps); a sum over K is linear in it
-      if (m < p.m) acc[m] *= rsqrtf(static_cast<float>(sum_squares[m]) / p.k + p.eps);
-    }
-  }
-  if constexpr (!kEpilogue) {
+  for (int m = 0; m < ROWS; ++m) acc[m] = warp_sum(acc[m]);
+  T* out = static_cast<T*>(p.out);
+  if constexpr (!GATED) {
     if (SPLIT > 1) {
       __shared__ float partial[kWarps][ROWS];
       if (lane == 0) {
@@ -249,8 +197,8 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
       }
     }
   } else {
-    // Epilogues: each row's y (bias added, rounded to T as the product's output is) goes to
-    // shared memory, then the block's threads take (row, m) pairs.
+    // Each row's y (bias added, rounded to T as the product's output is) goes to shared
+    // memory; then a thread per (j, m) writes silu(gate) * up.
     __shared__ float partial[kWarps][ROWS];
     __shared__ float result[kBlockRows][ROWS];
     if (lane == 0) {
@@ -268,97 +216,53 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
       }
     }
     __syncthreads();
-    if constexpr (kGatedOut) {
-      constexpr int kPairs = kBlockRows / 2;
-      for (int i = threadIdx.x; i < kPairs * ROWS; i += kGemvThreads) {
-        const int pair = i / ROWS, m = i % ROWS;
-        const int j = blockIdx.x * kPairs + pair;
-        if (m < p.m && j < p.n / 2) {
-          const float gate = result[pair][m], up = result[kPairs + pair][m];
-          const float act = round_to<T>(gate / (1.f + __expf(-gate)));  // silu, rounded as the op does
-          out[m * p.out_stride + j] = from_float<T>(act * up);
-        }
-      }
-    } else {
-      // The squares of fp16/bf16 values are exact in fp64, and an fp64 sum of a row's
-      // squares carries some 29 bits more than the fp32 mean the norm takes from it: the
-      // order in which the blocks' atomics land changes that mean only where the sum falls
-      // within about 1e-12 (relative) of an fp32 rounding boundary.
-      static_assert(kBlockRows * ROWS <= kGemvThreads);
-      __shared__ double squares[kBlockRows][ROWS];
-      if (add_row < kBlockRows) {
-        double square = 0.0;
-        if (adds) {
-          const float v = round_to<T>(result[add_row][add_m] + to_float(residual));  // as `y + residual` rounds
-          out[add_m * p.out_stride + add_n] = from_float<T>(v);
-          square = static_cast<double>(v) * v;
-        }
-        squares[add_row][add_m] = square;
-      }
-      __syncthreads();
-      if (threadIdx.x < ROWS && threadIdx.x < p.m) {
-        double s = 0.0;
-#pragma unroll
-        for (int r = 0; r < kBlockRows; ++r) s += squares[r][threadIdx.x];
-        atomicAdd(p.sum_squares_out + threadIdx.x, s);
-      }
+    constexpr int kPairs = kBlockRows / 2;
+    static_assert(kPairs * ROWS <= kGemvThreads);
+    const int pair = threadIdx.x / ROWS, m = threadIdx.x % ROWS;
+    const int j = blockIdx.x * kPairs + pair;
+    if (pair < kPairs && m < p.m && j < p.n / 2) {
+      const float gate = result[pair][m], up = result[kPairs + pair][m];
+      const float act = round_to<T>(gate / (1.f + __expf(-gate)));  // silu, rounded as the op rounds it
+      out[m * p.out_stride + j] = from_float<T>(act * up);
     }
   }
 }
 
 // dependent (sm_90+): launched so that it may start while the kernel ahead of it runs;
 // it requests its first weights, then waits for x.
-template <typename T, int SPLIT, int MODE>
+template <typename T, int SPLIT, bool GATED>
 void (*dense_gemv_kernel_for(int m))(const DenseGemvParams) {
-  if (m <= 1) return dense_gemv_kernel<T, 1, SPLIT, MODE>;
-  if (m <= 2) return dense_gemv_kernel<T, 2, SPLIT, MODE>;
-  if (m <= 4) return dense_gemv_kernel<T, 4, SPLIT, MODE>;
-  if (m <= kGemvMaxRows) return dense_gemv_kernel<T, 8, SPLIT, MODE>;
+  if (m <= 1) return dense_gemv_kernel<T, 1, SPLIT, GATED>;
+  if (m <= 2) return dense_gemv_kernel<T, 2, SPLIT, GATED>;
+  if (m <= 4) return dense_gemv_kernel<T, 4, SPLIT, GATED>;
+  if (m <= kGemvMaxRows) return dense_gemv_kernel<T, 8, SPLIT, GATED>;
   return nullptr;
 }
 
-template <typename T, int MODE>
+template <typename T, bool GATED>
 void (*dense_gemv_kernel_for_split(int split, int m))(const DenseGemvParams) {
   switch (split) {
-    case 1: return dense_gemv_kernel_for<T, 1, MODE>(m);
-    case 2: return dense_gemv_kernel_for<T, 2, MODE>(m);
-    case 4: return dense_gemv_kernel_for<T, 4, MODE>(m);
+    case 1: return dense_gemv_kernel_for<T, 1, GATED>(m);
+    case 2: return dense_gemv_kernel_for<T, 2, GATED>(m);
+    case 4: return dense_gemv_kernel_for<T, 4, GATED>(m);
     case 8:
-      if constexpr ((MODE & kGemvGated) != 0) {
+      if constexpr (GATED) {
         return nullptr;  // one row a block: no room for a gate row and its up row
       } else {
-        return dense_gemv_kernel_for<T, 8, MODE>(m);
+        return dense_gemv_kernel_for<T, 8, false>(m);
       }
     default: return nullptr;
   }
 }
 
-// The MODE of a launch's parameters, or -1 for a combination no kernel has (gated with
-// an added output, or either without the other's required pointers).
-inline int dense_gemv_mode(const DenseGemvParams& p) {
-  const bool norm = p.norm_weight != nullptr;
-  if (norm != (p.sum_squares_in != nullptr)) return -1;
-  const bool add = p.sum_squares_out != nullptr;
-  if (p.gated && (add || p.n % 2 != 0)) return -1;
-  return (norm ? kGemvNormIn : 0) | (p.gated ? kGemvGated : 0) | (add ? kGemvAddOut : 0);
-}
-
 // Returns false where no kernel takes the launch: more than kGemvMaxRows rows, a
-// warps_per_row other than 0/1/2/4/8, 8 warps a row gated, or a mode dense_gemv_mode
-// refuses. The modes built: plain, kGemvNormIn (q|k|v after a fused add), kGemvGated and
-// kGemvNormIn | kGemvGated (gate|up), and kGemvAddOut (o_proj, down_proj).
+// warps_per_row other than 0/1/2/4/8, or gated with 8 warps a row or an odd N.
 template <typename T>
 bool launch_dense_gemv(const DenseGemvParams& p, cudaStream_t stream, bool dependent = false) {
   const int split = p.warps_per_row <= 1 ? 1 : p.warps_per_row;
-  void (*kernel)(const DenseGemvParams) = nullptr;
-  switch (dense_gemv_mode(p)) {
-    case 0: kernel = dense_gemv_kernel_for_split<T, 0>(split, p.m); break;
-    case kGemvNormIn: kernel = dense_gemv_kernel_for_split<T, kGemvNormIn>(split, p.m); break;
-    case kGemvGated: kernel = dense_gemv_kernel_for_split<T, kGemvGated>(split, p.m); break;
-    case kGemvNormIn | kGemvGated: kernel = dense_gemv_kernel_for_split<T, kGemvNormIn | kGemvGated>(split, p.m); break;
-    case kGemvAddOut: kernel = dense_gemv_kernel_for_split<T, kGemvAddOut>(split, p.m); break;
-    default: break;
-  }
+  if (p.gated && p.n % 2 != 0) return false;
+  void (*kernel)(const DenseGemvParams) =
+      p.gated ? dense_gemv_kernel_for_split<T, true>(split, p.m) : dense_gemv_kernel_for_split<T, false>(split, p.m);
   if (kernel == nullptr) return false;
   const int rows_per_block = kGemvThreads / kWarpSize / split;
   const int blocks = p.gated ? ceil_div(p.n / 2, rows_per_block / 2) : ceil_div(p.n, rows_per_block);

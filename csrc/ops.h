@@ -41,20 +41,10 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
                                    int64_t partition_size);
 
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
-// warps_per_row: 1, 2, 4 or 8 warps share each output feature (0: one).
+// warps_per_row: 1, 2, 4 or 8 warps share each output feature (0: one). gated: weight is
+// gate | up (2 D rows) and out [M, D] = silu(x W_gate^T) * (x W_up^T), at most 4 warps a row.
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const c10::optional<at::Tensor>& bias, int64_t warps_per_row);
-
-// dense_gemv with the decode step's fusions (csrc/gemv.cuh, kGemvNormIn ..):
-// - norm_weight and sum_squares_in [M] (float64, sum_k x[m, k]^2): x is the residual
-//   stream, and the product takes RMSNorm(x) * norm_weight (eps) in its place;
-// - gated: weight is gate | up, out [M, N / 2] = silu(x W_gate^T) * (x W_up^T);
-// - sum_squares_out [M] (float64): out is the residual, out += y in place, and the sum of
-//   the squares of the new out[m, :] is added to sum_squares_out[m] (which starts at 0).
-void dense_gemv_fused(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& bias, int64_t warps_per_row,
-                      const c10::optional<at::Tensor>& norm_weight, const c10::optional<at::Tensor>& sum_squares_in,
-                      double eps, const c10::optional<at::Tensor>& sum_squares_out, bool gated);
+                const c10::optional<at::Tensor>& bias, int64_t warps_per_row, bool gated);
 
 // out = x @ W (+ bias) for 1 to 64 rows of fp16 x, W given as 4-bit codes packed along K
 // (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].

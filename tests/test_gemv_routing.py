@@ -46,9 +46,11 @@ def fake_csrc(monkeypatch):
     def dense_supported(x, weight, bias=None):
         return input_ok(x, weight.dtype, weight.shape[1])
 
-    def launch_dense(x, weight, bias=None, out=None, *, warps_per_row=1):
-        calls.append(("dense", x.shape[0]) if warps_per_row == 1 else ("dense", x.shape[0], warps_per_row))
-        return torch.nn.functional.linear(x, weight, bias)
+    def launch_dense(x, weight, bias=None, out=None, *, warps_per_row=1, gated=False):
+        call = ("dense", x.shape[0]) if warps_per_row == 1 else ("dense", x.shape[0], warps_per_row)
+        calls.append((*call, "gated") if gated else call)
+        y = torch.nn.functional.linear(x, weight, bias)
+        return torch.nn.functional.silu(y[:, : y.shape[1] // 2]) * y[:, y.shape[1] // 2:] if gated else y
 
     monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_max_rows", quant_max_rows)
     monkeypatch.setattr(cuda_backend, "gemv_input_ok", input_ok)
@@ -162,6 +164,30 @@ def test_dense_layers_pass_their_warps_per_row(fake_csrc):
     layer.gemv_rows, layer.gemv_warps_per_row = 1, 4
     x = torch.randn(1, 64)
     assert close(layer(x), torch.nn.functional.linear(x, layer.weight)) and fake_csrc == [("dense", 1, 4)]
+
+
+def test_mlp_takes_silu_and_mul_from_the_gated_gemv_where_set(fake_csrc):
+    from types import SimpleNamespace
+
+    from asyncgen._ops import get_ops
+    from asyncgen.model.llama import MLP
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=40, mlp_bias=False)
+    mlp = MLP(cfg, "model.layers.0.mlp", get_ops("torch"), torch.float32, "cpu", lambda prefix: None)
+    gen = torch.Generator().manual_seed(3)
+    mlp.gate_up_proj.weight.data.copy_(torch.randn(80, 64, generator=gen))
+    mlp.down_proj.weight.data.copy_(torch.randn(64, 40, generator=gen))
+    x = torch.randn(2, 64, generator=gen)
+    gate, up = torch.nn.functional.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    want = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, mlp.down_proj.weight)
+    gate_up = mlp.gate_up_proj
+    gate_up.gemv_rows, gate_up.gemv_warps_per_row = 2, 8
+    assert close(mlp(x), want) and fake_csrc == [("dense", 2, 8)]  # gemv_gated off: the plain GEMV
+    fake_csrc.clear()
+    gate_up.gemv_gated = True
+    assert close(mlp(x), want) and fake_csrc == [("dense", 2, 4, "gated")]  # at most 4 warps a row gated
+    fake_csrc.clear()
+    assert close(mlp(torch.cat([x, x])), torch.cat([want, want])) and fake_csrc == []  # past its rows: cuBLAS
 
 
 def test_dense_gemv_names_a_bad_warps_per_row():

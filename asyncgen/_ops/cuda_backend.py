@@ -22,9 +22,7 @@ the argument on bad input):
   layers check their weight once (``*_weight_ok``), each input with
   :func:`gemv_input_ok`, and call the ``launch_*`` forms, which skip the Python checks.
   :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
-  :func:`dense_gemv_fused` adds the decode step's fusions: an RMSNorm of its input, the
-  SiLU-and-multiply of a gate|up product, and the residual add whose sum of squares the
-  next product's RMSNorm takes (see ``LlamaForCausalLM``).
+  ``gated=True`` gives the SiLU-and-multiply of a gate|up product from the same kernel.
 - ``rotary_attention`` (what the attention layer calls): for decode-only batches of up to
   :data:`ROTARY_DECODE_FUSED_MAX_SEQS` sequences that the csrc decode kernel takes
   (below), with int64 positions and slots and at most 8 query heads per kv head, one csrc
@@ -51,8 +49,8 @@ import torch
 from . import Ops, compose_rotary_attention
 
 __all__ = [
-    "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_fused",
-    "dense_gemv_fused_available", "dense_gemv_supported", "launch_dense_gemv_fused",
+    "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_gated_available",
+    "dense_gemv_supported",
     "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
@@ -93,7 +91,7 @@ def _register_fakes() -> None:
     if register is None:  # torch < 2.4
         return
     for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
-                 "dense_gemv", "dense_gemv_fused", "quant_gemv_4bit"):
+                 "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -550,116 +548,52 @@ def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     )
 
 
+def dense_gemv_gated_available() -> bool:
+    """Whether the built extension's ``dense_gemv`` takes ``gated``."""
+    if _extension() is None:
+        return False
+    schema = str(torch.ops.asyncgen_C.dense_gemv.default._schema)
+    return "gated" in schema
+
+
 def dense_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    *, warps_per_row: int = 1,
+    *, warps_per_row: int = 1, gated: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 1 to :data:`GEMV_MAX_ROWS` rows of ``x`` [M, K]
     (``weight`` [N, K]); fp32 accumulation. ``warps_per_row`` (one of
-    :data:`GEMV_WARPS_PER_ROW`): how many warps share each output feature's row. Raises
-    ``ValueError`` where :func:`dense_gemv_supported` is false or ``warps_per_row`` is not
-    one of those."""
-    if warps_per_row not in GEMV_WARPS_PER_ROW:
-        raise ValueError(f"warps_per_row must be one of {GEMV_WARPS_PER_ROW}, got {warps_per_row!r}")
+    :data:`GEMV_WARPS_PER_ROW`): how many warps share each output feature's row.
+    ``gated``: ``weight`` is gate | up (2 D rows) and the result [M, D] is
+    ``silu(gate) * up``, each rounded as ``silu_and_mul`` of the product rounds them (at
+    most 4 warps a row). Raises ``ValueError`` where :func:`dense_gemv_supported` is false
+    or ``warps_per_row`` is not one of those."""
+    if warps_per_row not in GEMV_WARPS_PER_ROW or (gated and warps_per_row > 4):
+        raise ValueError(f"warps_per_row must be one of {GEMV_WARPS_PER_ROW} (at most 4 gated), got {warps_per_row!r}")
+    if gated and weight.dim() == 2 and weight.shape[0] % 2 != 0:
+        raise ValueError(f"gated needs an even number of weight rows (gate | up), got {weight.shape[0]}")
     if not dense_gemv_supported(x, weight, bias):
         raise ValueError(
             f"dense_gemv takes 1-{GEMV_MAX_ROWS} rows of fp16/bf16 x [M, K] with K % 8 == 0 and weight [N, K] of "
             f"x's dtype, both 16-byte aligned rows on one CUDA device; got x {tuple(x.shape)} {x.dtype}, "
             f"weight {tuple(weight.shape)} {weight.dtype}"
         )
-    return launch_dense_gemv(x, weight, bias, out, warps_per_row=warps_per_row)
+    return launch_dense_gemv(x, weight, bias, out, warps_per_row=warps_per_row, gated=gated)
 
 
 def launch_dense_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    *, warps_per_row: int = 1,
+    *, warps_per_row: int = 1, gated: bool = False,
 ) -> torch.Tensor:
     """:func:`dense_gemv` without the Python checks, for callers that checked the weight
     once (:func:`dense_gemv_weight_ok`) and each input (:func:`gemv_input_ok`). The op
     still validates its arguments in C++."""
     if out is None:
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row)
-    return out
-
-
-def dense_gemv_fused_available() -> bool:
-    """Whether the built extension has :func:`dense_gemv_fused`'s op."""
-    return _extension() is not None and hasattr(torch.ops.asyncgen_C, "dense_gemv_fused")
-
-
-def dense_gemv_fused(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, warps_per_row: int = 1,
-    norm_weight: torch.Tensor | None = None, sum_squares_in: torch.Tensor | None = None, eps: float = 0.0,
-    gated: bool = False, add_to: torch.Tensor | None = None, sum_squares_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`dense_gemv` with the fusions a decode step chains (fp32 accumulation):
-
-    - ``norm_weight`` [K] with ``sum_squares_in`` [M] float64 (``sum_k x[m, k]**2``) and
-      ``eps``: the product takes ``rms_norm(x, norm_weight, eps)`` in place of ``x``;
-    - ``gated``: ``weight`` is gate | up (2 D rows); returns ``silu(gate) * up`` [M, D];
-    - ``add_to`` [M, N] with ``sum_squares_out`` [M] float64: ``add_to += y`` in place
-      (rounded as ``y + residual`` is) and the sum of the squares of the new ``add_to[m]``
-      is added to ``sum_squares_out[m]``; returns ``add_to``.
-
-    Rounding follows the unfused ops, except that the normalised input stays fp32 (the
-    separate ``rms_norm`` rounds it to the dtype). ``gated`` takes at most 4 warps a row and excludes
-    ``add_to``. Raises ``ValueError`` naming what does not fit."""
-    if warps_per_row not in GEMV_WARPS_PER_ROW or (gated and warps_per_row > 4):
-        raise ValueError(f"warps_per_row must be one of {GEMV_WARPS_PER_ROW} (at most 4 gated), got {warps_per_row!r}")
-    if not dense_gemv_supported(x, weight, bias):
-        raise ValueError(
-            f"dense_gemv_fused takes what dense_gemv takes; got x {tuple(x.shape)} {x.dtype}, "
-            f"weight {tuple(weight.shape)} {weight.dtype}"
-        )
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-
-    def sums_ok(t):
-        return t.dtype == torch.float64 and t.shape == (m,) and t.is_contiguous() and t.device == x.device
-
-    if (norm_weight is None) != (sum_squares_in is None):
-        raise ValueError("norm_weight and sum_squares_in come together")
-    if norm_weight is not None:
-        if not (norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-                and norm_weight.data_ptr() % 16 == 0 and norm_weight.device == x.device):
-            raise ValueError(f"norm_weight must be a contiguous, 16-byte aligned [{k}] of x's dtype on x's device, "
-                             f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
-        if not sums_ok(sum_squares_in):
-            raise ValueError(f"sum_squares_in must be a contiguous float64 [{m}] on x's device, "
-                             f"got {tuple(sum_squares_in.shape)} {sum_squares_in.dtype}")
-    if (add_to is None) != (sum_squares_out is None):
-        raise ValueError("add_to and sum_squares_out come together")
-    if gated and (add_to is not None or n % 2 != 0):
-        raise ValueError(f"gated needs an even number of weight rows and no add_to, got {n} rows")
-    if add_to is not None:
-        if not (add_to.shape == (m, n) and add_to.dtype == x.dtype and _aligned_rows(add_to)
-                and add_to.device == x.device):
-            raise ValueError(f"add_to must be [{m}, {n}] of x's dtype with 16-byte aligned rows, "
-                             f"got {tuple(add_to.shape)} {add_to.dtype}")
-        if not sums_ok(sum_squares_out):
-            raise ValueError(f"sum_squares_out must be a contiguous float64 [{m}] on x's device, "
-                             f"got {tuple(sum_squares_out.shape)} {sum_squares_out.dtype}")
-    return launch_dense_gemv_fused(
-        x, weight, bias, warps_per_row=warps_per_row, norm_weight=norm_weight, sum_squares_in=sum_squares_in,
-        eps=eps, gated=gated, add_to=add_to, sum_squares_out=sum_squares_out,
-    )
-
-
-def launch_dense_gemv_fused(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, warps_per_row: int = 1,
-    norm_weight: torch.Tensor | None = None, sum_squares_in: torch.Tensor | None = None, eps: float = 0.0,
-    gated: bool = False, add_to: torch.Tensor | None = None, sum_squares_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`dense_gemv_fused` without the Python checks (the op still validates its
-    arguments in C++)."""
-    if add_to is not None:
-        out = add_to
+        n = weight.shape[0] // 2 if gated else weight.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if gated:
+        torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row, True)
     else:
-        n_out = weight.shape[0] // 2 if gated else weight.shape[0]
-        out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-    torch.ops.asyncgen_C.dense_gemv_fused(
-        out, x, weight, bias, warps_per_row, norm_weight, sum_squares_in, eps, sum_squares_out, gated
-    )
+        torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row)
     return out
 
 

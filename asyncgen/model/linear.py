@@ -76,6 +76,22 @@ class UnquantizedLinearMethod(LinearMethod):
                 return y.view(*x.shape[:-1], layer.out_features)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
+    def apply_gated(self, layer, x):
+        """``silu(gate) * up`` of a gate|up layer from one csrc GEMV, where the layer's
+        ``gemv_gated`` is set and it takes ``x`` at this size; else None."""
+        rows = layer.gemv_rows
+        if not (layer.gemv_gated and rows and x.dim() >= 1 and x.numel() <= rows * x.shape[-1]):
+            return None
+        from .._ops import cuda_backend
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if not cuda_backend.gemv_input_ok(x2, layer.weight.dtype, layer.in_features):
+            return None
+        y = cuda_backend.launch_dense_gemv(
+            x2, layer.weight, layer.bias, warps_per_row=min(layer.gemv_warps_per_row, 4), gated=True
+        )
+        return y.view(*x.shape[:-1], layer.out_features // 2)
+
 
 class LinearBase(nn.Module):
     """``y = x @ W.T + b`` with ``W`` of shape [out_features, in_features] on this shard.
@@ -115,6 +131,9 @@ class LinearBase(nn.Module):
         # asyncgen._ops.cuda_backend.choose_dense_gemv.
         self.gemv_rows = 0
         self.gemv_warps_per_row = 1
+        # gate|up layers: whether those rows also go to the GEMV that writes silu(gate) * up
+        # (set by the model runner where the extension has it).
+        self.gemv_gated = False
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, dtype, device)
         self.bias = (
@@ -171,6 +190,12 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this gate|up layer's output from one kernel, or None where
+        its method has none for ``x`` (then apply ``silu_and_mul`` to ``forward``)."""
+        apply_gated = getattr(self.method, "apply_gated", None)
+        return apply_gated(self, x) if apply_gated is not None else None
 
 
 class QKVLinear(LinearBase):

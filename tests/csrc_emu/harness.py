@@ -125,10 +125,6 @@ class DenseGemvParams(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("warps_per_row", ctypes.c_int),
-        ("norm_weight", ctypes.c_void_p),
-        ("sum_squares_in", ctypes.c_void_p),
-        ("sum_squares_out", ctypes.c_void_p),
-        ("eps", ctypes.c_float),
         ("gated", ctypes.c_bool),
     ]
 
@@ -282,14 +278,12 @@ class Emulator:
                                          positions.dtype == torch.int64)
         assert rc == 0
 
-    def dense_gemv(self, out, x, weight, bias=None, warps_per_row=0, *, norm_weight=None, sum_squares_in=None,
-                   eps=0.0, sum_squares_out=None, gated=False):
-        """out[m, n] = x[m] . weight[n] (+ bias[n]), with the fusions of the glue's
-        ``dense_gemv_fused`` when their arguments are given; its layout requirements hold."""
+    def dense_gemv(self, out, x, weight, bias=None, warps_per_row=0, gated=False):
+        """out[m, n] = x[m] . weight[n] (+ bias[n]), or gated: out[m, j] = silu(y[m, j]) *
+        y[m, N / 2 + j]; the glue's layout requirements hold."""
         p = DenseGemvParams(
             _ptr(out), _ptr(x), _ptr(weight), _ptr(bias), out.stride(0), x.stride(0), weight.stride(0),
-            x.shape[0], weight.shape[0], weight.shape[1], warps_per_row,
-            _ptr(norm_weight), _ptr(sum_squares_in), _ptr(sum_squares_out), eps, gated,
+            x.shape[0], weight.shape[0], weight.shape[1], warps_per_row, gated,
         )
         assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "no kernel takes the launch"
 

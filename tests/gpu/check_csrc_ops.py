@@ -505,117 +505,48 @@ def check_dense_gemv() -> None:
         check("dense_gemv refuses 9 rows", "rows" in str(e), str(e))
 
 
-def check_dense_gemv_fused() -> None:
-    """The GEMV's decode-step fusions at 7B shapes against the unfused torch ops: the norm
-    in front (q|k|v), the norm and SiLU-and-multiply (gate|up), the residual add with its
-    sum of squares (o_proj, down_proj)."""
-    print("dense_gemv_fused against the reference ops")
+def check_dense_gemv_gated() -> None:
+    """gated (silu(gate) * up of gate|up) at 7B's gate|up shape and a small one with bias,
+    against the product followed by silu_and_mul in the dtype."""
+    print("dense_gemv gated against F.linear + silu_and_mul")
     gen = torch.Generator(device=DEVICE).manual_seed(11)
-    eps = 1e-5
     for dtype in (torch.float16, torch.bfloat16):
-        for (n, k), mode in zip(GEMV_SHAPES, ("norm", "add", "gated", "add")):
-            w = torch.randn(n, k, generator=gen, device=DEVICE).to(dtype) * k**-0.5
-            gamma = (torch.rand(k, generator=gen, device=DEVICE) + 0.5).to(dtype)
+        for n, k in ((22016, 4096), (100, 264)):
+            w = torch.randn(n, k, generator=gen, device=DEVICE).to(dtype) * 2 * k**-0.5
+            bias = torch.randn(n, generator=gen, device=DEVICE).to(dtype) if n == 100 else None
             for m in (1, 2, 8):
-                x = (torch.randn(m, k, generator=gen, device=DEVICE) * 4).to(dtype)
-                sums = (x.double() ** 2).sum(-1)
-                normed = reference.rms_norm(x, gamma, eps)[0].float()
-                for warps in cuda_backend.GEMV_WARPS_PER_ROW:
-                    label = f"dense_gemv_fused {mode} {n}x{k} M={m} {dtype} warps/row={warps}"
-                    if mode == "norm":
-                        out = cuda_backend.dense_gemv_fused(x, w, warps_per_row=warps, norm_weight=gamma,
-                                                            sum_squares_in=sums, eps=eps)
-                        err = relative_error(out, normed @ w.float().t())
-                    elif mode == "gated":
-                        if warps > 4:
-                            continue
-                        out = cuda_backend.dense_gemv_fused(x, w, warps_per_row=warps, norm_weight=gamma,
-                                                            sum_squares_in=sums, eps=eps, gated=True)
-                        err = relative_error(out, reference.silu_and_mul((normed @ w.float().t()).to(dtype).float()))
-                    else:
-                        residual = torch.randn(m, n, generator=gen, device=DEVICE).to(dtype)
-                        before = residual.clone()
-                        acc = torch.zeros(m, dtype=torch.float64, device=DEVICE)
-                        cuda_backend.dense_gemv_fused(x, w, warps_per_row=warps, add_to=residual, sum_squares_out=acc)
-                        err = relative_error(residual, (x.float() @ w.float().t()).to(dtype).float() + before.float())
-                        sums_err = ((acc - (residual.double() ** 2).sum(-1)).abs() / acc).max().item()
-                        check(label + " sum of squares", sums_err < 1e-12, f"rel err {sums_err:.1e}")
-                    check(label, err < 2 * TOLERANCE[dtype], f"rel err {err:.2e}")
+                x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+                y = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+                ref = reference.silu_and_mul(y).float()
+                for warps in (1, 2, 4):
+                    out = cuda_backend.dense_gemv(x, w, bias, warps_per_row=warps, gated=True)
+                    err = relative_error(out, ref)
+                    check(f"dense_gemv gated {n}x{k} M={m} {dtype} warps/row={warps}", err < TOLERANCE[dtype],
+                          f"rel err {err:.2e}")
     try:
-        x = torch.randn(1, 4096, device=DEVICE).half()
-        w = torch.randn(8192, 4096, device=DEVICE).half()
-        cuda_backend.dense_gemv_fused(x, w, warps_per_row=8, norm_weight=x[0].clone(),
-                                      sum_squares_in=torch.ones(1, dtype=torch.float64, device=DEVICE), gated=True)
-        check("dense_gemv_fused refuses 8 warps a row gated", False, "no error")
+        cuda_backend.dense_gemv(torch.randn(1, 64, device=DEVICE).half(), torch.randn(16, 64, device=DEVICE).half(),
+                                warps_per_row=8, gated=True)
+        check("dense_gemv gated refuses 8 warps a row", False, "no error")
     except ValueError as e:
-        check("dense_gemv_fused refuses 8 warps a row gated", "warps_per_row" in str(e), str(e))
+        check("dense_gemv gated refuses 8 warps a row", "warps_per_row" in str(e), str(e))
 
 
-def bench_fused_layer(copies: int = 8) -> None:
-    """One Llama-7B layer's four products at one token, fp16, in a CUDA graph over
-    ``copies`` layers' weights (attention left out of both): the unfused chain (Triton
-    RMSNorm with the residual add, GEMV, SiLU-and-multiply) against the fused GEMVs."""
+def bench_gated(copies: int = 8) -> None:
+    """gate|up at one token, fp16, 4 warps a row, in a CUDA graph over ``copies`` weights:
+    the GEMV then Triton's silu_and_mul against the gated GEMV."""
     from asyncgen._ops import triton_backend
 
-    t = triton_backend.ops()
+    silu_and_mul = triton_backend.ops().silu_and_mul
     gen = torch.Generator(device=DEVICE).manual_seed(12)
-    layers = [{name: torch.randn(n, k, generator=gen, device=DEVICE).half() * k**-0.5
-               for name, (n, k) in zip(("qkv", "o", "gate_up", "down"), GEMV_SHAPES)}
-              | {"ln1": torch.rand(4096, generator=gen, device=DEVICE).half() + 0.5,
-                 "ln2": torch.rand(4096, generator=gen, device=DEVICE).half() + 0.5}
-              for _ in range(copies)]
-    warps = {"qkv": 4, "o": 4, "gate_up": 4, "down": 4}
-    hidden = torch.randn(1, 4096, generator=gen, device=DEVICE).half()
-    attn = torch.randn(1, 4096, generator=gen, device=DEVICE).half()
-    sums = torch.zeros(2 * copies, 1, dtype=torch.float64, device=DEVICE)
-
-    def unfused(layer):
-        h, residual = t.rms_norm(hidden, layer["ln1"], 1e-5, hidden)
-        cuda_backend.launch_dense_gemv(h, layer["qkv"], warps_per_row=warps["qkv"])
-        o = cuda_backend.launch_dense_gemv(attn, layer["o"], warps_per_row=warps["o"])
-        h, residual = t.rms_norm(o, layer["ln2"], 1e-5, residual)
-        act = t.silu_and_mul(cuda_backend.launch_dense_gemv(h, layer["gate_up"], warps_per_row=warps["gate_up"]))
-        cuda_backend.launch_dense_gemv(act, layer["down"], warps_per_row=warps["down"])
-
-    state = {"i": 0}
-
-    def fused(layer):
-        i = state["i"] % copies
-        state["i"] += 1
-        gemv = cuda_backend.launch_dense_gemv_fused
-        gemv(hidden, layer["qkv"], warps_per_row=warps["qkv"], norm_weight=layer["ln1"], sum_squares_in=sums[2 * i],
-             eps=1e-5)
-        gemv(attn, layer["o"], warps_per_row=warps["o"], add_to=hidden, sum_squares_out=sums[2 * i])
-        act = gemv(hidden, layer["gate_up"], warps_per_row=warps["gate_up"], norm_weight=layer["ln2"],
-                   sum_squares_in=sums[2 * i], eps=1e-5, gated=True)
-        gemv(act, layer["down"], warps_per_row=warps["down"], add_to=hidden, sum_squares_out=sums[2 * i + 1])
-
-    t_unfused = 1e3 * cuda_backend.graph_time_ms(unfused, layers)
-    t_fused = 1e3 * cuda_backend.graph_time_ms(fused, layers)
-    # Each product alone, plain and fused (warm inputs; graph over the copies).
-    gemv, plain = cuda_backend.launch_dense_gemv_fused, cuda_backend.launch_dense_gemv
-    act = torch.randn(1, 11008, generator=gen, device=DEVICE).half()
-    pairs = {
-        "qkv norm": (lambda l: plain(hidden, l["qkv"], warps_per_row=4),
-                     lambda l: gemv(hidden, l["qkv"], warps_per_row=4, norm_weight=l["ln1"],
-                                    sum_squares_in=sums[0], eps=1e-5)),
-        "o add": (lambda l: plain(attn, l["o"], warps_per_row=4),
-                  lambda l: gemv(attn, l["o"], warps_per_row=4, add_to=hidden, sum_squares_out=sums[1])),
-        "gate_up norm+gated": (lambda l: plain(hidden, l["gate_up"], warps_per_row=4),
-                               lambda l: gemv(hidden, l["gate_up"], warps_per_row=4, norm_weight=l["ln2"],
-                                              sum_squares_in=sums[0], eps=1e-5, gated=True)),
-        "gate_up gated": (lambda l: plain(hidden, l["gate_up"], warps_per_row=4),
-                          lambda l: cuda_backend.launch_dense_gemv_fused(hidden, l["gate_up"], warps_per_row=4,
-                                                                         gated=True)),
-        "down add": (lambda l: plain(act, l["down"], warps_per_row=4),
-                     lambda l: gemv(act, l["down"], warps_per_row=4, add_to=hidden, sum_squares_out=sums[1])),
-    }
-    for name, (a, b) in pairs.items():
-        print(f"  {name:<20} plain {1e3 * cuda_backend.graph_time_ms(a, layers):6.1f} us, "
-              f"fused {1e3 * cuda_backend.graph_time_ms(b, layers):6.1f} us", flush=True)
-    print(f"\none 7B layer's products at one token, fp16, CUDA graph over {copies} layers: unfused "
-          f"{t_unfused:.1f} us (2 norms, 4 GEMVs, SiLU), fused {t_fused:.1f} us (4 GEMVs); "
-          f"{(t_unfused - t_fused) * 32:.0f} us less over 32 layers", flush=True)
+    ws = [torch.randn(22016, 4096, generator=gen, device=DEVICE).half() * 4096**-0.5 for _ in range(copies)]
+    x = torch.randn(1, 4096, generator=gen, device=DEVICE).half()
+    t_plain = 1e3 * cuda_backend.graph_time_ms(lambda w: cuda_backend.launch_dense_gemv(x, w, warps_per_row=4), ws)
+    t_two = 1e3 * cuda_backend.graph_time_ms(
+        lambda w: silu_and_mul(cuda_backend.launch_dense_gemv(x, w, warps_per_row=4)), ws)
+    t_gated = 1e3 * cuda_backend.graph_time_ms(
+        lambda w: cuda_backend.launch_dense_gemv(x, w, warps_per_row=4, gated=True), ws)
+    print(f"\ngate|up 22016x4096 at one token, fp16, 4 warps a row, CUDA graph over {copies} copies: GEMV "
+          f"{t_plain:.1f} us, GEMV + silu_and_mul {t_two:.1f} us, gated GEMV {t_gated:.1f} us", flush=True)
 
 
 def check_quant_gemv() -> None:
@@ -811,13 +742,13 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuda {torch.version.cuda}")
 
     steps = [check_store_kv_cache, check_rotary_store_kv, lambda: check_rotary_attention(args.quick),
-             lambda: check_decode(args.quick), check_cuda_graph, check_launcher, check_dense_gemv, check_dense_gemv_fused,
+             lambda: check_decode(args.quick), check_cuda_graph, check_launcher, check_dense_gemv, check_dense_gemv_gated,
              check_quant_gemv,
              check_errors]
     if args.rotary_only:
         steps = [lambda: check_rotary_attention(args.quick)]
     if args.gemv_only:
-        steps = [check_dense_gemv, check_dense_gemv_fused, bench_dense_gemv_split, bench_fused_layer]
+        steps = [check_dense_gemv, check_dense_gemv_gated, bench_dense_gemv_split, bench_gated]
     for step in steps:
         try:
             step()
