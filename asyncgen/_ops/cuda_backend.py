@@ -49,9 +49,8 @@ import torch
 from . import Ops, compose_rotary_attention
 
 __all__ = [
-    "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv", "dense_gemv_gated_available",
-    "dense_gemv_supported",
-    "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
+    "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
+    "dense_gemv_gated_available", "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
