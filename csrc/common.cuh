@@ -78,6 +78,12 @@ AG_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bflo
 template <>
 AG_DEVICE float from_float<float>(float x) { return x; }
 
+// x rounded to T and back, as a value stored in T and read again.
+template <typename T>
+AG_DEVICE float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
 // ---------------------------------------------------------------------------------------
 // 8 elements of a 2-byte float type travel as one 16-byte uint4.
 

@@ -39,10 +39,9 @@ void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x, int6
               "], got shape ", bias->sizes());
 }
 
-// The plain product's checks and parameters; `n_out` is out's column count (N, or N / 2
-// gated).
+// The product's checks and parameters; out has N columns, or N / 2 gated.
 DenseGemvParams dense_params(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                             const c10::optional<at::Tensor>& bias, int64_t warps_per_row, int64_t n_out) {
+                             const c10::optional<at::Tensor>& bias, int64_t warps_per_row, bool gated) {
   TORCH_CHECK(warps_per_row == 0 || warps_per_row == 1 || warps_per_row == 2 || warps_per_row == 4 ||
                   warps_per_row == 8,
               "warps_per_row must be 0 (one), 1, 2, 4 or 8, got ", warps_per_row);
@@ -50,7 +49,10 @@ DenseGemvParams dense_params(const at::Tensor& out, const at::Tensor& x, const a
   AG_CHECK_CUDA(x, weight);
   AG_CHECK_CUDA(out, weight);
   const int64_t n = weight.size(0), k = weight.size(1);
-  check_rows(out, x, n_out, k, kGemvMaxRows);
+  TORCH_CHECK(!gated || (n % 2 == 0 && warps_per_row <= 4),
+              "gated takes an even number of weight rows (gate | up) and at most 4 warps a row, got ", n,
+              " rows and warps_per_row=", warps_per_row);
+  check_rows(out, x, gated ? n / 2 : n, k, kGemvMaxRows);
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
               "x must be float16 or bfloat16, got ", x.scalar_type());
   AG_CHECK_DTYPE(weight, x.scalar_type());
@@ -72,6 +74,7 @@ DenseGemvParams dense_params(const at::Tensor& out, const at::Tensor& x, const a
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   p.warps_per_row = static_cast<int>(warps_per_row);
+  p.gated = gated;
   return p;
 }
 
@@ -90,13 +93,7 @@ void launch_dense(const DenseGemvParams& p, const at::Tensor& x) {
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias, int64_t warps_per_row, bool gated) {
-  AG_CHECK_DIM(weight, 2);
-  TORCH_CHECK(!gated || (weight.size(0) % 2 == 0 && warps_per_row <= 4),
-              "gated takes an even number of weight rows (gate | up) and at most 4 warps a row, got ",
-              weight.size(0), " rows and warps_per_row=", warps_per_row);
-  DenseGemvParams p = dense_params(out, x, weight, bias, warps_per_row, gated ? weight.size(0) / 2 : weight.size(0));
-  p.gated = gated;
-  launch_dense(p, x);
+  launch_dense(dense_params(out, x, weight, bias, warps_per_row, gated), x);
 }
 
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,

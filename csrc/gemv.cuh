@@ -82,11 +82,6 @@ struct QuantGemvParams {
 
 constexpr int kDenseUnroll = 4;
 
-template <typename T>
-AG_DEVICE float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
-
 template <typename T, int ROWS, int SPLIT, bool GATED>
 __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGemvParams p) {
   constexpr int kWarps = kGemvThreads / kWarpSize;
@@ -174,46 +169,38 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
   }
 #pragma unroll
   for (int m = 0; m < ROWS; ++m) acc[m] = warp_sum(acc[m]);
-  T* out = static_cast<T*>(p.out);
-  if constexpr (!GATED) {
-    if (SPLIT > 1) {
-      __shared__ float partial[kWarps][ROWS];
-      if (lane == 0) {
+  if constexpr (SPLIT > 1) {  // the row's warps add their sums in part order
+    __shared__ float partial[kWarps][ROWS];
+    if (lane == 0) {
 #pragma unroll
-        for (int m = 0; m < ROWS; ++m) partial[warp][m] = acc[m];
-      }
-      __syncthreads();
-      if (part != 0 || !active) return;
+      for (int m = 0; m < ROWS; ++m) partial[warp][m] = acc[m];
+    }
+    __syncthreads();
+    if (part == 0) {
 #pragma unroll
       for (int m = 0; m < ROWS; ++m) {
-        for (int j = 1; j < SPLIT; ++j) acc[m] += partial[warp + j][m];  // in part order
+        for (int j = 1; j < SPLIT; ++j) acc[m] += partial[warp + j][m];
       }
     }
-    if (lane == 0) {
-      const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
+  }
+  // The first lane of each row's first warp holds the row's sums.
+  const bool writes = part == 0 && lane == 0 && active;
+  const float b = writes && p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
+  T* out = static_cast<T*>(p.out);
+  if constexpr (!GATED) {
+    if (writes) {
 #pragma unroll
       for (int m = 0; m < ROWS; ++m) {
         if (m < p.m) out[m * p.out_stride + row] = from_float<T>(acc[m] + b);
       }
     }
   } else {
-    // Each row's y (bias added, rounded to T as the product's output is) goes to shared
-    // memory; then a thread per (j, m) writes silu(gate) * up.
-    __shared__ float partial[kWarps][ROWS];
+    // Each row's y (rounded to T as the product's output is) goes to shared memory; then
+    // a thread per (j, m) writes silu(gate) * up.
     __shared__ float result[kBlockRows][ROWS];
-    if (lane == 0) {
+    if (writes) {
 #pragma unroll
-      for (int m = 0; m < ROWS; ++m) partial[warp][m] = acc[m];
-    }
-    __syncthreads();
-    if (part == 0 && lane == 0 && active) {
-      const float b = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[row]) : 0.f;
-#pragma unroll
-      for (int m = 0; m < ROWS; ++m) {
-        float s = acc[m];
-        for (int j = 1; j < SPLIT; ++j) s += partial[warp + j][m];  // in part order
-        result[local][m] = round_to<T>(s + b);
-      }
+      for (int m = 0; m < ROWS; ++m) result[local][m] = round_to<T>(acc[m] + b);
     }
     __syncthreads();
     constexpr int kPairs = kBlockRows / 2;

@@ -177,7 +177,7 @@ AG_DEVICE float rotate_half_rounded(float x_d, const T* x, int d, int half, cons
   const int pair = d < half ? d : d - half;
   const float c = cs[pair], s = cs[half + pair];
   const float y = d < half ? x_d * c - to_float(x[d + half]) * s : x_d * c + to_float(x[pair]) * s;
-  return to_float(from_float<T>(y));
+  return round_to<T>(y);
 }
 
 // Whether this block is the last of `num_parts` partitions to finish (see the header);

@@ -50,7 +50,7 @@ from . import Ops, compose_rotary_attention
 
 __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
-    "dense_gemv_gated_available", "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
+    "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
 ]
 
@@ -547,14 +547,6 @@ def dense_gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     )
 
 
-def dense_gemv_gated_available() -> bool:
-    """Whether the built extension's ``dense_gemv`` takes ``gated``."""
-    if _extension() is None:
-        return False
-    schema = str(torch.ops.asyncgen_C.dense_gemv.default._schema)
-    return "gated" in schema
-
-
 def dense_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
     *, warps_per_row: int = 1, gated: bool = False,
@@ -589,10 +581,7 @@ def launch_dense_gemv(
     if out is None:
         n = weight.shape[0] // 2 if gated else weight.shape[0]
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    if gated:
-        torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row, True)
-    else:
-        torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row)
+    torch.ops.asyncgen_C.dense_gemv(out, x, weight, bias, warps_per_row, gated)
     return out
 
 

@@ -64,33 +64,39 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.data[out_start : out_start + out_size].copy_(piece[:, in_start : in_start + in_size])
 
     def apply(self, layer, x):
-        rows = layer.gemv_rows  # > 0 only where choose_dense_gemv checked the weight
-        if rows and x.dim() >= 1 and x.numel() <= rows * x.shape[-1]:
+        x2 = _gemv_input(layer, x)
+        if x2 is not None:
             from .._ops import cuda_backend
 
-            x2 = x.reshape(-1, x.shape[-1])
-            if cuda_backend.gemv_input_ok(x2, layer.weight.dtype, layer.in_features):
-                y = cuda_backend.launch_dense_gemv(
-                    x2, layer.weight, layer.bias, warps_per_row=layer.gemv_warps_per_row
-                )
-                return y.view(*x.shape[:-1], layer.out_features)
+            y = cuda_backend.launch_dense_gemv(x2, layer.weight, layer.bias, warps_per_row=layer.gemv_warps_per_row)
+            return y.view(*x.shape[:-1], layer.out_features)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
     def apply_gated(self, layer, x):
         """``silu(gate) * up`` of a gate|up layer from one csrc GEMV, where the layer's
         ``gemv_gated`` is set and it takes ``x`` at this size; else None."""
-        rows = layer.gemv_rows
-        if not (layer.gemv_gated and rows and x.dim() >= 1 and x.numel() <= rows * x.shape[-1]):
+        x2 = _gemv_input(layer, x) if layer.gemv_gated else None
+        if x2 is None:
             return None
         from .._ops import cuda_backend
 
-        x2 = x.reshape(-1, x.shape[-1])
-        if not cuda_backend.gemv_input_ok(x2, layer.weight.dtype, layer.in_features):
-            return None
         y = cuda_backend.launch_dense_gemv(
             x2, layer.weight, layer.bias, warps_per_row=min(layer.gemv_warps_per_row, 4), gated=True
         )
         return y.view(*x.shape[:-1], layer.out_features // 2)
+
+
+def _gemv_input(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as [rows, in_features] where the csrc dense GEMV takes it: at most
+    ``layer.gemv_rows`` rows (> 0 only where choose_dense_gemv checked the weight) that
+    fit its input checks; else None."""
+    rows = layer.gemv_rows
+    if not (rows and x.dim() >= 1 and x.numel() <= rows * x.shape[-1]):
+        return None
+    from .._ops import cuda_backend
+
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if cuda_backend.gemv_input_ok(x2, layer.weight.dtype, layer.in_features) else None
 
 
 class LinearBase(nn.Module):
@@ -132,7 +138,7 @@ class LinearBase(nn.Module):
         self.gemv_rows = 0
         self.gemv_warps_per_row = 1
         # gate|up layers: whether those rows also go to the GEMV that writes silu(gate) * up
-        # (set by the model runner where the extension has it).
+        # (set by the model runner with the cuda backend).
         self.gemv_gated = False
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, dtype, device)

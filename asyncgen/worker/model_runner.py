@@ -176,9 +176,8 @@ class ModelRunner:
                               for (n, k, _), (rows, warps) in chosen.items())
             log.info("csrc GEMV up to this many rows per weight shape (else cuBLAS): %s (timed in %.2f s)",
                      table, time.perf_counter() - t0)
-            if cuda_backend.dense_gemv_gated_available():
-                for layer in self.model.layers:
-                    layer.mlp.gate_up_proj.gemv_gated = True  # SiLU-and-multiply inside the GEMV
+            for layer in self.model.layers:
+                layer.mlp.gate_up_proj.gemv_gated = True  # SiLU-and-multiply inside the GEMV
         quantized = [m for m in linear if getattr(m, "quant_kernel", None) == "cuda"]
         if quantized:
             t0 = time.perf_counter()
