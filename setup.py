@@ -30,6 +30,7 @@ from setuptools import setup
 CSRC_SOURCES = [
     "csrc/bindings.cpp",
     "csrc/cache_kernels.cu",
+    "csrc/chunk_attention.cu",
     "csrc/gemv.cu",
     "csrc/paged_attention.cu",
     "csrc/paged_attention_bf16.cu",

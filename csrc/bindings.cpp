@@ -23,6 +23,9 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "Tensor seq_lens, Tensor(d!)? split_counters, float scale, int max_seq_len, int sliding_window, "
       "int partition_size=-1) -> ()");
   m.def(
+      "chunk_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor(b!)? split_counters, float scale, int num_splits=1) -> ()");
+  m.def(
       "dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row=0, "
       "bool gated=False) -> ()");
   m.def(
@@ -35,6 +38,7 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("rotary_store_kv", &asyncgen::rotary_store_kv);
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
   m.impl("rotary_paged_attention_decode", &asyncgen::rotary_paged_attention_decode);
+  m.impl("chunk_attention", &asyncgen::chunk_attention);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
 }

@@ -160,15 +160,23 @@ AG_DEVICE float half_bits_to_float(uint32_t bits) {
   return __half2float(__half(raw));
 }
 
-AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#elif defined(__CUDA_ARCH__)
-  __trap();  // the launchers route to tensor-core kernels only on sm_80 and newer
-#else
+// The low 16 bits of `bits` as a T (__half or __nv_bfloat16), in fp32.
+template <typename T>
+AG_DEVICE float bits_to_float(uint32_t bits);
+template <>
+AG_DEVICE float bits_to_float<__half>(uint32_t bits) {
+  return half_bits_to_float(bits);
+}
+template <>
+AG_DEVICE float bits_to_float<__nv_bfloat16>(uint32_t bits) {
+  __nv_bfloat16_raw raw;
+  raw.x = static_cast<unsigned short>(bits);
+  return __bfloat162float(__nv_bfloat16(raw));
+}
+
+// The CPU emulation's m16n8k16 product: gathered from the other lanes, summed in fp32.
+template <typename T>
+AG_DEVICE void emulated_mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
   float sum[4] = {0.f, 0.f, 0.f, 0.f};
@@ -181,10 +189,10 @@ AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_
     }
     for (int kh = 0; kh < 2; ++kh) {
       for (int e = 0; e < 2; ++e) {
-        const float top = half_bits_to_float(ar[2 * kh] >> (16 * e));
-        const float bottom = half_bits_to_float(ar[2 * kh + 1] >> (16 * e));
-        const float x0 = half_bits_to_float(b0[kh] >> (16 * e));
-        const float x1 = half_bits_to_float(b1[kh] >> (16 * e));
+        const float top = bits_to_float<T>(ar[2 * kh] >> (16 * e));
+        const float bottom = bits_to_float<T>(ar[2 * kh + 1] >> (16 * e));
+        const float x0 = bits_to_float<T>(b0[kh] >> (16 * e));
+        const float x1 = bits_to_float<T>(b1[kh] >> (16 * e));
         sum[0] += top * x0;
         sum[1] += top * x1;
         sum[2] += bottom * x0;
@@ -193,6 +201,96 @@ AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_
     }
   }
   for (int i = 0; i < 4; ++i) d[i] += sum[i];
+}
+
+AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // the launchers route to tensor-core kernels only on sm_80 and newer
+#else
+  emulated_mma_m16n8k16<__half>(d, a, b);
+#endif
+}
+
+// The same product with A and B of type T (__half or __nv_bfloat16).
+template <typename T>
+AG_DEVICE void mma_m16n8k16_t(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <>
+AG_DEVICE void mma_m16n8k16_t<__half>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  mma_m16n8k16(d, a, b);
+}
+template <>
+AG_DEVICE void mma_m16n8k16_t<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#else
+  emulated_mma_m16n8k16<__nv_bfloat16>(d, a, b);
+#endif
+}
+
+// Two floats as one register of two T (round to nearest even), `lo` in the low half.
+template <typename T>
+AG_DEVICE uint32_t pack2(float lo, float hi) {
+  const uint32_t l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+  const uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+  return l | (h << 16);
+}
+template <>
+AG_DEVICE uint32_t pack2<__half>(float lo, float hi) {
+  const uint32_t l = __half_as_ushort(__float2half_rn(lo));
+  const uint32_t h = __half_as_ushort(__float2half_rn(hi));
+  return l | (h << 16);
+}
+
+// Four 8 x 8 matrices of 16-bit elements from shared memory into mma.sync fragments
+// (sm_75+): lane 8 j + i passes the address of row i of matrix j (16 bytes, 16-byte
+// aligned), and with lane = 4 g + c, r[j] receives matrix j's row g, elements 2c and
+// 2c + 1, or with TRANS its rows 2c and 2c + 1 at element g (low half first). Call from
+// all 32 lanes of a warp.
+template <bool TRANS>
+AG_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#else
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const uintptr_t mine = reinterpret_cast<uintptr_t>(row);
+  for (int j = 0; j < 4; ++j) {
+    uint32_t lo, hi;
+    if (TRANS) {
+      const auto* r0 = reinterpret_cast<const uint16_t*>(__shfl_sync(kFullMask, mine, 8 * j + 2 * c));
+      const auto* r1 = reinterpret_cast<const uint16_t*>(__shfl_sync(kFullMask, mine, 8 * j + 2 * c + 1));
+      lo = r0[g];
+      hi = r1[g];
+    } else {
+      const auto* rg = reinterpret_cast<const uint16_t*>(__shfl_sync(kFullMask, mine, 8 * j + g));
+      lo = rg[2 * c];
+      hi = rg[2 * c + 1];
+    }
+    r[j] = lo | (hi << 16);
+  }
 #endif
 }
 
@@ -222,6 +320,24 @@ AG_DEVICE float block_sum(float v, float* scratch) {
   for (int w = 0; w < NUM_WARPS; ++w) r += scratch[w];
   __syncthreads();
   return r;
+}
+
+// Whether this block is the last of `num_parts` blocks sharing `counter` to finish (each
+// takes a ticket with an atomic add once its partial results are written; the one that
+// draws the last ticket may read them all) and, if so, resets the counter to 0 for the
+// next launch. Called by every thread of the block.
+AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
+  __shared__ int ticket;
+  __threadfence();  // this thread's partials are visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
+  __syncthreads();
+  const bool last = ticket == num_parts - 1;
+  if (last) {
+    __threadfence();  // and the other blocks' partials are read after it
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+  }
+  return last;
 }
 
 // ---------------------------------------------------------------------------------------

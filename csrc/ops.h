@@ -40,6 +40,17 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
                                    double scale, int64_t max_seq_len, int64_t sliding_window,
                                    int64_t partition_size);
 
+// Causal attention of prompt chunks (any query counts) over each sequence's paged K/V
+// cache, on tensor cores (sm_80+): fp16 or bf16, head_dim 64 or 128, at most 8 query
+// heads per kv head, no sliding window; block_tables, seq_lens and query_start_loc int32.
+// num_splits > 1 splits each query tile's keys over that many blocks, and the last to
+// finish combines them: split_counters (int32, all 0, at least
+// (num_tokens / (64 / group) + num_seqs) * num_kv_heads entries; left all 0) is then
+// required. The caller owns it; launches that may run at once need their own.
+void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits);
+
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
 // warps_per_row: 1, 2, 4 or 8 warps share each output feature (0: one). gated: weight is
 // gate | up (2 D rows) and out [M, D] = silu(x W_gate^T) * (x W_up^T), at most 4 warps a row.

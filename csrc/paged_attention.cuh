@@ -180,22 +180,6 @@ AG_DEVICE float rotate_half_rounded(float x_d, const T* x, int d, int half, cons
   return round_to<T>(y);
 }
 
-// Whether this block is the last of `num_parts` partitions to finish (see the header);
-// the last one resets the counter. Called by every thread of the block.
-AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
-  __shared__ int ticket;
-  __threadfence();  // this thread's partials are visible device-wide before the ticket
-  __syncthreads();
-  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
-  __syncthreads();
-  const bool last = ticket == num_parts - 1;
-  if (last) {
-    __threadfence();  // and the other partitions' partials are read after it
-    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-  }
-  return last;
-}
-
 // out = sum_i w_i o_i / sum_i w_i over the partitions of (sequence, query head), with
 // w_i = l_i exp(m_i - max m) and o_i the partition's output as stored (normalised by its
 // own l_i), as the reduce kernel computes it. Partials of other blocks are read past L1.

@@ -11,7 +11,7 @@ import torch
 
 from asyncgen._ops import reference
 from csrc_emu import harness
-from csrc_emu.cases import make_decode_case, make_rotary_decode_case, make_store_case, relative_error
+from csrc_emu.cases import make_chunk_case, make_decode_case, make_rotary_decode_case, make_store_case, relative_error
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -403,3 +403,56 @@ def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_siz
     assert relative_error(out, exact) < 2e-3
     with pytest.raises(AssertionError, match="too many rows"):  # the CUDA-core kernel stops at 8
         emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False)
+
+
+# Prompt-chunk attention (chunk_attention.cuh): (seqs as (new, cached) tokens, num_heads,
+# num_kv_heads, head_dim, block_size).
+CHUNK_SHAPES = [
+    ([(78, 130), (50, 0), (0, 0), (0, 0)], 2, 2, 128, 16),  # a cached-prefix hit padded as a prompt graph
+    ([(70, 0), (5, 61), (1, 40)], 2, 2, 64, 16),          # from scratch, a short chunk, one token
+    ([(40, 33), (17, 0)], 8, 2, 64, 32),                   # GQA 4: 16 tokens a block
+    ([(23, 9)], 6, 1, 64, 16),                             # GQA 6: 10 tokens, 60 of 64 rows a block
+]
+
+
+def run_chunk(emu, case, num_splits=1, reverse_blocks=False):
+    out = torch.full_like(case.q, float("nan"))
+    counters = torch.zeros(4096, dtype=torch.int32) if num_splits > 1 else None
+    assert emu.chunk_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks)
+    if counters is not None:
+        assert int(counters.abs().sum()) == 0, "the last split must reset its counter"
+    ref = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                    case.query_start_loc, case.scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", CHUNK_SHAPES, ids=lambda s: f"{len(s[0])}seqs-{s[1]}x{s[2]}x{s[3]}-b{s[4]}")
+def test_chunk_attention_matches_reference(emu, shape, dtype):
+    seqs, num_heads, num_kv_heads, head_dim, block_size = shape
+    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=block_size, dtype=dtype, seed=len(seqs))
+    out, ref = run_chunk(emu, case)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits, reverse_blocks", [(2, False), (3, True), (16, False)])
+def test_chunk_attention_split_combined_by_the_last_block(emu, num_splits, reverse_blocks):
+    # 16 splits of 3 key tiles: most splits get no keys and must not disturb the sum.
+    seqs, num_heads, num_kv_heads, head_dim, block_size = CHUNK_SHAPES[0]
+    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           block_size=block_size, dtype=torch.float16, seed=3)
+    out, ref = run_chunk(emu, case, num_splits, reverse_blocks)
+    assert relative_error(out, ref) < TOLERANCE[torch.float16]
+
+
+def test_chunk_attention_refuses_unsupported_shapes(emu):
+    case = make_chunk_case([(4, 4)], num_heads=2, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    out = torch.empty_like(case.q)
+    args = (case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale)
+    assert not emu.chunk_attention(out, case.q, *args, num_splits=17, split_counters=torch.zeros(64, dtype=torch.int32))
+    wide = make_chunk_case([(4, 4)], num_heads=16, num_kv_heads=1, head_dim=64, dtype=torch.float16)
+    assert not emu.chunk_attention(torch.empty_like(wide.q), wide.q, wide.k_cache, wide.v_cache, wide.block_tables,
+                                   wide.seq_lens, wide.query_start_loc, wide.scale)

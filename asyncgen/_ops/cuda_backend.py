@@ -32,7 +32,10 @@ the argument on bad input):
   Otherwise ``rotary_store_kv`` then ``paged_attention``.
 - ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
   bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
-  lengths; Triton for everything else (prefill chunks, mixed batches, other shapes).
+  lengths; the csrc prompt-chunk kernel (tensor cores, sm_80+) for the other batches
+  (prefill chunks, mixed batches) with fp16 or bf16, head_dim 64/128, at most 8 query
+  heads per kv head, no sliding window and int32 tables, lengths and starts, splitting
+  the context over blocks (:func:`chunk_splits`) for few query tiles; Triton for the rest.
   ``max_query_len`` / ``max_seq_len`` hints avoid a host sync; without them they are
   computed from the device tensors (a sync), so pass them on the hot path and under
   CUDA graphs. ``max_seq_len`` must bound ``seq_lens`` from above: it sizes the split-K
@@ -90,7 +93,7 @@ def _register_fakes() -> None:
     if register is None:  # torch < 2.4
         return
     for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
-                 "dense_gemv", "quant_gemv_4bit"):
+                 "chunk_attention", "dense_gemv", "quant_gemv_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -361,11 +364,103 @@ def paged_attention(
         )
         return out
 
+    # Decode-only batches the decode kernel left (wide GQA batches) stay with Triton's
+    # decode kernel: a prompt-chunk block would hold one token's rows.
+    if (max_query_len is None or max_query_len > 1) and sliding_window is None and _chunk_supported(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+    ):
+        max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        splits = chunk_splits(num_tokens, num_seqs, num_heads, num_kv_heads, max_context, _num_sms(q.device))
+        counters = _chunk_counters(q.device) if splits > 1 else None
+        needed = _chunk_grid_x(num_tokens, num_seqs, num_heads // num_kv_heads) * num_kv_heads
+        if counters is not None and counters.numel() < needed:
+            splits, counters = 1, None
+        torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             counters, float(scale), splits)
+        return out
+
     from . import triton_backend
 
     return triton_backend.ops().paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )
+
+
+# The prompt-chunk kernel (csrc/chunk_attention.cuh): 64 query rows a block, 4 warps.
+_CHUNK_ROWS = 64
+_CHUNK_HEAD_DIMS = (64, 128)
+_CHUNK_MAX_GROUP = 8
+_CHUNK_MAX_SPLITS = 16
+# Context splits only for steps of at most this many sequences (a prefix-cache hit, a
+# few prompt chunks), as the Triton kernel splits; keys per split at least this many.
+_CHUNK_SPLIT_MAX_SEQS = 8
+_CHUNK_MIN_KEYS_PER_SPLIT = 128
+_CHUNK_COUNTER_ENTRIES = 1 << 16
+_chunk_counter_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_grid_x(num_tokens: int, num_seqs: int, group: int) -> int:
+    return num_tokens // (_CHUNK_ROWS // group) + num_seqs
+
+
+def chunk_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, max_context: int,
+                 sms: int) -> int:
+    """Context splits of the prompt-chunk kernel: a power of two up to
+    ``_CHUNK_MAX_SPLITS`` that brings the blocks to about two per SM, each split with at
+    least ``_CHUNK_MIN_KEYS_PER_SPLIT`` keys of ``max_context``; 1 for batches of more
+    than ``_CHUNK_SPLIT_MAX_SEQS`` sequences. Depends on shapes and hints only (a CUDA
+    graph can capture the launch)."""
+    if num_seqs > _CHUNK_SPLIT_MAX_SEQS:
+        return 1
+    tiles = -(-num_tokens // (_CHUNK_ROWS // (num_heads // num_kv_heads)))
+    blocks = max(1, tiles * num_kv_heads)
+    splits = 1
+    while (splits * 2 <= _CHUNK_MAX_SPLITS and blocks * splits * 2 <= 2 * sms
+           and max_context // (splits * 2) >= _CHUNK_MIN_KEYS_PER_SPLIT):
+        splits *= 2
+    return splits
+
+
+def _chunk_counters(device: torch.device) -> torch.Tensor:
+    """The split counters of the prompt-chunk kernel on ``device``: zeros between calls
+    (the last split of a tile resets its own), shared by the calls of one stream."""
+    buf = _chunk_counter_buffers.get(device)
+    if buf is None:
+        buf = _chunk_counter_buffers[device] = torch.zeros(_CHUNK_COUNTER_ENTRIES, dtype=torch.int32, device=device)
+    return buf
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
+    """Whether the csrc prompt-chunk kernel takes these (else Triton): fp16/bf16 on sm_80+,
+    head_dim 64/128, at most 8 query heads per kv head, int32 tables, lengths and starts,
+    16-byte aligned rows. The caller has checked the shapes against each other."""
+    head_dim = q.shape[2]
+    group = q.shape[1] // k_cache.shape[2]
+    return (
+        _extension() is not None
+        and q.dtype in _DECODE_DTYPES
+        and head_dim in _CHUNK_HEAD_DIMS
+        and group <= _CHUNK_MAX_GROUP
+        and _tensor_cores(q.device)
+        and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+        and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+        and query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous()
+        and q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0
+        and out.stride(2) == 1 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0 and out.data_ptr() % 4 == 0
+        and all(
+            _block_contiguous(c) and c.stride(0) % 8 == 0 and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)
+        )
     )
 
 

@@ -187,3 +187,64 @@ def make_store_case(
         v_cache=torch.randn(shape, generator=g).to(dtype).to(device),
         slot_mapping=slots.to(slot_dtype).to(device),
     )
+
+
+@dataclasses.dataclass
+class ChunkCase:
+    q: torch.Tensor                # [num_tokens, num_heads, head_dim], a strided view
+    k_cache: torch.Tensor          # [num_blocks, block_size, num_kv_heads, head_dim], NaN where unowned
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor     # [num_seqs, width] int32, a strided view; padding -> an all-NaN block
+    seq_lens: torch.Tensor         # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    scale: float
+
+
+def make_chunk_case(
+    seqs: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> ChunkCase:
+    """Prompt chunks: sequence i computes ``seqs[i][0]`` new tokens after ``seqs[i][1]``
+    cached ones (both 0: an empty slot of a captured batch). Its new tokens' k and v are
+    in the cache already, as the attention op expects."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [q_len + cached for q_len, cached in seqs]
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    perm = torch.randperm(num_blocks, generator=g)
+    poison = int(perm[-1])
+    width = max(blocks_per_seq + [1]) + 2
+    tables = torch.full((len(seqs), width + 3), poison, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[i : i + n]
+        i += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            owned[int(tables[b, pos // block_size]) * block_size + pos % block_size] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
+    num_tokens = sum(q_len for q_len, _ in seqs)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype)
+    starts = [0]
+    for q_len, _ in seqs:
+        starts.append(starts[-1] + q_len)
+    return ChunkCase(
+        q=qkv[:, :num_heads],
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables[:, :width],
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        scale=head_dim**-0.5,
+    )

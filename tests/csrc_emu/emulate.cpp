@@ -4,9 +4,11 @@
 #include "emu_runtime.h"
 
 #include "cache_kernels.cuh"
+#include "chunk_attention.cuh"
 #include "gemv.cuh"
 #include "paged_attention.cuh"
 
+using asyncgen::ChunkAttentionParams;
 using asyncgen::DecodeParams;
 using asyncgen::DenseGemvParams;
 using asyncgen::QuantGemvParams;
@@ -32,6 +34,13 @@ int ag_plan_decode(int num_seqs, int num_heads, int num_kv_heads, int max_seq_le
 int ag_paged_attention_decode(const DecodeParams* p, int dtype) {
   const bool ok = dtype == 0 ? asyncgen::launch_paged_attention_decode<__half>(*p, nullptr)
                              : asyncgen::launch_paged_attention_decode<__nv_bfloat16>(*p, nullptr);
+  return ok ? 0 : 1;
+}
+
+// dtype as above. Returns 0 on success, 1 when no kernel takes the shapes.
+int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim) {
+  const bool ok = dtype == 0 ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr)
+                             : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr);
   return ok ? 0 : 1;
 }
 
@@ -72,6 +81,7 @@ int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_o
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }
+int ag_sizeof_chunk_params() { return sizeof(ChunkAttentionParams); }
 int ag_sizeof_store_params() { return sizeof(StoreKVParams); }
 int ag_sizeof_rotary_store_params() { return sizeof(RotaryStoreParams); }
 

@@ -65,6 +65,35 @@ class DecodeParams(ctypes.Structure):
     ]
 
 
+class ChunkAttentionParams(ctypes.Structure):
+    _fields_ = [
+        ("out", ctypes.c_void_p),
+        ("q", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("query_start_loc", ctypes.c_void_p),
+        ("part_out", ctypes.c_void_p),
+        ("part_ml", ctypes.c_void_p),
+        ("split_counters", ctypes.c_void_p),
+        ("q_stride_token", ctypes.c_int64),
+        ("q_stride_head", ctypes.c_int64),
+        ("out_stride_token", ctypes.c_int64),
+        ("out_stride_head", ctypes.c_int64),
+        ("k_stride_block", ctypes.c_int64),
+        ("v_stride_block", ctypes.c_int64),
+        ("block_table_stride", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int),
+        ("num_seqs", ctypes.c_int),
+        ("num_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("num_splits", ctypes.c_int),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
 class StoreKVParams(ctypes.Structure):
     _fields_ = [
         ("key", ctypes.c_void_p),
@@ -185,6 +214,8 @@ class Emulator:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         assert lib.ag_sizeof_decode_params() == ctypes.sizeof(DecodeParams)
+        assert lib.ag_sizeof_chunk_params() == ctypes.sizeof(ChunkAttentionParams)
+        lib.ag_chunk_attention.argtypes = [ctypes.POINTER(ChunkAttentionParams), ctypes.c_int, ctypes.c_int]
         assert lib.ag_sizeof_store_params() == ctypes.sizeof(StoreKVParams)
         assert lib.ag_sizeof_rotary_store_params() == ctypes.sizeof(RotaryStoreParams)
         lib.ag_rotary_store_kv.argtypes = [ctypes.POINTER(RotaryStoreParams)] + [ctypes.c_int] * 3
@@ -247,6 +278,30 @@ class Emulator:
             self.lib.ag_set_reverse_blocks(0)
         assert rc == 0, "unsupported head_dim (or group) for the kernel"
         return count
+
+    def chunk_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                        num_splits=1, split_counters=None, reverse_blocks=False):
+        """The prompt-chunk attention kernel (chunk_attention.cuh) into ``out``, with the
+        glue's scratch buffers; ``split_counters`` (int32 zeros) is required for
+        ``num_splits > 1``. Returns False when no kernel takes the shapes."""
+        num_tokens, num_heads, head_dim = q.shape
+        part_out = part_ml = None
+        if num_splits > 1:
+            assert split_counters is not None
+            part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim)
+            part_ml = torch.empty(num_tokens, num_heads, num_splits, 2)
+        p = ChunkAttentionParams(
+            _ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens),
+            _ptr(query_start_loc), _ptr(part_out), _ptr(part_ml), _ptr(split_counters),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), v_cache.stride(0),
+            block_tables.stride(0), num_tokens, seq_lens.shape[0], num_heads, k_cache.shape[2], k_cache.shape[1],
+            num_splits, scale * 1.4426950408889634,
+        )
+        self.lib.ag_set_reverse_blocks(int(reverse_blocks))
+        try:
+            return self.lib.ag_chunk_attention(ctypes.byref(p), DTYPE_CODES[q.dtype], head_dim) == 0
+        finally:
+            self.lib.ag_set_reverse_blocks(0)
 
     def store_kv_cache(self, key, value, k_cache, v_cache, slot_mapping):
         es = key.element_size()

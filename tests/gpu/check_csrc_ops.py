@@ -31,7 +31,7 @@ import torch
 from asyncgen._ops import cuda_backend, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared input builders
-from csrc_emu.cases import make_decode_case, make_rotary_decode_case  # noqa: E402
+from csrc_emu.cases import make_chunk_case, make_decode_case, make_rotary_decode_case  # noqa: E402
 
 PEAK_GBPS = 4300.0
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -582,6 +582,115 @@ def check_quant_gemv() -> None:
         check("quant_gemv_4bit refuses 8 bits", "bits=8" in str(e), str(e))
 
 
+# ----------------------------------------------------------------------------------------
+# Prompt-chunk attention (csrc/chunk_attention.cuh)
+
+# (name, seqs as (new, cached) tokens, num_heads, num_kv_heads, head_dim, block_size, graph
+# tokens (max_query_len hint) or None)
+CHUNK_7B_SHAPES = [
+    ("prefix hit 78/992 (128-token graph, 8 slots)", [(78, 992), (50, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 128),
+    ("1,070 from scratch (1280-token graph)", [(1070, 0), (210, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 1280),
+    ("512-token chunk over 512 + 63 decodes", [(512, 512)] + [(1, 300 + 7 * i) for i in range(63)], 32, 32, 128, 16,
+     None),
+    ("4 prompts of 512 from scratch", [(512, 0)] * 4, 32, 32, 128, 16, None),
+    ("GQA 4: prefix hit 78/992", [(78, 992), (50, 0)] + [(0, 0)] * 6, 32, 8, 128, 16, 128),
+]
+
+
+def _chunk_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    c = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        block_size=block_size, dtype=dtype, seed=seed)
+    for name in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"):
+        setattr(c, name, getattr(c, name).to(DEVICE))
+    return c
+
+
+def _chunk_reference(c):
+    return reference.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.query_start_loc,
+                                     c.scale)
+
+
+def _chunk_op(c, out, splits, counters):
+    torch.ops.asyncgen_C.chunk_attention(out, c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
+                                         c.query_start_loc, counters, c.scale, splits)
+    return out
+
+
+def check_chunk_attention() -> None:
+    print("chunk_attention")
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEVICE)
+    small = [
+        ([(78, 130), (50, 0), (0, 0), (0, 0)], 2, 2, 128, 16),
+        ([(70, 0), (5, 61), (1, 40)], 4, 4, 64, 16),
+        ([(40, 33), (17, 0)], 8, 2, 64, 32),
+        ([(23, 9)], 6, 1, 64, 16),
+        ([(300, 700), (129, 0)], 16, 2, 128, 16),
+    ]
+    shapes = small + [(seqs, h, kvh, d, bs) for _, seqs, h, kvh, d, bs, _ in CHUNK_7B_SHAPES]
+    for dtype in (torch.float16, torch.bfloat16):
+        for i, (seqs, h, kvh, d, bs) in enumerate(shapes):
+            c = _chunk_case(seqs, h, kvh, d, bs, dtype, i)
+            ref = _chunk_reference(c)
+            for splits in (1, 2, 4, 16):
+                out = _chunk_op(c, torch.full_like(c.q, float("nan")), splits, counters)
+                err = relative_error(out, ref)
+                check(f"chunk {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} splits={splits}",
+                      err < TOLERANCE[dtype], f"rel err {err:.2e}")
+            # Through the backend's routing, with the engine's hints.
+            out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
+                                               c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
+                                               max_seq_len=max(q + k for q, k in seqs))
+            err = relative_error(out, ref)
+            check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype],
+                  f"rel err {err:.2e}")
+    check("chunk counters left at zero", int(counters.abs().sum()) == 0)
+
+    # Captured once, replayed with other lengths (as a prompt graph is).
+    c = _chunk_case([(78, 500), (50, 0), (0, 0)], 8, 8, 128, 16, torch.float16, 11)
+    out = torch.empty_like(c.q)
+    _chunk_op(c, out, 4, counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _chunk_op(c, out, 4, counters)
+    for step, shrink in enumerate((0, 13, 200)):
+        c.seq_lens[0] = 578 - shrink
+        graph.replay()
+        torch.cuda.synchronize()
+        err = relative_error(out, _chunk_reference(c))
+        check(f"chunk graph replay {step}", err < 2e-3, f"rel err {err:.2e}")
+    check("chunk counters zero after replays", int(counters.abs().sum()) == 0)
+
+
+def bench_chunk_attention(copies: int = 8) -> None:
+    """Per call in a CUDA graph over `copies` caches: Triton's general kernel (with the
+    engine's hints) against the csrc kernel as routed and at fixed splits."""
+    from asyncgen._ops import triton_backend
+
+    print("\nchunk attention, fp16, us per call (CUDA graph over 8 caches)")
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEVICE)
+    tri = triton_backend.ops().paged_attention
+    for name, seqs, h, kvh, d, bs, graph_tokens in CHUNK_7B_SHAPES:
+        cases = [_chunk_case(seqs, h, kvh, d, bs, torch.float16, 100 + i) for i in range(copies)]
+        outs = [torch.empty_like(c.q) for c in cases]
+        mql = graph_tokens or max(q for q, _ in seqs)
+        hints = dict(max_query_len=mql, max_seq_len=4096)
+        row = {}
+        row["triton"] = 1e3 * cuda_backend.graph_time_ms(
+            lambda co: tri(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables, co[0].seq_lens,
+                           co[0].query_start_loc, co[0].scale, None, co[1], **hints), list(zip(cases, outs)), passes=5)
+        row["csrc auto"] = 1e3 * cuda_backend.graph_time_ms(
+            lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
+                                                    co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
+                                                    **hints), list(zip(cases, outs)), passes=5)
+        for splits in (1, 2, 4, 8, 16):
+            row[f"csrc {splits}"] = 1e3 * cuda_backend.graph_time_ms(
+                lambda co, s=splits: _chunk_op(co[0], co[1], s, counters), list(zip(cases, outs)), passes=5)
+        num_tokens = sum(q for q, _ in seqs)
+        auto = cuda_backend.chunk_splits(num_tokens, len(seqs), h, kvh, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + f" (auto = {auto} splits)")
+
+
 def check_errors() -> None:
     print("argument checks")
     case = Case(seq_lens=[40, 3], num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, fill_nan=False)
@@ -729,6 +838,8 @@ def main() -> int:
     parser.add_argument("--no-bench", action="store_true", help="skip the timing")
     parser.add_argument("--rotary-only", action="store_true",
                         help="only the fused rotary + decode attention: its checks and timing")
+    parser.add_argument("--chunk-only", action="store_true",
+                        help="only the prompt-chunk attention: its checks and timing")
     parser.add_argument("--gemv-only", action="store_true",
                         help="only the dense GEMV: its checks and its timing by warps per row")
     args = parser.parse_args()
@@ -743,12 +854,14 @@ def main() -> int:
 
     steps = [check_store_kv_cache, check_rotary_store_kv, lambda: check_rotary_attention(args.quick),
              lambda: check_decode(args.quick), check_cuda_graph, check_launcher, check_dense_gemv, check_dense_gemv_gated,
-             check_quant_gemv,
+             check_quant_gemv, check_chunk_attention,
              check_errors]
     if args.rotary_only:
         steps = [lambda: check_rotary_attention(args.quick)]
     if args.gemv_only:
         steps = [check_dense_gemv, check_dense_gemv_gated, bench_dense_gemv_split, bench_gated]
+    if args.chunk_only:
+        steps = [check_chunk_attention] + ([] if args.no_bench else [bench_chunk_attention])
     for step in steps:
         try:
             step()
@@ -757,17 +870,18 @@ def main() -> int:
             failures.append(f"{getattr(step, '__name__', 'check')}: raised")
         torch.cuda.synchronize()
 
-    if not args.no_bench and not args.gemv_only:
+    if not args.no_bench and not args.gemv_only and not args.chunk_only:
         try:
             bench_rotary_attention()
         except Exception:
             traceback.print_exc()
             failures.append("bench_rotary_attention: raised")
-    rows = [] if args.no_bench or args.rotary_only or args.gemv_only else run_benchmarks()
+    rows = [] if args.no_bench or args.rotary_only or args.gemv_only or args.chunk_only else run_benchmarks()
     if rows:
         print_table(rows)
-    if not args.no_bench and not args.rotary_only and not args.gemv_only:
+    if not args.no_bench and not args.rotary_only and not args.gemv_only and not args.chunk_only:
         bench_dense_gemv_split()
+        bench_chunk_attention()
         run_gemv_benchmarks()
     print(f"\n{num_checks} checks, {len(failures)} failed")
     for f in failures:

@@ -1,0 +1,198 @@
+"""Times the kernels of a short prompt chunk over a long cached prefix (a prefix-cache hit)
+at Llama-2-7B shapes on a GPU, to choose their configurations.
+
+The step is the one ``benchmarks/online.py --compare-prefix-caching`` measures: 78 new
+tokens of one sequence over 992 cached ones, replayed as the engine's 128-token prompt
+graph with 8 sequence slots (the 50 padding tokens form a second sequence, the other six
+slots are empty).
+
+- ``attention``: the general paged-attention kernel at each tiling (BLOCK_M, BLOCK_N,
+  warps, stages) and context split, split reduction included, against the configuration
+  the engine picks today. Each configuration is first checked against the first one.
+- ``gemm``: the four dense products at 64-128 rows: cuBLAS (``F.linear``) against the
+  Triton weight-streaming GEMM (``asyncgen/_ops/triton_dense_gemm.py``) at each
+  configuration, each checked against cuBLAS first.
+
+Every timing replays one CUDA graph that cycles through 8 copies of the weight or KV cache
+(more than L2 holds), as a forward pass reads each layer's once.
+
+    PYTHONPATH=. python3 benchmarks/prefix_step_sweep.py [--only attention|gemm] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HEADS, HEAD_DIM, BLOCK_SIZE = 32, 128, 16
+NEW, CACHED, GRAPH_TOKENS, SLOTS = 78, 992, 128, 8
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}  # (N, K)
+COPIES = 8
+
+
+def graph_us(calls) -> float:
+    from asyncgen._ops.cuda_backend import graph_time_ms
+
+    return 1e3 * graph_time_ms(lambda call: call(), calls, passes=5)
+
+
+def attention_inputs(gen):
+    """8 KV caches with random contents and a shuffled block table; q for the graph's 128
+    tokens."""
+    seq_len = NEW + CACHED
+    pad = GRAPH_TOKENS - NEW
+    blocks_needed = math.ceil(seq_len / BLOCK_SIZE) + math.ceil(pad / BLOCK_SIZE)
+    num_blocks = blocks_needed + 8
+    caches = []
+    for _ in range(COPIES):
+        k = torch.randn(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM, generator=gen, device="cuda").half()
+        v = torch.randn(num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM, generator=gen, device="cuda").half()
+        caches.append((k, v))
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda").to(torch.int32)
+    max_blocks = 4096 // BLOCK_SIZE
+    tables = torch.zeros(SLOTS, max_blocks, dtype=torch.int32, device="cuda")
+    n0 = math.ceil(seq_len / BLOCK_SIZE)
+    tables[0, :n0] = perm[:n0]
+    tables[1, : math.ceil(pad / BLOCK_SIZE)] = perm[n0 : n0 + math.ceil(pad / BLOCK_SIZE)]
+    seq_lens = torch.zeros(SLOTS, dtype=torch.int32, device="cuda")
+    seq_lens[0], seq_lens[1] = seq_len, pad
+    qsl = torch.full((SLOTS + 1,), GRAPH_TOKENS, dtype=torch.int32, device="cuda")
+    qsl[0], qsl[1] = 0, NEW
+    q = torch.randn(GRAPH_TOKENS, HEADS, HEAD_DIM, generator=gen, device="cuda").half()
+    return q, caches, tables, seq_lens, qsl
+
+
+def sweep_attention(gen, results: dict) -> None:
+    from asyncgen._ops import triton_paged_attention as tpa
+
+    q, caches, tables, seq_lens, qsl = attention_inputs(gen)
+    scale = HEAD_DIM**-0.5
+    original = tpa._general_config
+
+    def run(cfg, splits, cache, out):
+        if cfg is not None:
+            tpa._general_config = lambda *a, **k: cfg
+        try:
+            return tpa.paged_attention(q, cache[0], cache[1], tables, seq_lens, qsl, scale, out=out,
+                                       max_query_len=GRAPH_TOKENS, max_seq_len=4096, num_splits=splits)
+        finally:
+            tpa._general_config = original
+
+    outs = [torch.empty_like(q) for _ in range(COPIES)]
+    ref = run(None, None, caches[0], torch.empty_like(q))
+    torch.cuda.synchronize()
+    default_cfg = original(HEAD_DIM, 1, GRAPH_TOKENS, torch.float16)
+    default_us = graph_us([lambda c=c, o=o: run(None, None, c, o) for c, o in zip(caches, outs)])
+    print(f"attention default {default_cfg} (splits chosen by the engine): {default_us:.2f} us", flush=True)
+    rows = [{"config": list(default_cfg), "splits": None, "us": default_us}]
+
+    def measure(cfg, splits):
+        try:
+            got = run(cfg, splits, caches[0], torch.empty_like(q))
+            err = (got[:NEW].float() - ref[:NEW].float()).abs().max().item()
+            if not err < 2e-2:
+                print(f"attention {cfg} splits {splits}: WRONG (max err {err})", flush=True)
+                return None
+            us = graph_us([lambda c=c, o=o: run(cfg, splits, c, o) for c, o in zip(caches, outs)])
+        except Exception as e:  # out of shared memory or registers for this tiling
+            print(f"attention {cfg} splits {splits}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            return None
+        print(f"attention {cfg} splits {splits}: {us:.2f} us", flush=True)
+        rows.append({"config": list(cfg), "splits": splits, "us": us})
+        return us
+
+    first = []
+    for bm, bn, splits in itertools.product((32, 64, 128), (32, 64, 128), (1, 2, 4, 8, 16)):
+        warps = 8 if bm >= 128 else 4
+        us = measure((bm, bn, warps, 2), splits)
+        if us is not None:
+            first.append((us, bm, bn, splits))
+    first.sort()
+    for _, bm, bn, splits in first[:6]:
+        for warps, stages in ((4, 2), (8, 2), (4, 3), (8, 3), (4, 4), (8, 4)):
+            if (warps, stages) != (8 if bm >= 128 else 4, 2):
+                measure((bm, bn, warps, stages), splits)
+    best = min(rows[1:], key=lambda r: r["us"])
+    print(f"attention best {best} against default {default_us:.2f} us", flush=True)
+    results["attention"] = rows
+
+
+def sweep_gemm(gen, results: dict) -> None:
+    from asyncgen._ops.triton_dense_gemm import DenseGemmConfig, dense_gemm
+
+    rows = []
+    best_cfg: dict = {}
+    for name, (n, k) in SHAPES.items():
+        weights = [(torch.randn(n, k, generator=gen, device="cuda") * 0.02).half() for _ in range(COPIES)]
+        for m in (64, 128, 80, 96):
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            outs = [torch.empty(m, n, dtype=torch.half, device="cuda") for _ in range(COPIES)]
+            cublas = graph_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(weights, outs)])
+            ref = F.linear(x, weights[0]).float()
+            line = {"layer": name, "m": m, "cublas_us": cublas, "triton": []}
+
+            def measure(cfg):
+                try:
+                    got = dense_gemm(x, weights[0], config=cfg).float()
+                    err = (got - ref).abs().max().item()
+                    if not err < 2e-2 * max(1.0, ref.abs().max().item()):
+                        print(f"gemm {name} m={m} {tuple(cfg)}: WRONG (max err {err})", flush=True)
+                        return None
+                    us = graph_us([lambda w=w, o=o: dense_gemm(x, w, out=o, config=cfg) for w, o in zip(weights, outs)])
+                except Exception as e:
+                    print(f"gemm {name} m={m} {tuple(cfg)}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                    return None
+                line["triton"].append({"config": list(cfg), "us": us})
+                return us
+
+            bm = 64 if m <= 64 else 128
+            if m in (64, 128):  # the sweep; the Triton GEMM's time does not depend on m within a BLOCK_M
+                tried = []
+                for bn, bk, split in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8)):
+                    warps = 8 if bm * bn >= 128 * 256 else 4
+                    us = measure(DenseGemmConfig(bm, bn, bk, split, warps, 4))
+                    if us is not None:
+                        tried.append((us, bn, bk, split))
+                tried.sort()
+                for _, bn, bk, split in tried[:2]:
+                    for warps, stages in ((4, 3), (4, 5), (8, 3), (8, 4), (8, 5)):
+                        measure(DenseGemmConfig(bm, bn, bk, split, warps, stages))
+                best_cfg[name, bm] = min(line["triton"], key=lambda r: r["us"])["config"] if line["triton"] else None
+            elif best_cfg.get((name, bm)):
+                measure(DenseGemmConfig(*best_cfg[name, bm]))
+            best = min(line["triton"], key=lambda r: r["us"]) if line["triton"] else None
+            print(f"gemm {name} m={m}: cuBLAS {cublas:.2f} us, Triton best {best}", flush=True)
+            rows.append(line)
+        weights = outs = None
+        torch.cuda.empty_cache()
+    results["gemm"] = rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("attention", "gemm"))
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results: dict = {"device": torch.cuda.get_device_name()}
+    if args.only in (None, "attention"):
+        sweep_attention(gen, results)
+    if args.only in (None, "gemm"):
+        sweep_gemm(gen, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+// Paged attention for prompt chunks on tensor cores: each sequence's queries (a chunk of
+// its prompt, often after a long cached prefix) against its paged K/V cache.
+//
+// Semantics are those of asyncgen/_ops/reference.py::paged_attention without a sliding
+// window: query i of sequence s (position context + i, context = seq_len - q_len) attends
+// to cache positions [0, context + i]. Softmax in fp32, online (running max), base 2.
+//
+// Layouts (element strides):
+//
+//   q, out            [num_tokens, num_heads, head_dim]        any token/head stride
+//   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], inner three dims contiguous
+//   block_tables      [num_seqs, >= ceil(seq_len / block_size)] int32
+//   seq_lens          [num_seqs] int32;  query_start_loc [num_seqs + 1] int32
+//
+// Work decomposition
+// ------------------
+// A block (4 warps) owns 64 query rows of one kv head: rows are (token, query head of the
+// kv head's GQA group) pairs, token-major, so a block holds 64 / group tokens of one
+// sequence and reads each K/V byte once for the whole group. Block x of a sequence's
+// tiles is numbered as in the Triton kernel: sequence s's tiles start at
+// query_start_loc[s] / tokens_per_block + s (an upper bound on the tiles before it), so
+// the grid is num_tokens / tokens_per_block + num_seqs blocks wide and surplus blocks exit.
+//
+//   warp w: rows 16w .. 16w + 15 (an m16 tile), for the whole head_dim
+//   key tile: 64 positions, K and V each [64][head_dim] in shared memory (rows padded by
+//   8 elements so that ldmatrix's 8 row addresses fall in different banks), two stages:
+//   the cp.async copies of tile t + 1 are in flight while tile t is computed.
+//
+//   S = Q K^T:  A = Q fragments (registers, loaded once), B = K rows via ldmatrix
+//   P = exp2(S * scale - m) rounded to T, straight from S's accumulator layout into A
+//   O += P V:   B = V via ldmatrix.trans
+//
+// Split-K (grid z, for few query tiles over long contexts): split z takes a contiguous
+// range of the key tiles, writes its unnormalised output and (max, sum) per row, and the
+// split that finishes last (a ticket per block column in `split_counters`) combines them.
+//
+// Napkin math, 78 new tokens over 992 cached, Llama-2-7B layer (32 heads, head_dim 128):
+// K/V 1,070 x 32 x 128 x 2 x 2 B = 17.5 MB, 4 us at 4.4 TB/s; 2 x 2 x 128 padded rows x
+// 1,070 x 128 x 32 = 2.2 GFLOP, ~4 us at ~550 TFLOP/s of mma.sync.
+//
+// Masking: key positions past a row's own are never summed; positions past the chunk's
+// last query are never loaded (their block-table entries may be garbage), and the copies
+// for them write zeros, so NaN in unused cache slots cannot reach the result.
+#pragma once
+
+#include "common.cuh"
+
+namespace asyncgen {
+
+constexpr int kChunkWarps = 4;
+constexpr int kChunkThreads = kChunkWarps * kWarpSize;
+constexpr int kChunkRows = 16 * kChunkWarps;  // query rows per block
+constexpr int kChunkKeys = 64;                // key positions per tile
+constexpr int kChunkPad = 8;                  // elements of padding per shared-memory row
+constexpr int kChunkMaxGroup = 8;             // query heads per kv head
+constexpr int kChunkMaxSplits = 16;
+
+struct ChunkAttentionParams {
+  void* out;                    // [num_tokens, num_heads, head_dim]
+  const void* q;                // [num_tokens, num_heads, head_dim]
+  const void* k_cache;          // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* v_cache;
+  const int* block_tables;      // [num_seqs, block_table_stride]
+  const int* seq_lens;          // [num_seqs]
+  const int* query_start_loc;   // [num_seqs + 1]
+  float* part_out;              // [num_tokens, num_heads, num_splits, head_dim] (split only)
+  float* part_ml;               // [num_tokens, num_heads, num_splits, 2]: max, sum (split only)
+  int* split_counters;          // [gridDim.x * num_kv_heads], 0 before and after (split only)
+  int64_t q_stride_token, q_stride_head;
+  int64_t out_stride_token, out_stride_head;
+  int64_t k_stride_block, v_stride_block;
+  int64_t block_table_stride;
+  int num_tokens, num_seqs, num_heads, num_kv_heads, block_size;
+  int num_splits;               // 1: one pass
+  float scale_log2;             // softmax scale * log2(e)
+};
+
+__host__ __device__ inline int chunk_tokens_per_block(int group) { return kChunkRows / group; }
+
+// Blocks along x for a call: enough for every sequence's query tiles.
+__host__ __device__ inline int chunk_grid_x(int num_tokens, int num_seqs, int group) {
+  return num_tokens / chunk_tokens_per_block(group) + num_seqs;
+}
+
+template <int HEAD_DIM>
+constexpr int chunk_smem_bytes() {
+  return (kChunkRows + 4 * kChunkKeys) * (HEAD_DIM + kChunkPad) * 2;
+}
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const ChunkAttentionParams p) {
+  constexpr int kRow = HEAD_DIM + kChunkPad;   // shared-memory row, elements
+  constexpr int kPieces = HEAD_DIM / 8;        // 16-byte pieces of a row
+  constexpr int kKSteps = HEAD_DIM / 16;       // k steps of S = Q K^T
+  constexpr int kDimTiles = HEAD_DIM / 8;      // n tiles of O
+  constexpr int kKeyTiles = kChunkKeys / 8;    // n tiles of S
+  AG_DYNAMIC_SMEM(smem);
+  T* q_s = reinterpret_cast<T*>(smem);         // [kChunkRows][kRow]
+  T* k_s = q_s + kChunkRows * kRow;            // [2][kChunkKeys][kRow]
+  T* v_s = k_s + 2 * kChunkKeys * kRow;        // [2][kChunkKeys][kRow]
+  __shared__ float scratch[kChunkWarps];
+
+  const int group = p.num_heads / p.num_kv_heads;
+  const int tq = chunk_tokens_per_block(group);
+  const int pid = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+
+  // This block's sequence: the last one whose first block is at or before pid.
+  float before = 0.f;
+  for (int s = threadIdx.x; s < p.num_seqs; s += kChunkThreads) {
+    before += p.query_start_loc[s] / tq + s <= pid ? 1.f : 0.f;
+  }
+  const int seq = static_cast<int>(block_sum<kChunkWarps>(before, scratch)) - 1;
+  const int q_start = p.query_start_loc[seq];
+  const int q_len = p.query_start_loc[seq + 1] - q_start;
+  const int q_tile = pid - (q_start / tq + seq);
+  if (q_tile * tq >= q_len) return;  // uniform over the block
+  const int context = p.seq_lens[seq] - q_len;
+  const int tile_tokens = imin(tq, q_len - q_tile * tq);
+  const int rows = tile_tokens * group;           // valid rows of this block
+  const int first_pos = context + q_tile * tq;    // position of the block's first token
+  const int kv_end = first_pos + tile_tokens;     // keys [0, kv_end) are read
+  const int key_tiles = ceil_div(kv_end, kChunkKeys);
+  const int per_split = ceil_div(key_tiles, p.num_splits);
+  const int tile_lo = imin(split * per_split, key_tiles);
+  const int tile_hi = imin(tile_lo + per_split, key_tiles);
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const int row0 = 16 * warp;
+  const bool warp_active = row0 < rows;
+  const int pos_lo = first_pos + (row0 + g) / group;      // position of row g of the warp's tile
+  const int pos_hi = first_pos + (row0 + g + 8) / group;  // and of row g + 8
+  const int warp_first_pos = first_pos + row0 / group;
+  const int warp_last_pos = first_pos + imin(row0 + 15, rows - 1) / group;
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
+  const T* v_cache = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  const int* table = p.block_tables + static_cast<int64_t>(seq) * p.block_table_stride;
+
+  // Each thread copies one 16-byte piece of kLoads key rows a tile (rows j0 + u * kRowStep).
+  // Their block ids are read a tile ahead of the copies, so the table lookups (L2
+  // round trips) overlap the tile being computed instead of delaying each copy.
+  constexpr int kLoads = kChunkKeys * kPieces / kChunkThreads;
+  constexpr int kRowStep = kChunkThreads / kPieces;
+  static_assert(kChunkThreads % kPieces == 0 && kLoads >= 1, "a thread's pieces share one column");
+  const int piece = threadIdx.x % kPieces, j0 = threadIdx.x / kPieces;
+  int ids[kLoads];
+  auto fetch_ids = [&](int tile) {
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int pos = tile * kChunkKeys + j0 + u * kRowStep;
+      ids[u] = pos < kv_end ? table[pos / p.block_size] : 0;
+    }
+  };
+  auto load_keys = [&](int tile, int stage) {
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int j = j0 + u * kRowStep;
+      const int pos = tile * kChunkKeys + j;
+      const bool ok = pos < kv_end;
+      const int64_t slot = (pos % p.block_size) * token_stride + piece * 8;
+      const int64_t k_off = ok ? ids[u] * p.k_stride_block + slot : 0;
+      const int64_t v_off = ok ? ids[u] * p.v_stride_block + slot : 0;
+      const int at = (stage * kChunkKeys + j) * kRow + piece * 8;
+      cp_async16(k_s + at, k_cache + k_off, ok);
+      cp_async16(v_s + at, v_cache + v_off, ok);
+    }
+  };
+
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int t = 0; t < kDimTiles; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) o[t][r] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  uint32_t qa[kKSteps][4];
+  const int mi = lane / 8, ri = lane % 8;  // the matrix and row this lane addresses for ldmatrix
+
+  if (tile_lo < tile_hi) {
+    for (int i = threadIdx.x; i < kChunkRows * kPieces; i += kChunkThreads) {
+      const int r = i / kPieces, piece = i % kPieces;
+      const bool ok = r < rows;
+      const int64_t token = q_start + q_tile * tq + (ok ? r / group : 0);
+      const int head = kv_head * group + (ok ? r % group : 0);
+      cp_async16(q_s + r * kRow + piece * 8, q + token * p.q_stride_token + head * p.q_stride_head + piece * 8, ok);
+    }
+    fetch_ids(tile_lo);
+    load_keys(tile_lo, 0);
+    cp_async_commit();
+    if (tile_lo + 1 < tile_hi) fetch_ids(tile_lo + 1);
+    for (int tile = tile_lo; tile < tile_hi; ++tile) {
+      const int stage = (tile - tile_lo) & 1;
+      if (tile + 1 < tile_hi) {
+        load_keys(tile + 1, stage ^ 1);
+        cp_async_commit();
+        if (tile + 2 < tile_hi) fetch_ids(tile + 2);  // used by the next iteration's copies
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();
+      if (tile == tile_lo && warp_active) {
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          ldmatrix_x4<false>(qa[kk], q_s + (row0 + (mi % 2) * 8 + ri) * kRow + 16 * kk + (mi / 2) * 8);
+        }
+      }
+      if (warp_active && tile * kChunkKeys <= warp_last_pos) {
+        const T* ks = k_s + stage * kChunkKeys * kRow;
+        const T* vs = v_s + stage * kChunkKeys * kRow;
+        float s[kKeyTiles][4];
+#pragma unroll
+        for (int t = 0; t < kKeyTiles; ++t)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[t][r] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; nt += 2) {
+#pragma unroll
+          for (int kk = 0; kk < kKSteps; ++kk) {
+            uint32_t b[4];
+            ldmatrix_x4<false>(b, ks + ((nt + mi / 2) * 8 + ri) * kRow + 16 * kk + (mi % 2) * 8);
+            const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_t<T>(s[nt], qa[kk], b0);
+            mma_m16n8k16_t<T>(s[nt + 1], qa[kk], b1);
+          }
+        }
+        // s[nt][r]: row g (r < 2) or g + 8, key tile * 64 + 8 nt + 2c + r % 2.
+        const bool masked = (tile + 1) * kChunkKeys - 1 > warp_first_pos;
+        float top_lo = -INFINITY, top_hi = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            float v = s[nt][r] * p.scale_log2;
+            if (masked && tile * kChunkKeys + 8 * nt + 2 * c + r % 2 > (r < 2 ? pos_lo : pos_hi)) v = -INFINITY;
+            s[nt][r] = v;
+            if (r < 2) {
+              top_lo = fmaxf(top_lo, v);
+            } else {
+              top_hi = fmaxf(top_hi, v);
+            }
+          }
+        top_lo = fmaxf(top_lo, __shfl_xor_sync(kFullMask, top_lo, 1));
+        top_lo = fmaxf(top_lo, __shfl_xor_sync(kFullMask, top_lo, 2));
+        top_hi = fmaxf(top_hi, __shfl_xor_sync(kFullMask, top_hi, 1));
+        top_hi = fmaxf(top_hi, __shfl_xor_sync(kFullMask, top_hi, 2));
+        const float new_lo = fmaxf(m_lo, top_lo), new_hi = fmaxf(m_hi, top_hi);
+        // A row with nothing allowed yet keeps m = -inf: subtract 0 instead (no inf - inf).
+        const float base_lo = new_lo == -INFINITY ? 0.f : new_lo;
+        const float base_hi = new_hi == -INFINITY ? 0.f : new_hi;
+        const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float e = exp2f(s[nt][r] - (r < 2 ? base_lo : base_hi));
+            s[nt][r] = e;
+            if (r < 2) {
+              sum_lo += e;
+            } else {
+              sum_hi += e;
+            }
+          }
+        l_lo = l_lo * alpha_lo + sum_lo;  // this lane's share of the row sum
+        l_hi = l_hi * alpha_hi + sum_hi;
+#pragma unroll
+        for (int t = 0; t < kDimTiles; ++t) {
+          o[t][0] *= alpha_lo;
+          o[t][1] *= alpha_lo;
+          o[t][2] *= alpha_hi;
+          o[t][3] *= alpha_hi;
+        }
+#pragma unroll
+        for (int j = 0; j < kChunkKeys / 16; ++j) {
+          // P's accumulator tiles 2j, 2j + 1 are the A fragment of keys 16j .. 16j + 15.
+          const uint32_t pa[4] = {pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
+                                  pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]),
+                                  pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; dt += 2) {
+            uint32_t b[4];
+            ldmatrix_x4<true>(b, vs + (16 * j + (mi % 2) * 8 + ri) * kRow + 8 * (dt + mi / 2));
+            const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_t<T>(o[dt], pa, b0);
+            mma_m16n8k16_t<T>(o[dt + 1], pa, b1);
+          }
+        }
+      }
+      __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+  }
+  l_lo += __shfl_xor_sync(kFullMask, l_lo, 1);
+  l_lo += __shfl_xor_sync(kFullMask, l_lo, 2);
+  l_hi += __shfl_xor_sync(kFullMask, l_hi, 1);
+  l_hi += __shfl_xor_sync(kFullMask, l_hi, 2);
+
+  // o[t][r]: row g (r < 2) or g + 8 of the warp, dims 8t + 2c, 8t + 2c + 1.
+  auto row_token_head = [&](int r, int64_t& token, int& head) {
+    token = q_start + q_tile * tq + r / group;
+    head = kv_head * group + r % group;
+  };
+  T* out = static_cast<T*>(p.out);
+  if (p.num_splits == 1) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + g + 8 * half;
+      if (r >= rows) continue;
+      int64_t token;
+      int head;
+      row_token_head(r, token, head);
+      const float l = half == 0 ? l_lo : l_hi;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + 2 * c;
+#pragma unroll
+      for (int t = 0; t < kDimTiles; ++t) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * t) = pack2<T>(o[t][2 * half] * inv, o[t][2 * half + 1] * inv);
+      }
+    }
+    return;
+  }
+
+  const int splits = p.num_splits;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + g + 8 * half;
+    if (r >= rows) continue;
+    int64_t token;
+    int head;
+    row_token_head(r, token, head);
+    const int64_t part = (token * p.num_heads + head) * splits + split;
+    float* dst = p.part_out + part * HEAD_DIM + 2 * c;
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t) {
+      *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(o[t][2 * half], o[t][2 * half + 1]);
+    }
+    if (c == 0) {
+      *reinterpret_cast<float2*>(p.part_ml + 2 * part) =
+          half == 0 ? make_float2(m_lo, l_lo) : make_float2(m_hi, l_hi);
+    }
+  }
+  if (!takes_last_ticket(p.split_counters + static_cast<int64_t>(kv_head) * gridDim.x + pid, splits)) return;
+  // out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m): the splits' partials
+  // of other blocks are read past L1.
+  for (int i = threadIdx.x; i < rows * (HEAD_DIM / 4); i += kChunkThreads) {
+    const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+    int64_t token;
+    int head;
+    row_token_head(r, token, head);
+    const int64_t part0 = (token * p.num_heads + head) * splits;
+    float m = -INFINITY;
+    for (int z = 0; z < splits; ++z) m = fmaxf(m, __ldcg(p.part_ml + 2 * (part0 + z)));
+    const float m_ref = m == -INFINITY ? 0.f : m;
+    float total = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int z = 0; z < splits; ++z) {
+      const float w = exp2f(__ldcg(p.part_ml + 2 * (part0 + z)) - m_ref);
+      total += w * __ldcg(p.part_ml + 2 * (part0 + z) + 1);
+      const float* src = p.part_out + (part0 + z) * HEAD_DIM + d;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] += w * __ldcg(src + e);
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    T* dst = out + token * p.out_stride_token + head * p.out_stride_head + d;
+    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(acc[0] * inv, acc[1] * inv);
+    *reinterpret_cast<uint32_t*>(dst + 2) = pack2<T>(acc[2] * inv, acc[3] * inv);
+  }
+}
+
+// Whether the kernel takes these shapes (the glue checks the rest: dtypes, layouts,
+// alignment, the split counters).
+inline bool chunk_attention_supported(int head_dim, int group, int num_splits) {
+  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= kChunkMaxGroup && num_splits >= 1 &&
+         num_splits <= kChunkMaxSplits;
+}
+
+template <typename T, int HEAD_DIM>
+void launch_chunk_attention_for(const ChunkAttentionParams& p, cudaStream_t stream) {
+  void (*kernel)(const ChunkAttentionParams) = chunk_attention_kernel<T, HEAD_DIM>;
+  constexpr int smem = chunk_smem_bytes<HEAD_DIM>();
+#if defined(__CUDACC__)
+  static bool configured[64] = {};  // per device: more than 48 KiB of dynamic shared memory
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64 || !configured[device]) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (device >= 0 && device < 64) configured[device] = true;
+  }
+#endif
+  const int group = p.num_heads / p.num_kv_heads;
+  const dim3 grid(chunk_grid_x(p.num_tokens, p.num_seqs, group), p.num_kv_heads, p.num_splits);
+  AG_LAUNCH_KERNEL(kernel, grid, dim3(kChunkThreads), smem, stream, p);
+}
+
+// Returns false when no kernel takes the shapes.
+template <typename T>
+bool launch_chunk_attention(const ChunkAttentionParams& p, int head_dim, cudaStream_t stream) {
+  const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
+  if (!chunk_attention_supported(head_dim, group, p.num_splits)) return false;
+  if (p.num_tokens == 0 || p.num_seqs == 0) return true;
+  if (head_dim == 64) {
+    launch_chunk_attention_for<T, 64>(p, stream);
+  } else {
+    launch_chunk_attention_for<T, 128>(p, stream);
+  }
+  return true;
+}
+
+}  // namespace asyncgen
