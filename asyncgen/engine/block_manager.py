@@ -23,6 +23,7 @@ Plain Python; the scheduler is the only caller.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Sequence
 
 __all__ = ["BlockManager"]
@@ -78,16 +79,18 @@ class BlockManager:
         result is safe to pass to ``allocate`` in the same scheduling pass."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
-        usable = (len(token_ids) - 1) // bs
+        usable = (len(token_ids) - 1) // self.block_size
         blocks: list[int] = []
         parent = _ROOT
-        for i in range(usable):
-            block = self._cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+        cached, key_id = self._cached, self._key_id
+        # zip over block_size references to one iterator yields the prompt's blocks as
+        # tuples, built in C (a long cached prompt is walked on every admission).
+        for tokens in islice(zip(*[iter(token_ids)] * self.block_size), usable):
+            block = cached.get((parent, tokens))
             if block is None:
                 break
             blocks.append(block)
-            parent = self._key_id[block]
+            parent = key_id[block]
         return blocks
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:

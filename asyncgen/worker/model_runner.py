@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from itertools import chain
 from pathlib import Path
 from typing import Optional
 
@@ -579,7 +580,17 @@ class ModelRunner:
         return logits[:n]
 
     def _prepare(self, out: SchedulerOutput) -> "_StepInputs":
-        """Builds the step's index tensors with numpy and moves them in one copy."""
+        """Builds the step's index tensors with numpy and moves them in one copy.
+
+        The int32 inputs (seq_lens, query_start_loc, block tables) and the int64 ones are
+        packed into one int64 host array, the int32 section reinterpreted in place, so the
+        device gets every input with one transfer and no dtype conversion. Each int32 part
+        starts on a 16-byte boundary, as a tensor of its own would::
+
+            flat, int64:   [ int32 section (h words) | ids | positions | slots | logits_idx | fill_dst | fill_src ]
+            int32 section: [ seq_lens, pad | qsl, pad | tables, pad ]
+                             0               q0          t0
+        """
         seqs = out.seqs
         bs = self.block_size
         n = len(seqs)
@@ -587,14 +598,14 @@ class ModelRunner:
         starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
         seq_lens = starts + q_lens
         qsl = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
+        q_lens.cumsum(out=qsl[1:])
         total = int(qsl[-1])
         if total == n:  # all decodes: one token each
             input_ids = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
             seq_of_token = np.arange(n)
             positions = starts
         else:
-            input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=total)
+            input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=total)
             # Position of every token: its sequence's start plus its offset within the chunk.
             seq_of_token = np.repeat(np.arange(n), q_lens)
             positions = starts[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
@@ -602,7 +613,8 @@ class ModelRunner:
         tables = np.zeros((n, max_blocks), dtype=np.int64)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_ids)] = s.block_ids
-        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
+        block_idx, offset = np.divmod(positions, bs)
+        slot_mapping = tables[seq_of_token, block_idx] * bs + offset
         sample_rows = [i for i, s in enumerate(seqs) if s.sample]
         logits_idx = qsl[1:][sample_rows] - 1
         plp = self._prompt_logprob_rows(seqs, qsl)
@@ -614,8 +626,18 @@ class ModelRunner:
         except KeyError as e:
             raise RuntimeError(f"sequence {e.args[0]!r} has a pending token the previous step did not sample") from None
 
-        parts = (input_ids, positions, slot_mapping, seq_lens, qsl, logits_idx, fill_dst, fill_src, tables.reshape(-1))
-        flat = np.concatenate(parts)
+        # int32 parts at 16-byte boundaries: seq_lens at 0, qsl at q0, the tables at t0.
+        q0 = -(-n // 4) * 4
+        t0 = q0 + -(-(n + 1) // 4) * 4
+        h = -(-(t0 + n * max_blocks) // 4) * 2  # int64 words of the int32 section
+        parts64 = (input_ids, positions, slot_mapping, logits_idx, fill_dst, fill_src)
+        sizes64 = [a.size for a in parts64]
+        flat = np.empty(h + sum(sizes64), dtype=np.int64)
+        sec32 = flat[:h].view(np.int32)
+        sec32[:n] = seq_lens
+        sec32[q0 : q0 + n + 1] = qsl
+        sec32[t0 : t0 + n * max_blocks] = tables.reshape(-1)
+        np.concatenate(parts64, out=flat[h:])
         if self.device.type == "cuda":
             staging, event = self._staging(flat.size)
             staging.numpy()[:] = flat
@@ -623,16 +645,14 @@ class ModelRunner:
             event.record()
         else:
             dev = torch.from_numpy(flat)
-        views, off = [], 0
-        for a in parts:
-            views.append(dev[off : off + a.size])
-            off += a.size
-        ids_t, pos_t, slot_t, seq_lens_t, qsl_t, logits_t, fill_dst_t, fill_src_t, tables_t = views
+        ids_t, pos_t, slot_t, logits_t, fill_dst_t, fill_src_t = dev[h:].split_with_sizes(sizes64)
+        dev32 = dev[:h].view(torch.int32)
+        seq_lens_t, qsl_t, tables_t = dev32[:n], dev32[q0 : q0 + n + 1], dev32[t0 : t0 + n * max_blocks]
         meta = AttentionMetadata(
             slot_mapping=slot_t,
-            block_tables=tables_t.view(n, max_blocks).to(torch.int32),
-            seq_lens=seq_lens_t.to(torch.int32),
-            query_start_loc=qsl_t.to(torch.int32),
+            block_tables=tables_t.view(n, max_blocks),
+            seq_lens=seq_lens_t,
+            query_start_loc=qsl_t,
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
