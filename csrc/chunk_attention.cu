@@ -108,7 +108,13 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   p.num_seqs = static_cast<int>(num_seqs);
   p.num_heads = static_cast<int>(num_heads);
   p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.block_size = static_cast<int>(k_cache.size(1));
+  const int64_t block_size = k_cache.size(1);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= kChunkKeys,
+              "chunk_attention needs a power-of-two block_size of at most ", kChunkKeys, ", got ", block_size);
+  TORCH_CHECK(num_kv_heads * head_dim * kChunkKeys < (int64_t{1} << 31), "too many kv heads for chunk_attention");
+  int shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  p.block_shift = shift;
   p.num_splits = static_cast<int>(num_splits);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -9,7 +9,7 @@
 //
 //   q, out            [num_tokens, num_heads, head_dim]        any token/head stride
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], inner three dims contiguous
-//   block_tables      [num_seqs, >= ceil(seq_len / block_size)] int32
+//   block_tables      [num_seqs, >= ceil(seq_len / block_size)] int32, block_size a power of two
 //   seq_lens          [num_seqs] int32;  query_start_loc [num_seqs + 1] int32
 //
 // Work decomposition
@@ -22,11 +22,13 @@
 // the grid is num_tokens / tokens_per_block + num_seqs blocks wide and surplus blocks exit.
 //
 //   warp w: rows 16w .. 16w + 15 (an m16 tile), for the whole head_dim
-//   key tile: 64 positions, K and V each [64][head_dim] in shared memory (rows padded by
+//   key tile: 32 positions, K and V each [32][head_dim] in shared memory (rows padded by
 //   8 elements so that ldmatrix's 8 row addresses fall in different banks), two stages:
-//   the cp.async copies of tile t + 1 are in flight while tile t is computed.
+//   the cp.async copies of tile t + 1 are in flight while tile t is computed. Q stays in
+//   shared memory and is read again each tile, which keeps a thread within 128 registers
+//   and the block within ~52 KB: four blocks an SM hide each other's latencies.
 //
-//   S = Q K^T:  A = Q fragments (registers, loaded once), B = K rows via ldmatrix
+//   S = Q K^T:  A = Q via ldmatrix, B = K rows via ldmatrix
 //   P = exp2(S * scale - m) rounded to T, straight from S's accumulator layout into A
 //   O += P V:   B = V via ldmatrix.trans
 //
@@ -50,7 +52,8 @@ namespace asyncgen {
 constexpr int kChunkWarps = 4;
 constexpr int kChunkThreads = kChunkWarps * kWarpSize;
 constexpr int kChunkRows = 16 * kChunkWarps;  // query rows per block
-constexpr int kChunkKeys = 64;                // key positions per tile
+constexpr int kChunkKeys = 32;                // key positions per tile
+constexpr int kChunkMinBlocks = 4;            // blocks an SM (registers <= 128, ~52 KB of shared memory each)
 constexpr int kChunkPad = 8;                  // elements of padding per shared-memory row
 constexpr int kChunkMaxGroup = 8;             // query heads per kv head
 constexpr int kChunkMaxSplits = 16;
@@ -70,7 +73,8 @@ struct ChunkAttentionParams {
   int64_t out_stride_token, out_stride_head;
   int64_t k_stride_block, v_stride_block;
   int64_t block_table_stride;
-  int num_tokens, num_seqs, num_heads, num_kv_heads, block_size;
+  int num_tokens, num_seqs, num_heads, num_kv_heads;
+  int block_shift;              // block_size = 1 << block_shift
   int num_splits;               // 1: one pass
   float scale_log2;             // softmax scale * log2(e)
 };
@@ -88,7 +92,7 @@ constexpr int chunk_smem_bytes() {
 }
 
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const ChunkAttentionParams p) {
+__global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attention_kernel(const ChunkAttentionParams p) {
   constexpr int kRow = HEAD_DIM + kChunkPad;   // shared-memory row, elements
   constexpr int kPieces = HEAD_DIM / 8;        // 16-byte pieces of a row
   constexpr int kKSteps = HEAD_DIM / 16;       // k steps of S = Q K^T
@@ -146,26 +150,29 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const Ch
   constexpr int kRowStep = kChunkThreads / kPieces;
   static_assert(kChunkThreads % kPieces == 0 && kLoads >= 1, "a thread's pieces share one column");
   const int piece = threadIdx.x % kPieces, j0 = threadIdx.x / kPieces;
-  int ids[kLoads];
+  // A tile starts on a cache block boundary (block_size <= kChunkKeys, both powers of two),
+  // so each of a thread's rows keeps its slot in the block from tile to tile.
+  int ids[kLoads], slot_off[kLoads];
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    slot_off[u] = ((j0 + u * kRowStep) & ((1 << p.block_shift) - 1)) * static_cast<int>(token_stride) + piece * 8;
+  }
   auto fetch_ids = [&](int tile) {
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int pos = tile * kChunkKeys + j0 + u * kRowStep;
-      ids[u] = pos < kv_end ? table[pos / p.block_size] : 0;
+      ids[u] = pos < kv_end ? table[pos >> p.block_shift] : 0;
     }
   };
   auto load_keys = [&](int tile, int stage) {
+    T* k_dst = k_s + (stage * kChunkKeys + j0) * kRow + piece * 8;
+    T* v_dst = v_s + (stage * kChunkKeys + j0) * kRow + piece * 8;
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
-      const int j = j0 + u * kRowStep;
-      const int pos = tile * kChunkKeys + j;
-      const bool ok = pos < kv_end;
-      const int64_t slot = (pos % p.block_size) * token_stride + piece * 8;
-      const int64_t k_off = ok ? ids[u] * p.k_stride_block + slot : 0;
-      const int64_t v_off = ok ? ids[u] * p.v_stride_block + slot : 0;
-      const int at = (stage * kChunkKeys + j) * kRow + piece * 8;
-      cp_async16(k_s + at, k_cache + k_off, ok);
-      cp_async16(v_s + at, v_cache + v_off, ok);
+      const bool ok = tile * kChunkKeys + j0 + u * kRowStep < kv_end;
+      const int64_t block = ok ? ids[u] : 0;
+      cp_async16(k_dst + u * kRowStep * kRow, k_cache + block * p.k_stride_block + slot_off[u], ok);
+      cp_async16(v_dst + u * kRowStep * kRow, v_cache + block * p.v_stride_block + slot_off[u], ok);
     }
   };
 
@@ -175,7 +182,6 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const Ch
 #pragma unroll
     for (int r = 0; r < 4; ++r) o[t][r] = 0.f;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
-  uint32_t qa[kKSteps][4];
   const int mi = lane / 8, ri = lane % 8;  // the matrix and row this lane addresses for ldmatrix
 
   if (tile_lo < tile_hi) {
@@ -201,12 +207,6 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const Ch
         cp_async_wait<0>();
       }
       __syncthreads();
-      if (tile == tile_lo && warp_active) {
-#pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-          ldmatrix_x4<false>(qa[kk], q_s + (row0 + (mi % 2) * 8 + ri) * kRow + 16 * kk + (mi / 2) * 8);
-        }
-      }
       if (warp_active && tile * kChunkKeys <= warp_last_pos) {
         const T* ks = k_s + stage * kChunkKeys * kRow;
         const T* vs = v_s + stage * kChunkKeys * kRow;
@@ -216,14 +216,17 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const Ch
 #pragma unroll
           for (int r = 0; r < 4; ++r) s[t][r] = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < kKeyTiles; nt += 2) {
+        for (int kk = 0; kk < kKSteps; ++kk) {
+          // Q's fragment comes from shared memory each tile: registers kept for occupancy.
+          uint32_t qa[4];
+          ldmatrix_x4<false>(qa, q_s + (row0 + (mi % 2) * 8 + ri) * kRow + 16 * kk + (mi / 2) * 8);
 #pragma unroll
-          for (int kk = 0; kk < kKSteps; ++kk) {
+          for (int nt = 0; nt < kKeyTiles; nt += 2) {  // independent accumulators a k step
             uint32_t b[4];
             ldmatrix_x4<false>(b, ks + ((nt + mi / 2) * 8 + ri) * kRow + 16 * kk + (mi % 2) * 8);
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_m16n8k16_t<T>(s[nt], qa[kk], b0);
-            mma_m16n8k16_t<T>(s[nt + 1], qa[kk], b1);
+            mma_m16n8k16_t<T>(s[nt], qa, b0);
+            mma_m16n8k16_t<T>(s[nt + 1], qa, b1);
           }
         }
         // s[nt][r]: row g (r < 2) or g + 8, key tile * 64 + 8 nt + 2c + r % 2.
@@ -344,29 +347,55 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attention_kernel(const Ch
     }
   }
   if (!takes_last_ticket(p.split_counters + static_cast<int64_t>(kv_head) * gridDim.x + pid, splits)) return;
-  // out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m): the splits' partials
-  // of other blocks are read past L1.
-  for (int i = threadIdx.x; i < rows * (HEAD_DIM / 4); i += kChunkThreads) {
-    const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
-    int64_t token;
-    int head;
-    row_token_head(r, token, head);
-    const int64_t part0 = (token * p.num_heads + head) * splits;
-    float m = -INFINITY;
-    for (int z = 0; z < splits; ++z) m = fmaxf(m, __ldcg(p.part_ml + 2 * (part0 + z)));
-    const float m_ref = m == -INFINITY ? 0.f : m;
-    float total = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int z = 0; z < splits; ++z) {
-      const float w = exp2f(__ldcg(p.part_ml + 2 * (part0 + z)) - m_ref);
-      total += w * __ldcg(p.part_ml + 2 * (part0 + z) + 1);
-      const float* src = p.part_out + (part0 + z) * HEAD_DIM + d;
+  // out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m), over the splits'
+  // partials (other blocks' writes, read past L1). Thread t takes half t % 2 of row t / 2,
+  // with every split's loads of a step issued together.
+  constexpr int kHalfDim = HEAD_DIM / 2;
+  static_assert(kChunkThreads == 2 * kChunkRows, "two threads a row");
+  const int r = threadIdx.x / 2, part_half = threadIdx.x % 2;
+  if (r >= rows) return;
+  int64_t token;
+  int head;
+  row_token_head(r, token, head);
+  const int64_t part0 = (token * p.num_heads + head) * splits;
+  float w[kChunkMaxSplits], l_z[kChunkMaxSplits];
+  float m = -INFINITY;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] += w * __ldcg(src + e);
+  for (int z = 0; z < kChunkMaxSplits; ++z) {
+    if (z < splits) {
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.part_ml) + part0 + z);
+      w[z] = ml.x;
+      l_z[z] = ml.y;
+      m = fmaxf(m, ml.x);
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    T* dst = out + token * p.out_stride_token + head * p.out_stride_head + d;
-    *reinterpret_cast<uint32_t*>(dst) = pack2<T>(acc[0] * inv, acc[1] * inv);
-    *reinterpret_cast<uint32_t*>(dst + 2) = pack2<T>(acc[2] * inv, acc[3] * inv);
+  }
+  const float m_ref = m == -INFINITY ? 0.f : m;
+  float total = 0.f;
+#pragma unroll
+  for (int z = 0; z < kChunkMaxSplits; ++z) {
+    if (z < splits) {
+      w[z] = exp2f(w[z] - m_ref);
+      total += w[z] * l_z[z];
+    }
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const float* src = p.part_out + part0 * HEAD_DIM + part_half * kHalfDim;
+  T* dst = out + token * p.out_stride_token + head * p.out_stride_head + part_half * kHalfDim;
+#pragma unroll 4
+  for (int d = 0; d < kHalfDim; d += 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int z = 0; z < kChunkMaxSplits; ++z) {
+      if (z < splits) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + z * HEAD_DIM + d));
+        acc.x += w[z] * v.x;
+        acc.y += w[z] * v.y;
+        acc.z += w[z] * v.z;
+        acc.w += w[z] * v.w;
+      }
+    }
+    *reinterpret_cast<uint32_t*>(dst + d) = pack2<T>(acc.x * inv, acc.y * inv);
+    *reinterpret_cast<uint32_t*>(dst + d + 2) = pack2<T>(acc.z * inv, acc.w * inv);
   }
 }
 

@@ -133,14 +133,3 @@ def test_setup_py_skips_the_extension_when_asked():
     assert result.stdout.strip().splitlines()[-1] == "asyncgen"
     assert "building without the CUDA extension: ASYNCGEN_SKIP_CUDA is set" in result.stderr
 
-
-def test_chunk_attention_splits_depend_on_shapes_only():
-    splits = cuda_backend.chunk_splits
-    # A prefix-cache hit in the 128-token prompt graph (8 slots) of a 32-head model: 2 query
-    # tiles x 32 heads, split 4 ways to about two blocks per SM of 132.
-    assert splits(128, 8, 32, 32, 4096, 132) == 4
-    assert splits(128, 9, 32, 32, 4096, 132) == 1  # many sequences fill the GPU by themselves
-    assert splits(2048, 1, 32, 32, 4096, 132) == 1  # so does a long prompt
-    assert splits(16, 1, 32, 32, 256, 132) == 2  # at least 128 keys a split
-    assert splits(16, 1, 4, 1, 1 << 20, 132) == 16  # at most 16
-    assert splits(64, 1, 32, 8, 4096, 132) == 8  # GQA 4: 16 tokens a block, 4 tiles x 8 kv heads

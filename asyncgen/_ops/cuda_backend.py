@@ -32,10 +32,11 @@ the argument on bad input):
   Otherwise ``rotary_store_kv`` then ``paged_attention``.
 - ``paged_attention``: csrc for decode-only batches (every query length 1) with fp16 or
   bf16, head_dim 64/128/256, block_size a multiple of 16 and int32 block tables and
-  lengths; the csrc prompt-chunk kernel (tensor cores, sm_80+) for the other batches
-  (prefill chunks, mixed batches) with fp16 or bf16, head_dim 64/128, at most 8 query
-  heads per kv head, no sliding window and int32 tables, lengths and starts, splitting
-  the context over blocks (:func:`chunk_splits`) for few query tiles; Triton for the rest.
+  lengths; the csrc prompt-chunk kernel (tensor cores, sm_80+) for the other batches of
+  more than :data:`CHUNK_ATTENTION_MIN_SEQS` sequences (a prompt chunk among decodes)
+  with fp16 or bf16, head_dim 64/128, at most 8 query heads per kv head, a power-of-two
+  block_size up to 32, no sliding window and int32 tables, lengths and starts; Triton for
+  the rest (prefill chunks of few sequences, a prefix-cache hit, other shapes).
   ``max_query_len`` / ``max_seq_len`` hints avoid a host sync; without them they are
   computed from the device tensors (a sync), so pass them on the hot path and under
   CUDA graphs. ``max_seq_len`` must bound ``seq_lens`` from above: it sizes the split-K
@@ -364,19 +365,16 @@ def paged_attention(
         )
         return out
 
-    # Decode-only batches the decode kernel left (wide GQA batches) stay with Triton's
-    # decode kernel: a prompt-chunk block would hold one token's rows.
-    if (max_query_len is None or max_query_len > 1) and sliding_window is None and _chunk_supported(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+    # Batches of many sequences (a prompt chunk among decodes, prompt graphs with a slot per
+    # sequence) take the csrc prompt-chunk kernel. Decode-only batches the decode kernel
+    # left (wide GQA batches) stay with Triton's decode kernel: a prompt-chunk block would
+    # hold one token's rows.
+    if (
+        num_seqs > CHUNK_ATTENTION_MIN_SEQS and (max_query_len is None or max_query_len > 1)
+        and sliding_window is None and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     ):
-        max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        splits = chunk_splits(num_tokens, num_seqs, num_heads, num_kv_heads, max_context, _num_sms(q.device))
-        counters = _chunk_counters(q.device) if splits > 1 else None
-        needed = _chunk_grid_x(num_tokens, num_seqs, num_heads // num_kv_heads) * num_kv_heads
-        if counters is not None and counters.numel() < needed:
-            splits, counters = 1, None
         torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             counters, float(scale), splits)
+                                             None, float(scale), 1)
         return out
 
     from . import triton_backend
@@ -387,53 +385,17 @@ def paged_attention(
     )
 
 
-# The prompt-chunk kernel (csrc/chunk_attention.cuh): 64 query rows a block, 4 warps.
-_CHUNK_ROWS = 64
+# The prompt-chunk kernel (csrc/chunk_attention.cuh): 64 query rows a block, 4 warps,
+# tiles of 32 keys.
+_CHUNK_KEYS = 32  # the cache's block_size must divide it
 _CHUNK_HEAD_DIMS = (64, 128)
 _CHUNK_MAX_GROUP = 8
-_CHUNK_MAX_SPLITS = 16
-# Context splits only for steps of at most this many sequences (a prefix-cache hit, a
-# few prompt chunks), as the Triton kernel splits; keys per split at least this many.
-_CHUNK_SPLIT_MAX_SEQS = 8
-_CHUNK_MIN_KEYS_PER_SPLIT = 128
-_CHUNK_COUNTER_ENTRIES = 1 << 16
-_chunk_counter_buffers: dict[torch.device, torch.Tensor] = {}
-
-
-def _chunk_grid_x(num_tokens: int, num_seqs: int, group: int) -> int:
-    return num_tokens // (_CHUNK_ROWS // group) + num_seqs
-
-
-def chunk_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, max_context: int,
-                 sms: int) -> int:
-    """Context splits of the prompt-chunk kernel: a power of two up to
-    ``_CHUNK_MAX_SPLITS`` that brings the blocks to about two per SM, each split with at
-    least ``_CHUNK_MIN_KEYS_PER_SPLIT`` keys of ``max_context``; 1 for batches of more
-    than ``_CHUNK_SPLIT_MAX_SEQS`` sequences. Depends on shapes and hints only (a CUDA
-    graph can capture the launch)."""
-    if num_seqs > _CHUNK_SPLIT_MAX_SEQS:
-        return 1
-    tiles = -(-num_tokens // (_CHUNK_ROWS // (num_heads // num_kv_heads)))
-    blocks = max(1, tiles * num_kv_heads)
-    splits = 1
-    while (splits * 2 <= _CHUNK_MAX_SPLITS and blocks * splits * 2 <= 2 * sms
-           and max_context // (splits * 2) >= _CHUNK_MIN_KEYS_PER_SPLIT):
-        splits *= 2
-    return splits
-
-
-def _chunk_counters(device: torch.device) -> torch.Tensor:
-    """The split counters of the prompt-chunk kernel on ``device``: zeros between calls
-    (the last split of a tile resets its own), shared by the calls of one stream."""
-    buf = _chunk_counter_buffers.get(device)
-    if buf is None:
-        buf = _chunk_counter_buffers[device] = torch.zeros(_CHUNK_COUNTER_ENTRIES, dtype=torch.int32, device=device)
-    return buf
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# Batches of more sequences than this take it. On an H200 (7B, fp16, us per call in CUDA
+# graphs, tests/gpu/check_csrc_ops.py --chunk-only; docs/BENCHMARKS.md) a 512-token chunk
+# among 63 decodes took 211.8 against Triton's 384.6, while Triton was faster for few
+# sequences: 27.6 against 64.8 for a 78-token chunk over 992 cached tokens (8 slots), 83.0
+# against 103.7 for 1,070 tokens from scratch, 74.1 against 89.2 for 4 prompts of 512.
+CHUNK_ATTENTION_MIN_SEQS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,7 +405,8 @@ def _tensor_cores(device: torch.device) -> bool:
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
     """Whether the csrc prompt-chunk kernel takes these (else Triton): fp16/bf16 on sm_80+,
-    head_dim 64/128, at most 8 query heads per kv head, int32 tables, lengths and starts,
+    head_dim 64/128, at most 8 query heads per kv head, a power-of-two block_size up to 32, int32
+    tables, lengths and starts,
     16-byte aligned rows. The caller has checked the shapes against each other."""
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
@@ -452,6 +415,7 @@ def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         and q.dtype in _DECODE_DTYPES
         and head_dim in _CHUNK_HEAD_DIMS
         and group <= _CHUNK_MAX_GROUP
+        and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0 and k_cache.shape[1] <= _CHUNK_KEYS
         and _tensor_cores(q.device)
         and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
         and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()

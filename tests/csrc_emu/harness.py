@@ -88,7 +88,7 @@ class ChunkAttentionParams(ctypes.Structure):
         ("num_seqs", ctypes.c_int),
         ("num_heads", ctypes.c_int),
         ("num_kv_heads", ctypes.c_int),
-        ("block_size", ctypes.c_int),
+        ("block_shift", ctypes.c_int),
         ("num_splits", ctypes.c_int),
         ("scale_log2", ctypes.c_float),
     ]
@@ -294,8 +294,8 @@ class Emulator:
             _ptr(out), _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens),
             _ptr(query_start_loc), _ptr(part_out), _ptr(part_ml), _ptr(split_counters),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), v_cache.stride(0),
-            block_tables.stride(0), num_tokens, seq_lens.shape[0], num_heads, k_cache.shape[2], k_cache.shape[1],
-            num_splits, scale * 1.4426950408889634,
+            block_tables.stride(0), num_tokens, seq_lens.shape[0], num_heads, k_cache.shape[2],
+            k_cache.shape[1].bit_length() - 1, num_splits, scale * 1.4426950408889634,
         )
         self.lib.ag_set_reverse_blocks(int(reverse_blocks))
         try:

@@ -664,7 +664,7 @@ def check_chunk_attention() -> None:
 
 def bench_chunk_attention(copies: int = 8) -> None:
     """Per call in a CUDA graph over `copies` caches: Triton's general kernel (with the
-    engine's hints) against the csrc kernel as routed and at fixed splits."""
+    engine's hints), the backend's choice, and the csrc kernel at fixed splits."""
     from asyncgen._ops import triton_backend
 
     print("\nchunk attention, fp16, us per call (CUDA graph over 8 caches)")
@@ -679,16 +679,15 @@ def bench_chunk_attention(copies: int = 8) -> None:
         row["triton"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: tri(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables, co[0].seq_lens,
                            co[0].query_start_loc, co[0].scale, None, co[1], **hints), list(zip(cases, outs)), passes=5)
-        row["csrc auto"] = 1e3 * cuda_backend.graph_time_ms(
+        row["routed"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
                                                     co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
                                                     **hints), list(zip(cases, outs)), passes=5)
         for splits in (1, 2, 4, 8, 16):
             row[f"csrc {splits}"] = 1e3 * cuda_backend.graph_time_ms(
                 lambda co, s=splits: _chunk_op(co[0], co[1], s, counters), list(zip(cases, outs)), passes=5)
-        num_tokens = sum(q for q, _ in seqs)
-        auto = cuda_backend.chunk_splits(num_tokens, len(seqs), h, kvh, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
-        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + f" (auto = {auto} splits)")
+        routed = "csrc" if len(seqs) > cuda_backend.CHUNK_ATTENTION_MIN_SEQS else "triton"
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + f" (routed to {routed})")
 
 
 def check_errors() -> None:
