@@ -1,22 +1,21 @@
-"""Times the kernels of a short prompt chunk over a long cached prefix (a prefix-cache hit)
-at Llama-2-7B shapes on a GPU, to choose their configurations.
+"""Times the Triton attention kernel of a short prompt chunk over a long cached prefix (a
+prefix-cache hit) at Llama-2-7B shapes on a GPU, at each of its configurations.
 
 The step is the one ``benchmarks/online.py --compare-prefix-caching`` measures: 78 new
 tokens of one sequence over 992 cached ones, replayed as the engine's 128-token prompt
 graph with 8 sequence slots (the 50 padding tokens form a second sequence, the other six
 slots are empty).
 
-- ``attention``: the general paged-attention kernel at each tiling (BLOCK_M, BLOCK_N,
-  warps, stages) and context split, split reduction included, against the configuration
-  the engine picks today. Each configuration is first checked against the first one.
-- ``gemm``: the four dense products at 64-128 rows: cuBLAS (``F.linear``) against the
-  Triton weight-streaming GEMM (``asyncgen/_ops/triton_dense_gemm.py``) at each
-  configuration, each checked against cuBLAS first.
+The general paged-attention kernel runs at each tiling (BLOCK_M, BLOCK_N, warps,
+stages) and context split, split reduction included, against the configuration the
+engine picks. Each configuration is first checked against the engine's.
 
-Every timing replays one CUDA graph that cycles through 8 copies of the weight or KV cache
-(more than L2 holds), as a forward pass reads each layer's once.
+Every timing replays one CUDA graph that cycles through 8 copies of the KV cache (more
+than L2 holds), as a forward pass reads each layer's once. (Its first version also timed
+the four dense products at 64-128 rows, cuBLAS against a Triton weight-streaming GEMM;
+that GEMM lost and was removed: docs/BENCHMARKS.md.)
 
-    PYTHONPATH=. python3 benchmarks/prefix_step_sweep.py [--only attention|gemm] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/prefix_step_sweep.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,11 +27,9 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 32, 128, 16
 NEW, CACHED, GRAPH_TOKENS, SLOTS = 78, 992, 128, 8
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}  # (N, K)
 COPIES = 8
 
 
@@ -123,60 +120,8 @@ def sweep_attention(gen, results: dict) -> None:
     results["attention"] = rows
 
 
-def sweep_gemm(gen, results: dict) -> None:
-    from asyncgen._ops.triton_dense_gemm import DenseGemmConfig, dense_gemm
-
-    rows = []
-    best_cfg: dict = {}
-    for name, (n, k) in SHAPES.items():
-        weights = [(torch.randn(n, k, generator=gen, device="cuda") * 0.02).half() for _ in range(COPIES)]
-        for m in (64, 128, 80, 96):
-            x = torch.randn(m, k, generator=gen, device="cuda").half()
-            outs = [torch.empty(m, n, dtype=torch.half, device="cuda") for _ in range(COPIES)]
-            cublas = graph_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(weights, outs)])
-            ref = F.linear(x, weights[0]).float()
-            line = {"layer": name, "m": m, "cublas_us": cublas, "triton": []}
-
-            def measure(cfg):
-                try:
-                    got = dense_gemm(x, weights[0], config=cfg).float()
-                    err = (got - ref).abs().max().item()
-                    if not err < 2e-2 * max(1.0, ref.abs().max().item()):
-                        print(f"gemm {name} m={m} {tuple(cfg)}: WRONG (max err {err})", flush=True)
-                        return None
-                    us = graph_us([lambda w=w, o=o: dense_gemm(x, w, out=o, config=cfg) for w, o in zip(weights, outs)])
-                except Exception as e:
-                    print(f"gemm {name} m={m} {tuple(cfg)}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-                    return None
-                line["triton"].append({"config": list(cfg), "us": us})
-                return us
-
-            bm = 64 if m <= 64 else 128
-            if m in (64, 128):  # the sweep; the Triton GEMM's time does not depend on m within a BLOCK_M
-                tried = []
-                for bn, bk, split in itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8)):
-                    warps = 8 if bm * bn >= 128 * 256 else 4
-                    us = measure(DenseGemmConfig(bm, bn, bk, split, warps, 4))
-                    if us is not None:
-                        tried.append((us, bn, bk, split))
-                tried.sort()
-                for _, bn, bk, split in tried[:2]:
-                    for warps, stages in ((4, 3), (4, 5), (8, 3), (8, 4), (8, 5)):
-                        measure(DenseGemmConfig(bm, bn, bk, split, warps, stages))
-                best_cfg[name, bm] = min(line["triton"], key=lambda r: r["us"])["config"] if line["triton"] else None
-            elif best_cfg.get((name, bm)):
-                measure(DenseGemmConfig(*best_cfg[name, bm]))
-            best = min(line["triton"], key=lambda r: r["us"]) if line["triton"] else None
-            print(f"gemm {name} m={m}: cuBLAS {cublas:.2f} us, Triton best {best}", flush=True)
-            rows.append(line)
-        weights = outs = None
-        torch.cuda.empty_cache()
-    results["gemm"] = rows
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("attention", "gemm"))
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -184,10 +129,7 @@ def main() -> int:
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     results: dict = {"device": torch.cuda.get_device_name()}
-    if args.only in (None, "attention"):
-        sweep_attention(gen, results)
-    if args.only in (None, "gemm"):
-        sweep_gemm(gen, results)
+    sweep_attention(gen, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
