@@ -24,4 +24,49 @@ inline void check_cache_layout(const at::Tensor& cache, const char* name) {
 
 inline bool is_aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+// What every paged-attention op checks: q [tokens, heads, head_dim] float16 or bfloat16 and
+// out of its shape and dtype, the caches in q's dtype and the layout above (16-byte
+// aligned, block strides multiples of 8, head_dim as q's, num_kv_heads dividing q's
+// heads), int32 block tables with contiguous rows and int32 contiguous seq_lens, all on
+// q's device.
+inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& seq_lens) {
+  AG_CHECK_DIM(q, 3);
+  AG_CHECK_CUDA(q, q);
+  AG_CHECK_CUDA(out, q);
+  AG_CHECK_CUDA(k_cache, q);
+  AG_CHECK_CUDA(v_cache, q);
+  AG_CHECK_CUDA(block_tables, q);
+  AG_CHECK_CUDA(seq_lens, q);
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "q must be float16 or bfloat16, got ", q.scalar_type());
+  AG_CHECK_DTYPE(out, q.scalar_type());
+  AG_CHECK_DTYPE(k_cache, q.scalar_type());
+  AG_CHECK_DTYPE(v_cache, q.scalar_type());
+  AG_CHECK_DTYPE(block_tables, at::kInt);
+  AG_CHECK_DTYPE(seq_lens, at::kInt);
+  AG_CHECK_LAST_DIM_CONTIGUOUS(q);
+  AG_CHECK_LAST_DIM_CONTIGUOUS(out);
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
+  check_cache_layout(k_cache, "k_cache");
+  check_cache_layout(v_cache, "v_cache");
+  TORCH_CHECK(v_cache.sizes().slice(1) == k_cache.sizes().slice(1),
+              "v_cache must match k_cache's [block_size, num_kv_heads, head_dim], got ", v_cache.sizes(), " vs ",
+              k_cache.sizes());
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "k_cache head_dim ", k_cache.size(3), " != q head_dim ", q.size(2));
+  TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "q's num_heads (", q.size(1),
+              ") must be a multiple of k_cache's num_kv_heads (", k_cache.size(2), ")");
+  TORCH_CHECK(k_cache.stride(0) % 8 == 0 && v_cache.stride(0) % 8 == 0 && is_aligned16(k_cache) &&
+                  is_aligned16(v_cache),
+              "k_cache and v_cache must be 16-byte aligned with a block stride that is a multiple of 8");
+  const int64_t num_seqs = seq_lens.numel();
+  AG_CHECK_DIM(block_tables, 2);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
+              "block_tables must be [num_seqs=", num_seqs, ", max_blocks] with contiguous rows, got shape ",
+              block_tables.sizes(), " strides ", block_tables.strides());
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be a contiguous 1-d tensor, got shape ",
+              seq_lens.sizes());
+}
+
 }  // namespace asyncgen

@@ -18,32 +18,11 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits) {
   AG_CHECK_CUDA(q, q);
   const c10::cuda::CUDAGuard device_guard(q.device());
-  AG_CHECK_DIM(q, 3);
-  AG_CHECK_CUDA(out, q);
-  AG_CHECK_CUDA(k_cache, q);
-  AG_CHECK_CUDA(v_cache, q);
-  AG_CHECK_CUDA(block_tables, q);
-  AG_CHECK_CUDA(seq_lens, q);
+  check_paged_attention_args(out, q, k_cache, v_cache, block_tables, seq_lens);
   AG_CHECK_CUDA(query_start_loc, q);
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "q must be float16 or bfloat16, got ", q.scalar_type());
-  AG_CHECK_DTYPE(out, q.scalar_type());
-  AG_CHECK_DTYPE(k_cache, q.scalar_type());
-  AG_CHECK_DTYPE(v_cache, q.scalar_type());
-  AG_CHECK_DTYPE(block_tables, at::kInt);
-  AG_CHECK_DTYPE(seq_lens, at::kInt);
   AG_CHECK_DTYPE(query_start_loc, at::kInt);
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
-  check_cache_layout(k_cache, "k_cache");
-  check_cache_layout(v_cache, "v_cache");
-  TORCH_CHECK(v_cache.sizes().slice(1) == k_cache.sizes().slice(1),
-              "v_cache must match k_cache's [block_size, num_kv_heads, head_dim], got ", v_cache.sizes(), " vs ",
-              k_cache.sizes());
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "k_cache head_dim ", k_cache.size(3), " != q head_dim ", head_dim);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "q's num_heads (", num_heads,
-              ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(chunk_attention_supported(static_cast<int>(head_dim), static_cast<int>(num_heads / num_kv_heads),
                                         static_cast<int>(num_splits)),
               "chunk_attention takes head_dim 64 or 128, at most ", kChunkMaxGroup,
@@ -56,15 +35,7 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(out.stride(2) == 1 && out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
               "out must be 4-byte aligned with even token and head strides, got strides ", out.strides());
-  TORCH_CHECK(k_cache.stride(0) % 8 == 0 && v_cache.stride(0) % 8 == 0 && is_aligned16(k_cache) &&
-                  is_aligned16(v_cache),
-              "k_cache and v_cache must be 16-byte aligned with a block stride that is a multiple of 8");
   const int64_t num_seqs = seq_lens.numel();
-  AG_CHECK_DIM(block_tables, 2);
-  TORCH_CHECK(block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
-              "block_tables must be [num_seqs=", num_seqs, ", max_blocks] with contiguous rows, got shape ",
-              block_tables.sizes(), " strides ", block_tables.strides());
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be a contiguous 1-d tensor");
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1 && query_start_loc.is_contiguous(),
               "query_start_loc must be a contiguous [num_seqs + 1=", num_seqs + 1, "], got ", query_start_loc.sizes());
   TORCH_CHECK(num_tokens < (1 << 30) && num_seqs < (1 << 30), "too many tokens or sequences for one call");

@@ -312,25 +312,6 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
     head = kv_head * group + r % group;
   };
   T* out = static_cast<T*>(p.out);
-  if (p.num_splits == 1) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = row0 + g + 8 * half;
-      if (r >= rows) continue;
-      int64_t token;
-      int head;
-      row_token_head(r, token, head);
-      const float l = half == 0 ? l_lo : l_hi;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + 2 * c;
-#pragma unroll
-      for (int t = 0; t < kDimTiles; ++t) {
-        *reinterpret_cast<uint32_t*>(dst + 8 * t) = pack2<T>(o[t][2 * half] * inv, o[t][2 * half + 1] * inv);
-      }
-    }
-    return;
-  }
-
   const int splits = p.num_splits;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -339,17 +320,25 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
     int64_t token;
     int head;
     row_token_head(r, token, head);
-    const int64_t part = (token * p.num_heads + head) * splits + split;
-    float* dst = p.part_out + part * HEAD_DIM + 2 * c;
+    const float l = half == 0 ? l_lo : l_hi;
+    if (splits == 1) {
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + 2 * c;
 #pragma unroll
-    for (int t = 0; t < kDimTiles; ++t) {
-      *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(o[t][2 * half], o[t][2 * half + 1]);
-    }
-    if (c == 0) {
-      *reinterpret_cast<float2*>(p.part_ml + 2 * part) =
-          half == 0 ? make_float2(m_lo, l_lo) : make_float2(m_hi, l_hi);
+      for (int t = 0; t < kDimTiles; ++t) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * t) = pack2<T>(o[t][2 * half] * inv, o[t][2 * half + 1] * inv);
+      }
+    } else {
+      const int64_t part = (token * p.num_heads + head) * splits + split;
+      float* dst = p.part_out + part * HEAD_DIM + 2 * c;
+#pragma unroll
+      for (int t = 0; t < kDimTiles; ++t) {
+        *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(o[t][2 * half], o[t][2 * half + 1]);
+      }
+      if (c == 0) *reinterpret_cast<float2*>(p.part_ml + 2 * part) = make_float2(half == 0 ? m_lo : m_hi, l);
     }
   }
+  if (splits == 1) return;
   if (!takes_last_ticket(p.split_counters + static_cast<int64_t>(kv_head) * gridDim.x + pid, splits)) return;
   // out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m), over the splits'
   // partials (other blocks' writes, read past L1). Thread t takes half t % 2 of row t / 2,

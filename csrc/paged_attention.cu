@@ -43,50 +43,17 @@ bool prepare_decode(DecodeParams& p, at::Tensor (&parts)[3], const at::Tensor& o
                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, double scale, int64_t max_seq_len, int64_t sliding_window,
                     int64_t partition_size) {
-  AG_CHECK_DIM(q, 3);
-  AG_CHECK_CUDA(q, q);
-  AG_CHECK_CUDA(out, q);
-  AG_CHECK_CUDA(k_cache, q);
-  AG_CHECK_CUDA(v_cache, q);
-  AG_CHECK_CUDA(block_tables, q);
-  AG_CHECK_CUDA(seq_lens, q);
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "q must be float16 or bfloat16, got ", q.scalar_type());
-  AG_CHECK_DTYPE(out, q.scalar_type());
-  AG_CHECK_DTYPE(k_cache, q.scalar_type());
-  AG_CHECK_DTYPE(v_cache, q.scalar_type());
-  AG_CHECK_DTYPE(block_tables, at::kInt);
-  AG_CHECK_DTYPE(seq_lens, at::kInt);
-  AG_CHECK_LAST_DIM_CONTIGUOUS(q);
-  AG_CHECK_LAST_DIM_CONTIGUOUS(out);
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
-  check_cache_layout(k_cache, "k_cache");
-  check_cache_layout(v_cache, "v_cache");
-  TORCH_CHECK(v_cache.sizes().slice(1) == k_cache.sizes().slice(1),
-              "v_cache must match k_cache's [block_size, num_kv_heads, head_dim], got ",
-              v_cache.sizes(), " vs ", k_cache.sizes());
-
+  check_paged_attention_args(out, q, k_cache, v_cache, block_tables, seq_lens);
   const int64_t num_seqs = q.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "k_cache head_dim ", k_cache.size(3), " != q head_dim ", head_dim);
   TORCH_CHECK(decode_supports_head_dim(static_cast<int>(head_dim)),
               "head_dim must be 64, 128 or 256, got ", head_dim);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "q's num_heads (", num_heads,
-              ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(block_size % kTile == 0, "k_cache block_size must be a multiple of ", kTile, ", got ", block_size);
-  TORCH_CHECK(k_cache.stride(0) % 8 == 0 && v_cache.stride(0) % 8 == 0 && is_aligned16(k_cache) &&
-                  is_aligned16(v_cache),
-              "k_cache and v_cache must be 16-byte aligned with a block stride that is a multiple of 8");
-  AG_CHECK_DIM(block_tables, 2);
-  TORCH_CHECK(block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
-              "block_tables must be [num_seqs=", num_seqs, ", max_blocks] with contiguous rows, got shape ",
-              block_tables.sizes(), " strides ", block_tables.strides());
-  AG_CHECK_DIM(seq_lens, 1);
-  TORCH_CHECK(seq_lens.size(0) == num_seqs && seq_lens.is_contiguous(),
-              "seq_lens must be a contiguous [num_seqs=", num_seqs, "], got shape ", seq_lens.sizes());
+  TORCH_CHECK(seq_lens.size(0) == num_seqs, "seq_lens must be [num_seqs=", num_seqs, "], got shape ",
+              seq_lens.sizes());
   TORCH_CHECK(max_seq_len >= 0, "max_seq_len must be >= 0, got ", max_seq_len);
   TORCH_CHECK(partition_size < 0 || partition_size % kTile == 0,
               "partition_size must be < 0 (automatic), 0 (single pass) or a multiple of ", kTile,

@@ -11,6 +11,23 @@ import dataclasses
 import torch
 
 
+def _shuffled_tables(lens: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, int, int]:
+    """Block tables for sequences of ``lens`` tokens over shuffled block ids, 4 blocks to
+    spare: ``(tables [num_seqs, width + 3] int32, num_blocks, width)``. Entries past a
+    sequence's blocks point at one block nobody owns (the cases fill it with NaN), and the
+    view the kernels get, ``tables[:, :width]``, is strided."""
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    perm = torch.randperm(num_blocks, generator=g)
+    width = max(blocks_per_seq + [1]) + 2
+    tables = torch.full((len(lens), width + 3), int(perm[-1]), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[i : i + n]
+        i += n
+    return tables, num_blocks, width
+
+
 @dataclasses.dataclass
 class DecodeCase:
     q: torch.Tensor             # [num_seqs, num_heads, head_dim], a strided view
@@ -50,16 +67,7 @@ def make_decode_case(
         lens[1] = min(max_len, 2 * block_size)  # exactly full last block
     if empty_seq:
         lens[-1] = 0  # a padding entry of a captured batch
-    blocks_per_seq = [(int(n) + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(blocks_per_seq) + 4
-    perm = torch.randperm(num_blocks, generator=g)
-    poison = int(perm[-1])  # owned by nobody: all NaN
-    width = max(blocks_per_seq) + 2
-    tables = torch.full((num_seqs, width + 3), poison, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = perm[i : i + n]
-        i += n
+    tables, num_blocks, width = _shuffled_tables([int(n) for n in lens], block_size, g)
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
@@ -215,16 +223,7 @@ def make_chunk_case(
     in the cache already, as the attention op expects."""
     g = torch.Generator().manual_seed(seed)
     lens = [q_len + cached for q_len, cached in seqs]
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(blocks_per_seq) + 4
-    perm = torch.randperm(num_blocks, generator=g)
-    poison = int(perm[-1])
-    width = max(blocks_per_seq + [1]) + 2
-    tables = torch.full((len(seqs), width + 3), poison, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = perm[i : i + n]
-        i += n
+    tables, num_blocks, width = _shuffled_tables(lens, block_size, g)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
