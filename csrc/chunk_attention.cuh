@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
             uint32_t b[4];
             ldmatrix_x4<false>(b, ks + ((nt + mi / 2) * 8 + ri) * kRow + 16 * kk + (mi % 2) * 8);
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_m16n8k16_t<T>(s[nt], qa, b0);
-            mma_m16n8k16_t<T>(s[nt + 1], qa, b1);
+            mma_m16n8k16<T>(s[nt], qa, b0);
+            mma_m16n8k16<T>(s[nt + 1], qa, b1);
           }
         }
         // s[nt][r]: row g (r < 2) or g + 8, key tile * 64 + 8 nt + 2c + r % 2.
@@ -293,8 +293,8 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
             uint32_t b[4];
             ldmatrix_x4<true>(b, vs + (16 * j + (mi % 2) * 8 + ri) * kRow + 8 * (dt + mi / 2));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_m16n8k16_t<T>(o[dt], pa, b0);
-            mma_m16n8k16_t<T>(o[dt + 1], pa, b1);
+            mma_m16n8k16<T>(o[dt], pa, b0);
+            mma_m16n8k16<T>(o[dt + 1], pa, b1);
           }
         }
       }

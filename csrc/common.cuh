@@ -145,27 +145,14 @@ AG_DEVICE float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------
-// One m16n8k16 tensor-core product, D = A * B + D: fp16 A (16 x 16, row-major) and B
-// (16 x 8, column-major), fp32 D (16 x 8), each spread over the warp as PTX lays out
-// mma.sync fragments. With lane = 4 * g + c:
-//   a[0] = A[g][2c, 2c+1]      a[1] = A[g+8][2c, 2c+1]
-//   a[2] = A[g][2c+8, 2c+9]    a[3] = A[g+8][2c+8, 2c+9]    (two fp16 per register, low first)
-//   b[0] = B[2c, 2c+1][g]      b[1] = B[2c+8, 2c+9][g]
-//   d    = D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]
-// Off the GPU (the CPU emulation of the kernels) the same product is gathered from the
-// other lanes with shuffles and summed in fp32. Call from all 32 lanes of a warp.
-AG_DEVICE float half_bits_to_float(uint32_t bits) {
-  __half_raw raw;
-  raw.x = static_cast<unsigned short>(bits);
-  return __half2float(__half(raw));
-}
-
 // The low 16 bits of `bits` as a T (__half or __nv_bfloat16), in fp32.
 template <typename T>
 AG_DEVICE float bits_to_float(uint32_t bits);
 template <>
 AG_DEVICE float bits_to_float<__half>(uint32_t bits) {
-  return half_bits_to_float(bits);
+  __half_raw raw;
+  raw.x = static_cast<unsigned short>(bits);
+  return __half2float(__half(raw));
 }
 template <>
 AG_DEVICE float bits_to_float<__nv_bfloat16>(uint32_t bits) {
@@ -203,7 +190,19 @@ AG_DEVICE void emulated_mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], cons
   for (int i = 0; i < 4; ++i) d[i] += sum[i];
 }
 
-AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+// One m16n8k16 tensor-core product, D = A * B + D: A (16 x 16, row-major) and B (16 x 8,
+// column-major) of T (__half or __nv_bfloat16), fp32 D (16 x 8), each spread over the warp
+// as PTX lays out mma.sync fragments. With lane = 4 * g + c:
+//   a[0] = A[g][2c, 2c+1]      a[1] = A[g+8][2c, 2c+1]
+//   a[2] = A[g][2c+8, 2c+9]    a[3] = A[g+8][2c+8, 2c+9]    (two T per register, low first)
+//   b[0] = B[2c, 2c+1][g]      b[1] = B[2c+8, 2c+9][g]
+//   d    = D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]
+// Off the GPU (the CPU emulation of the kernels) the same product is gathered from the
+// other lanes with shuffles and summed in fp32. Call from all 32 lanes of a warp.
+template <typename T>
+AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <>
+AG_DEVICE void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
@@ -215,16 +214,8 @@ AG_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_
   emulated_mma_m16n8k16<__half>(d, a, b);
 #endif
 }
-
-// The same product with A and B of type T (__half or __nv_bfloat16).
-template <typename T>
-AG_DEVICE void mma_m16n8k16_t(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
 template <>
-AG_DEVICE void mma_m16n8k16_t<__half>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  mma_m16n8k16(d, a, b);
-}
-template <>
-AG_DEVICE void mma_m16n8k16_t<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+AG_DEVICE void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
@@ -239,7 +230,9 @@ AG_DEVICE void mma_m16n8k16_t<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[
 
 // Two floats as one register of two T (round to nearest even), `lo` in the low half.
 template <typename T>
-AG_DEVICE uint32_t pack2(float lo, float hi) {
+AG_DEVICE uint32_t pack2(float lo, float hi);
+template <>
+AG_DEVICE uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   const uint32_t l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
   const uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
   return l | (h << 16);

@@ -826,7 +826,7 @@ AG_DEVICE void mma_chunk(float (&acc)[M_TILES][2][4], const uint4& w, const uint
       const uint32_t hi = step == 0 ? x[mt].z : x[mt].w;
       const uint32_t b[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
 #pragma unroll
-      for (int t = 0; t < 2; ++t) mma_m16n8k16(acc[mt][t], a[t], b);
+      for (int t = 0; t < 2; ++t) mma_m16n8k16<__half>(acc[mt][t], a[t], b);
     }
   }
 }

@@ -163,6 +163,18 @@ def _block_contiguous(cache: torch.Tensor) -> bool:
     return cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(1) == num_kv_heads * head_dim
 
 
+@functools.lru_cache(maxsize=None)
+def _tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` has the ``mma.sync`` tensor cores the csrc kernels use (sm_80+)."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _caches_aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Both caches as the csrc attention kernels read them: each block contiguous, 16-byte
+    aligned, with a block stride that is a multiple of 8 elements."""
+    return all(_block_contiguous(c) and c.stride(0) % 8 == 0 and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+
+
 # ----------------------------------------------------------------------------------------
 # Launchers
 
@@ -398,16 +410,11 @@ _CHUNK_MAX_GROUP = 8
 CHUNK_ATTENTION_MIN_SEQS = 8
 
 
-@functools.lru_cache(maxsize=None)
-def _tensor_cores(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
     """Whether the csrc prompt-chunk kernel takes these (else Triton): fp16/bf16 on sm_80+,
-    head_dim 64/128, at most 8 query heads per kv head, a power-of-two block_size up to 32, int32
-    tables, lengths and starts,
-    16-byte aligned rows. The caller has checked the shapes against each other."""
+    head_dim 64/128, at most 8 query heads per kv head, a power-of-two block_size up to
+    32, int32 tables, lengths and starts, 16-byte aligned rows. The caller has checked the
+    shapes against each other."""
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     return (
@@ -422,9 +429,7 @@ def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         and query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous()
         and q.stride(2) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0
         and out.stride(2) == 1 and out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0 and out.data_ptr() % 4 == 0
-        and all(
-            _block_contiguous(c) and c.stride(0) % 8 == 0 and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)
-        )
+        and _caches_aligned(k_cache, v_cache)
     )
 
 
@@ -549,9 +554,7 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
         and block_tables.stride(1) == 1
         and seq_lens.dtype == torch.int32
         and seq_lens.is_contiguous()
-        and all(
-            _block_contiguous(c) and c.stride(0) % 8 == 0 and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)
-        )
+        and _caches_aligned(k_cache, v_cache)
         and out.stride(2) == 1
     )
 
@@ -692,7 +695,7 @@ def quant_gemv_4bit_max_rows(
     k = qweight.shape[0] * 8
     size = group_size if group_size > 0 else k
     mma = (
-        torch.cuda.get_device_capability(qweight.device)[0] >= 8
+        _tensor_cores(qweight.device)
         and k % 32 == 0
         and size % 32 == 0
         and k % size == 0

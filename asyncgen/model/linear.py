@@ -38,6 +38,11 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_gated(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gate|up layer from one kernel, or None where the method
+        has none for ``x`` (the caller then applies ``silu_and_mul`` to ``apply``)."""
+        return None
+
     def finalize(self, layer: "LinearBase") -> None:
         pass
 
@@ -200,8 +205,7 @@ class LinearBase(nn.Module):
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this gate|up layer's output from one kernel, or None where
         its method has none for ``x`` (then apply ``silu_and_mul`` to ``forward``)."""
-        apply_gated = getattr(self.method, "apply_gated", None)
-        return apply_gated(self, x) if apply_gated is not None else None
+        return self.method.apply_gated(self, x)
 
 
 class QKVLinear(LinearBase):
