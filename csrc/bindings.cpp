@@ -31,6 +31,9 @@ TORCH_LIBRARY(asyncgen_C, m) {
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, int kernel=0) -> ()");
+  m.def(
+      "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
+      "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -41,6 +44,7 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("chunk_attention", &asyncgen::chunk_attention);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
+  m.impl("quant_gemm_4bit", &asyncgen::quant_gemm_4bit);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "gemv.cuh"
+#include "quant_gemm.cuh"
 #include "launch_policy.h"
 #include "ops.h"
 
@@ -89,19 +90,11 @@ void launch_dense(const DenseGemvParams& p, const at::Tensor& x) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const c10::optional<at::Tensor>& bias, int64_t warps_per_row, bool gated) {
-  launch_dense(dense_params(out, x, weight, bias, warps_per_row, gated), x);
-}
-
-void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
-                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel) {
+// The 4-bit products' checks and parameters (both ops take the same tensors).
+QuantGemvParams quant_params(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                             const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
+                             const c10::optional<at::Tensor>& bias) {
   AG_CHECK_DIM(qweight, 2);
-  TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
-              kernel);
   AG_CHECK_CUDA(x, qweight);
   AG_CHECK_CUDA(out, qweight);
   AG_CHECK_CUDA(scales, qweight);
@@ -142,7 +135,24 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   p.group_size = static_cast<int>(group_size);
-  if (n == 0) return;
+  return p;
+}
+
+}  // namespace
+
+void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias, int64_t warps_per_row, bool gated) {
+  launch_dense(dense_params(out, x, weight, bias, warps_per_row, gated), x);
+}
+
+void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias, int64_t kernel) {
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
+              kernel);
+  const QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias);
+  const int64_t k = p.k;
+  if (p.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const bool tensor_cores = has_tensor_cores(x.get_device());
   if (kernel == 2) {
@@ -155,6 +165,41 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
               "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
               " groups");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
+                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits) {
+  QuantGemmParams p{};
+  p.q = quant_params(out, x, qweight, scales, zeros, group_size, bias);
+  TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8, got ", warps);
+  TORCH_CHECK(splits >= 1 && splits <= kTiledMaxSplits, "splits must be 1 to ", kTiledMaxSplits, ", got ", splits);
+  p.warps = static_cast<int>(warps);
+  p.splits = static_cast<int>(splits);
+  if (splits > 1) {
+    TORCH_CHECK(workspace.has_value() && counters.has_value(), "splits > 1 needs a workspace and counters");
+    AG_CHECK_CUDA((*workspace), qweight);
+    AG_CHECK_CUDA((*counters), qweight);
+    AG_CHECK_DTYPE((*workspace), at::kFloat);
+    AG_CHECK_DTYPE((*counters), at::kInt);
+    TORCH_CHECK(workspace->is_contiguous() && workspace->numel() >= splits * p.q.m * p.q.n,
+                "workspace must be contiguous with at least splits * m * n = ", splits * p.q.m * p.q.n,
+                " floats, got ", workspace->numel());
+    const int64_t blocks = (p.q.n + 32 * warps - 1) / (32 * warps);
+    TORCH_CHECK(counters->is_contiguous() && counters->numel() >= blocks, "counters must be contiguous with at least ",
+                blocks, " entries, got ", counters->numel());
+    p.workspace = workspace->data_ptr<float>();
+    p.counters = counters->data_ptr<int>();
+  }
+  TORCH_CHECK(quant_gemm_4bit_ok(p), "the tiled 4-bit GEMM takes 1 to ", kTiledMaxRows, " rows, K and group_size "
+              "multiples of ", kTiledK, ", N a multiple of 8, 16-byte aligned x rows, scales and zeros, and an even "
+              "output stride; got m=", p.q.m, ", n=", p.q.n, ", k=", p.q.k, ", group_size=", p.q.group_size);
+  if (p.q.n == 0) return;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  TORCH_CHECK(has_tensor_cores(x.get_device()), "the tiled 4-bit GEMM needs an sm_80+ GPU");
+  launch_quant_gemm_4bit(p, c10::cuda::getCurrentCUDAStream(), dependent_launch(x.get_device()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -405,6 +405,76 @@ def test_quant_gemv_4bit_tensor_cores_take_up_to_64_rows(emu, m, n, k, group_siz
         emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False)
 
 
+def _quant_case(m, n, k, group_size, seed):
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group_size
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    x = torch.randn(m, k, generator=g).half()
+    bias = torch.randn(n, generator=g).half()
+    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
+    return x, qweight, scales, zeros, bias, exact
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, warps, splits",
+    [
+        (64, 256, 256, 64, 4, 1),    # 8 full tiles of x rows, 2 column blocks, a group every stage
+        (61, 136, 512, 128, 4, 3),   # the last tile partial, a block of 8 columns, 8 stages over 3 splits
+        (16, 264, 384, 384, 8, 2),   # one group (per-channel), 8 warps, a partial column block
+        (5, 64, 640, 64, 4, 1),      # one tile, 10 stages through the 4-deep ring
+        (33, 96, 128, 128, 8, 4),    # 2 stages over 4 splits: two splits without stages
+    ],
+)
+def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps, splits):
+    x, qweight, scales, zeros, bias, exact = _quant_case(m, n, k, group_size, m * n + k + splits)
+    runs = []
+    for reverse in (False, True):  # the split that finishes last combines: either order
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        workspace = torch.full((splits, m, n), float("nan")) if splits > 1 else None
+        counters = torch.zeros(64, dtype=torch.int32)
+        emu.lib.ag_set_reverse_blocks(int(reverse))
+        try:
+            assert emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, bias, warps, splits,
+                                       workspace, counters)
+        finally:
+            emu.lib.ag_set_reverse_blocks(0)
+        assert relative_error(out, exact + bias.float()) < 2e-3
+        assert int(counters.abs().sum()) == 0  # left ready for the next launch
+        runs.append(out)
+    assert torch.equal(runs[0], runs[1])  # the splits are added in the same order
+
+
+def test_quant_gemm_4bit_tiled_without_bias_and_strided_x(emu):
+    m, n, k = 24, 128, 256
+    x, qweight, scales, zeros, _, exact = _quant_case(m, n, k, 64, 7)
+    wide = torch.zeros(m, k + 64, dtype=torch.float16)
+    wide[:, :k] = x
+    out = torch.full((m, n + 8), float("nan"), dtype=torch.float16)
+    assert emu.quant_gemm_4bit(out[:, :n], wide[:, :k], qweight, scales, zeros, 64)
+    assert relative_error(out[:, :n], exact) < 2e-3
+    assert torch.isnan(out[:, n:]).all()  # nothing written past the output's columns
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, splits, why",
+    [
+        (65, 64, 256, 64, 1, "more than 64 rows"),
+        (4, 64, 288, 96, 1, "K not a multiple of 64"),
+        (4, 64, 256, 32, 1, "groups shorter than a stage"),
+        (4, 60, 256, 64, 1, "N not a multiple of 8"),
+        (4, 64, 256, 64, 2, "splits without a workspace"),
+    ],
+)
+def test_quant_gemm_4bit_tiled_refuses(emu, m, n, k, group_size, splits, why):
+    x, qweight, scales, zeros, _, _ = _quant_case(m, n, k, group_size, 3)
+    out = torch.empty(m, n, dtype=torch.float16)
+    assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, splits=splits), why
+
+
 # Prompt-chunk attention (chunk_attention.cuh): (seqs as (new, cached) tokens, num_heads,
 # num_kv_heads, head_dim, block_size).
 CHUNK_SHAPES = [

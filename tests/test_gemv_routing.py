@@ -23,6 +23,7 @@ from asyncgen.model.linear import LinearBase, RowLinear  # noqa: E402
 
 class Calls(list):
     quant_rows = cuda_backend.QUANT_MMA_MAX_ROWS  # what the fake 4-bit kernel takes
+    tiled = False  # whether the fake tiled GEMM takes the weights
 
 
 @pytest.fixture
@@ -43,6 +44,11 @@ def fake_csrc(monkeypatch):
         out.copy_(y)
         return out
 
+    def launch_tiled(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, warps=4, splits=1):
+        calls.append(("tiled", x.shape[0], warps, splits))
+        y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
+        return y if out is None else out.copy_(y)
+
     def dense_supported(x, weight, bias=None):
         return input_ok(x, weight.dtype, weight.shape[1])
 
@@ -55,6 +61,8 @@ def fake_csrc(monkeypatch):
     monkeypatch.setattr(cuda_backend, "quant_gemv_4bit_max_rows", quant_max_rows)
     monkeypatch.setattr(cuda_backend, "gemv_input_ok", input_ok)
     monkeypatch.setattr(cuda_backend, "launch_quant_gemv_4bit", launch_quant)
+    monkeypatch.setattr(cuda_backend, "launch_quant_gemm_4bit", launch_tiled)
+    monkeypatch.setattr(cuda_backend, "quant_gemm_4bit_weight_ok", lambda *args: calls.tiled)
     monkeypatch.setattr(cuda_backend, "dense_gemv_supported", dense_supported)
     monkeypatch.setattr(cuda_backend, "launch_dense_gemv", launch_dense)
     return calls
@@ -228,6 +236,56 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
             assert seg.route[1] == CUDA_CORES
             assert set(seg.route[2:33]) == {TENSOR_CORES}
             assert set(seg.route[33:65]) == {TRITON} and len(seg.route) == 65
+
+
+def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake_csrc, monkeypatch):
+    """Where the tiled GEMM takes the weights it is timed from TILED_MIN_ROWS rows in every
+    launch shape; the fastest shape's route value sends those rows to it with that shape,
+    and the layer's output stays the reference's."""
+    from test_quant_formats import VARIANTS, load_model, write_checkpoint
+
+    from asyncgen.model.quantization import TENSOR_CORES, TILED, TILED_MIN_ROWS, TRITON, QuantLinearMethod
+
+    configs = cuda_backend.QUANT_GEMM_CONFIGS
+    best = configs.index((8, 3))
+    timed = []
+
+    def fake_time(fn, items):
+        fake_csrc.clear()
+        fn(items[0])
+        (call,) = fake_csrc
+        timed.append(call)
+        if call[0] == "tiled":  # (8 warps, 3 splits) fastest from 32 rows
+            return 1.0 if call[1] >= 32 and call[2:] == (8, 3) else 4.0
+        return {TRITON: 9.0, TENSOR_CORES: 3.0}.get(call[2], 8.0)
+
+    def fake_triton(self, x, qweight, scales, zeros, seg, bias, out, size):
+        fake_csrc.append(("triton", x.shape[0], TRITON))
+        return out
+
+    fake_csrc.tiled = True
+    monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
+    monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
+    write_checkpoint(tmp_path / "awq", VARIANTS["awq-g64"])
+    model = load_model(tmp_path / "awq", "cuda")
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None)]
+    chosen = QuantLinearMethod.choose_kernels(layers)
+    tiled_rows = {call[1] for call in timed if call[0] == "tiled"}
+    assert tiled_rows and min(tiled_rows) == TILED_MIN_ROWS
+    shapes = {call[2:] for call in timed if call[0] == "tiled"}
+    assert shapes == set(configs)
+    for picks in chosen.values():
+        assert picks[-1] == TILED + best and TILED + best in picks
+    dense = load_model(tmp_path / "awq", "dense")
+    gen = torch.Generator().manual_seed(1)
+    for lt, ld in zip(layers, [m for m in dense.modules() if isinstance(m, LinearBase)]):
+        for seg in lt.quant_segments:
+            assert set(seg.route[17:65]) == {TILED + best} and set(seg.route[2:9]) == {TENSOR_CORES}
+        fake_csrc.clear()
+        x = torch.randn(40, ld.in_features, generator=gen)
+        torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
+        assert fake_csrc and all(call == ("tiled", 40, 8, 3) for call in fake_csrc)
+    assert QuantLinearMethod.kernel_name(TILED + best) == "csrc-tiled-8w-split3"
 
 
 def test_choose_dequant_rows_switches_where_dequantizing_wins_from_there_on(tmp_path, monkeypatch):

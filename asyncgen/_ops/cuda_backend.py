@@ -56,6 +56,7 @@ __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
+    "QUANT_GEMM_CONFIGS", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -94,7 +95,7 @@ def _register_fakes() -> None:
     if register is None:  # torch < 2.4
         return
     for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
-                 "chunk_attention", "dense_gemv", "quant_gemv_4bit"):
+                 "chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemm_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -781,6 +782,80 @@ def launch_quant_gemv_4bit(
         out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
     torch.ops.asyncgen_C.quant_gemv_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
+    )
+    return out
+
+
+# The tiled 4-bit GEMM's launch shapes, (warps a block, K splits), that the engine times per
+# weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps owns 32 w
+# columns, and with s splits s blocks share each column range's K.
+QUANT_GEMM_CONFIGS = tuple((warps, splits) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8))
+_GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
+# Per device: the split GEMM's fp32 workspace and its counters. A buffer that grows is
+# replaced, and the old one kept: CUDA graphs captured with it still write to it.
+_gemm_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired_gemm_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def quant_gemm_4bit_weight_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                              group_size: int) -> bool:
+    """Whether the tiled 4-bit GEMM (:func:`launch_quant_gemm_4bit`) takes a weight that
+    :func:`quant_gemv_4bit_weight_ok` takes: an sm_80+ GPU, K and the group size multiples
+    of 64, N % 8 == 0, and 16-byte aligned rows of scales and zeros."""
+    k = qweight.shape[0] * 8
+    size = group_size if group_size > 0 else k
+    return (
+        _tensor_cores(qweight.device)
+        and k % _GEMM_STAGE_K == 0
+        and size % _GEMM_STAGE_K == 0
+        and k % size == 0
+        and qweight.shape[1] % 8 == 0
+        and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (scales, zeros))
+    )
+
+
+def _split_buffers(device: torch.device, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    bufs = _gemm_buffers.get(device)
+    if bufs is None or bufs[0].numel() < floats or bufs[1].numel() < blocks:
+        if bufs is not None:
+            _retired_gemm_buffers.append(bufs)
+            floats, blocks = max(floats, bufs[0].numel()), max(blocks, bufs[1].numel())
+        bufs = (torch.empty(floats, dtype=torch.float32, device=device),
+                torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device))
+        _gemm_buffers[device] = bufs
+    return bufs
+
+
+def launch_quant_gemm_4bit(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    warps: int = 4,
+    splits: int = 1,
+) -> torch.Tensor:
+    """``x[:, perm] @ W + bias`` by the tiled tensor-core GEMM (``csrc/quant_gemm.cuh``) for
+    1 to :data:`QUANT_MMA_MAX_ROWS` rows, for callers that checked the weight
+    (:func:`quant_gemm_4bit_weight_ok`) and the input (:func:`gemv_input_ok`). ``warps`` and
+    ``splits`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the device's shared
+    workspace is used, so launches must not run at once on two streams. The op still
+    validates its arguments in C++."""
+    if perm is not None:
+        x = x.index_select(1, perm)
+    k = qweight.shape[0] * 8
+    n = qweight.shape[1]
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    workspace = counters = None
+    if splits > 1:
+        workspace, counters = _split_buffers(x.device, splits * x.shape[0] * n, -(-n // (32 * warps)))
+    torch.ops.asyncgen_C.quant_gemm_4bit(
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits
     )
     return out
 

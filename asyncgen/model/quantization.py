@@ -77,6 +77,10 @@ CUDA_GEMV_MAX_ROWS = 64
 # The kernels a segment routes rows to (the csrc ones are cuda_backend.QUANT_KERNELS values),
 # and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
 TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
+# Route values from TILED on: the tiled csrc GEMM with launch shape
+# cuda_backend.QUANT_GEMM_CONFIGS[value - TILED]; choose_kernels times it from TILED_MIN_ROWS rows.
+TILED = 16
+TILED_MIN_ROWS = 8
 ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
 # Prompt-sized row counts at which the Triton 4-bit GEMM is timed against
 # dequantize-then-cuBLAS (QuantLinearMethod.choose_dequant_rows).
@@ -439,6 +443,11 @@ class QuantLinearMethod(LinearMethod):
             from .._ops import cuda_backend
 
             if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, len(seg.route) - 1):
+                if kernel >= TILED:
+                    warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
+                    return cuda_backend.launch_quant_gemm_4bit(
+                        x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits
+                    )
                 return cuda_backend.launch_quant_gemv_4bit(
                     x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel
                 )
@@ -480,12 +489,23 @@ class QuantLinearMethod(LinearMethod):
         return x, out
 
     @staticmethod
+    def kernel_name(kernel: int) -> str:
+        """A route value's kernel, as the start-up log names it."""
+        if kernel >= TILED:
+            from .._ops import cuda_backend
+
+            warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
+            return f"csrc-tiled-{warps}w{f'-split{splits}' if splits > 1 else ''}"
+        return ("triton", "csrc-cuda-cores", "csrc-tensor-cores")[kernel]
+
+    @staticmethod
     @torch.inference_mode()
     def choose_kernels(layers) -> dict[tuple, tuple[int, ...]]:
         """Times the kernels that can take each csrc-routed segment shape among ``layers``
         (kernel "cuda") at each row count of :data:`ROUTE_ROWS`: the Triton kernels, the
-        csrc CUDA-core kernel (up to 8 rows) and the csrc tensor-core kernel where it
-        applies. Each segment then routes the rows up to a timed count (and past the
+        csrc CUDA-core kernel (up to 8 rows), the csrc tensor-core kernel where it
+        applies, and from :data:`TILED_MIN_ROWS` rows the tiled csrc GEMM in each launch
+        shape of ``cuda_backend.QUANT_GEMM_CONFIGS`` where it takes the weight. Each segment then routes the rows up to a timed count (and past the
         previous one) to that count's fastest kernel. Timings replay one CUDA graph through
         every segment of the shape, so weights come from memory as in a forward pass.
         Returns {(K, N, group size, act order): kernel per row count of ROUTE_ROWS}. Run
@@ -497,18 +517,28 @@ class QuantLinearMethod(LinearMethod):
         for key, items in QuantLinearMethod._segments_by_shape(layers, route_limit=True).items():
             max_rows = key[-1]
             tensor_cores = max_rows > cuda_backend.GEMV_MAX_ROWS
+            tiled = tensor_cores and all(
+                cuda_backend.quant_gemm_4bit_weight_ok(*item[2], item[4]) for item in items
+            )
             route, picks, done = [TRITON] * (CUDA_GEMV_MAX_ROWS + 1), [], 0
             for m in ROUTE_ROWS:
                 if m > max_rows:
                     break
                 x, out = QuantLinearMethod._timing_buffers(items, m)
                 candidates = [TRITON] + [CUDA_CORES] * (m <= cuda_backend.GEMV_MAX_ROWS) + [TENSOR_CORES] * tensor_cores
+                if tiled and m >= TILED_MIN_ROWS:
+                    candidates += [TILED + i for i in range(len(cuda_backend.QUANT_GEMM_CONFIGS))]
 
                 def run(item, kernel=TRITON):
                     method, seg, (qweight, scales, zeros), bias, size = item
                     y = out[:, : qweight.shape[1]]
                     if kernel == TRITON:
                         return method._triton(x, qweight, scales, zeros, seg, bias, y, size)
+                    if kernel >= TILED:
+                        warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
+                        return cuda_backend.launch_quant_gemm_4bit(
+                            x, qweight, scales, zeros, size, seg.perm, bias, out=y, warps=warps, splits=splits
+                        )
                     return cuda_backend.launch_quant_gemv_4bit(
                         x, qweight, scales, zeros, size, seg.perm, bias, out=y, kernel=kernel
                     )

@@ -183,10 +183,9 @@ class ModelRunner:
         if quantized:
             t0 = time.perf_counter()
             chosen = QuantLinearMethod.choose_kernels(quantized)
-            names = ("triton", "csrc-cuda-cores", "csrc-tensor-cores")
             table = "; ".join(
                 f"{k}x{n} g{g}{' act-order' if act else ''}: "
-                + ", ".join(f"{m}:{names[c]}" for m, c in zip(ROUTE_ROWS, picks))
+                + ", ".join(f"{m}:{QuantLinearMethod.kernel_name(c)}" for m, c in zip(ROUTE_ROWS, picks))
                 for (k, n, g, act), picks in chosen.items()
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)

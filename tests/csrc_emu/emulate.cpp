@@ -7,10 +7,12 @@
 #include "chunk_attention.cuh"
 #include "gemv.cuh"
 #include "paged_attention.cuh"
+#include "quant_gemm.cuh"
 
 using asyncgen::ChunkAttentionParams;
 using asyncgen::DecodeParams;
 using asyncgen::DenseGemvParams;
+using asyncgen::QuantGemmParams;
 using asyncgen::QuantGemvParams;
 using asyncgen::RotaryStoreParams;
 using asyncgen::StoreKVParams;
@@ -78,6 +80,10 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
 int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_ok(*p) ? 1 : 0; }
 
+// The tiled 4-bit GEMM (quant_gemm.cuh). Returns 0 on success, 1 where it does not take p.
+int ag_quant_gemm_4bit(const QuantGemmParams* p) { return asyncgen::launch_quant_gemm_4bit(*p, nullptr) ? 0 : 1; }
+
+int ag_sizeof_quant_gemm_params() { return sizeof(QuantGemmParams); }
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }

@@ -178,6 +178,16 @@ class QuantGemvParams(ctypes.Structure):
     ]
 
 
+class QuantGemmParams(ctypes.Structure):
+    _fields_ = [
+        ("q", QuantGemvParams),
+        ("workspace", ctypes.c_void_p),
+        ("counters", ctypes.c_void_p),
+        ("splits", ctypes.c_int),
+        ("warps", ctypes.c_int),
+    ]
+
+
 def _cuda_include() -> Path | None:
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     nvcc = shutil.which("nvcc")
@@ -226,6 +236,8 @@ class Emulator:
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         self.last_quant_kernel = ""
+        assert lib.ag_sizeof_quant_gemm_params() == ctypes.sizeof(QuantGemmParams)
+        lib.ag_quant_gemm_4bit.argtypes = [ctypes.POINTER(QuantGemmParams)]
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_set_reverse_blocks.argtypes = [ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
@@ -357,3 +369,16 @@ class Emulator:
         stream = bool(self.lib.ag_quant_gemv1_ok(ctypes.byref(p)))
         self.last_quant_kernel = "mma" if used_mma else "stream" if stream else "cores"
         return used_mma
+
+    def quant_gemm_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, warps=4, splits=1,
+                        workspace=None, counters=None):
+        """out = x @ dequant(qweight) (+ bias) by the tiled tensor-core GEMM (quant_gemm.cuh),
+        its K split over ``splits`` blocks per column range (then ``workspace`` fp32 and
+        ``counters`` int32 zeros are needed). Returns False where the kernel refuses the call."""
+        q = QuantGemvParams(
+            _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
+            out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
+            x.shape[0], qweight.shape[1], x.shape[1], group_size,
+        )
+        p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps)
+        return self.lib.ag_quant_gemm_4bit(ctypes.byref(p)) == 0

@@ -341,6 +341,115 @@ def check_dependent_launch() -> None:
     print(f"  dependent launch chain (eager + 5 graph replays) {'ok' if ok else 'FAIL'} rel_err {worst:.1e}", flush=True)
 
 
+TILED_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # 7B q|k|v, o, gate|up, down
+
+
+def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies: int = 8) -> None:
+    """The tiled csrc 4-bit GEMM (csrc/quant_gemm.cuh) in every launch shape of
+    ``cuda_backend.QUANT_GEMM_CONFIGS``, at the 7B shapes, against dequantize-then-matmul
+    (with a bias, and with act-order's permuted x for one shape); then a CUDA-graph replay
+    of split launches with new inputs (the split counters must be left at 0), and a timing
+    table in CUDA graphs over ``copies`` weight copies next to fp16 cuBLAS, the csrc
+    tensor-core GEMV and the Triton GEMM, as the engine's start-up routing times them."""
+    from asyncgen._ops import cuda_backend
+    from asyncgen._ops import quant_reference as qref
+    from asyncgen._ops.triton_quant_gemm import quant_gemm
+
+    if not cuda_backend.is_available():
+        print("  (csrc extension not built: the tiled GEMM is not checked)")
+        return
+    configs = cuda_backend.QUANT_GEMM_CONFIGS
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    print("\ntiled 4-bit GEMM against dequantize-then-matmul (group 128)")
+    for k, n in TILED_SHAPES:
+        qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
+        dense = qref.dequantize(qweight, scales, zeros, 4, 128).float()
+        bias = torch.randn(n, generator=gen, device="cuda").half()
+        perm = torch.randperm(k, generator=gen, device="cuda") if n == 4096 and k == 4096 else None
+        assert cuda_backend.quant_gemm_4bit_weight_ok(qweight, scales, zeros, 128)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            xs = x if perm is None else x[:, perm]
+            want = xs.float() @ dense + bias.float()
+            worst, bad = 0.0, []
+            for warps, splits in configs:
+                got = cuda_backend.launch_quant_gemm_4bit(x, qweight, scales, zeros, 128, perm, bias,
+                                                          warps=warps, splits=splits)
+                rel = ((got.float() - want).abs().max() / want.abs().max()).item()
+                worst = max(worst, rel)
+                if not (torch.isfinite(got).all() and rel < 2e-3):
+                    bad.append((warps, splits, rel))
+            ok = not bad
+            case = f"{k}x{n} M={m}{' act-order' if perm is not None else ''} bias, {len(configs)} shapes"
+            ROWS.append(Row("graph", f"tiled {case}", worst, ok, 0.0, 0.0, 0))
+            print(f"  tiled {case}: {'ok' if ok else 'FAIL ' + str(bad)} worst rel_err {worst:.1e}", flush=True)
+        del qweight, scales, zeros, dense
+
+    # Split launches captured in a CUDA graph, replayed with new x: the counters reset.
+    qweight, scales, zeros, _ = make_weights(4096, 4096, 4, 128, False, gen)
+    x = torch.randn(64, 4096, generator=gen, device="cuda").half()
+    x16 = torch.randn(16, 4096, generator=gen, device="cuda").half()
+    for _ in range(2):
+        cuda_backend.launch_quant_gemm_4bit(x, qweight, scales, zeros, 128, warps=4, splits=6)
+        cuda_backend.launch_quant_gemm_4bit(x16, qweight, scales, zeros, 128, warps=8, splits=3)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cuda_backend.launch_quant_gemm_4bit(x, qweight, scales, zeros, 128, warps=4, splits=6)
+        y16 = cuda_backend.launch_quant_gemm_4bit(x16, qweight, scales, zeros, 128, warps=8, splits=3)
+    worst = 0.0
+    for _ in range(4):
+        x.copy_(torch.randn(64, 4096, generator=gen, device="cuda").half())
+        x16.copy_(torch.randn(16, 4096, generator=gen, device="cuda").half())
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in ((x, y), (x16, y16)):
+            want = qref.quant_matmul(a, qweight, scales, zeros, 4, 128).float()
+            worst = max(worst, ((b.float() - want).abs().max() / want.abs().max()).item())
+    counters = cuda_backend._gemm_buffers[x.device][1]
+    ok = worst < 2e-3 and int(counters.abs().sum()) == 0
+    ROWS.append(Row("graph", "tiled split launches: 4 graph replays", worst, ok, 0.0, 0.0, 0))
+    print(f"  tiled split launches, 4 graph replays: {'ok' if ok else 'FAIL'} rel_err {worst:.1e}, "
+          f"counters {int(counters.abs().sum())}", flush=True)
+    del graph, qweight, scales, zeros
+
+    tc = cuda_backend.QUANT_KERNELS["tensor_cores"]
+    print(f"\ntimes in CUDA graphs over {copies} weight copies (4-bit, group 128), us per call")
+    layer = {m: {"fp16": 0.0, "csrc tensor cores": 0.0, "triton": 0.0, "tiled": 0.0, "best before": 0.0}
+             for m in bench_rows}
+    for k, n in TILED_SHAPES:
+        weights = [make_weights(k, n, 4, 128, False, gen)[:3] for _ in range(copies)]
+        for m in bench_rows:
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+            fp16_w = [qref.dequantize(*w, 4, 128) for w in weights]
+            t = {"fp16": 1e3 * cuda_backend.graph_time_ms(lambda w: torch.mm(x, w, out=out), fp16_w)}
+            del fp16_w
+            t["csrc tensor cores"] = 1e3 * cuda_backend.graph_time_ms(
+                lambda w: cuda_backend.launch_quant_gemv_4bit(x, *w, 128, out=out, kernel=tc), weights)
+            t["triton"] = 1e3 * cuda_backend.graph_time_ms(lambda w: quant_gemm(x, *w, 4, 128, out=out), weights)
+            tiled = {}
+            for warps, splits in configs:
+                tiled[(warps, splits)] = 1e3 * cuda_backend.graph_time_ms(
+                    lambda w: cuda_backend.launch_quant_gemm_4bit(x, *w, 128, out=out, warps=warps, splits=splits),
+                    weights)
+            best = min(tiled, key=tiled.get)
+            t["tiled"] = tiled[best]
+            t["best before"] = min(t["csrc tensor cores"], t["triton"])
+            for key in layer[m]:
+                layer[m][key] += t[key]
+            shapes = " ".join(f"{w}w/{s}:{v:.1f}" for (w, s), v in sorted(tiled.items()))
+            print(f"  {k}x{n} M={m}: fp16 {t['fp16']:.1f} | csrc tensor cores {t['csrc tensor cores']:.1f} | "
+                  f"triton {t['triton']:.1f} | tiled {t['tiled']:.1f} ({best[0]} warps, {best[1]} splits)", flush=True)
+            print(f"      tiled by shape: {shapes}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    for m, t in layer.items():
+        print(f"  a layer (4 shapes) M={m}: " + ", ".join(f"{key} {v:.1f}" for key, v in t.items())
+              + f"; tiled / fp16 {t['fp16'] / t['tiled']:.2f}x, best before / fp16 {t['fp16'] / t['best before']:.2f}x",
+              flush=True)
+
+
 def print_table() -> None:
     print(f"\n{'kernel':<6} {'case':<44} {'ok':<4} {'rel_err':>8} {'us':>9} {'fp16 us':>9} {'speedup':>8} {'GB/s':>7} {'%HBM':>5}")
     for r in ROWS:
@@ -361,6 +470,7 @@ def main() -> int:
     ap.add_argument("--sweep-graph", action="store_true",
                     help="only time the GEMM's configurations at 48 and 64 rows in CUDA graphs")
     ap.add_argument("--dependent-only", action="store_true", help="only the dependent-launch chain check")
+    ap.add_argument("--tiled-only", action="store_true", help="only the tiled csrc GEMM's checks and timings")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -380,6 +490,11 @@ def main() -> int:
     if args.sweep_graph:
         sweep_graph()
         return 0
+    if args.tiled_only:
+        check_tiled()
+        failed = [r for r in ROWS if not r.ok]
+        print(f"\n{len(ROWS) - len(failed)} / {len(ROWS)} checks passed")
+        return 1 if failed else 0
     shapes = SHAPES[:2] if args.quick else SHAPES
     batches = args.batches or ([1, 64] if args.quick else BATCHES)
     if not args.dependent_only:

@@ -1,0 +1,334 @@
+// 4-bit GEMM on tensor cores for batches of 1-64 rows of x, both operands tiled through
+// shared memory (sm_80+).
+//
+// The same product as quant_gemv_4bit (gemv.cuh), for the decode batches where the tensor-core
+// GEMV above runs out of steam: at 64 rows each of its warps reads its own copy of x from L2
+// (8x the bytes of its weights) and holds its weights in flight in registers, 188 of them a
+// thread, so an SM runs 8 warps and waits on latency (docs/BENCHMARKS.md). Here a block of
+// WARPS warps owns 32 * WARPS output columns and a range of K, and walks that range in
+// stages of 64 K rows through a STAGES-deep cp.async ring in shared memory that carries,
+// per stage, the block's packed weights (8 packed rows), its zero points and scales for the
+// stage's group, and the stage's 64 columns of every x row. All warps read the same x
+// stage, so x comes from L2 once per block instead of once per warp, and nothing is in
+// flight in registers.
+//
+// Inside a stage each warp computes exactly what the tensor-core GEMV's warp computes for
+// two 32-row chunks (see "4-bit on tensor cores" in gemv.cuh for the fragment layouts): A is
+// 16 weight columns by 16 of K, dequantized from the lane's 16-byte vector of 4 packed words
+// (its 4 columns, K rows 8c .. 8c + 7 of the chunk) and multiplied by the group's scale in
+// fp16 as dequantize-then-matmul rounds it; B is 16 of K by 8 rows of x, taken from the
+// lane's 16-byte vector of x at the same K rows; D accumulates in fp32, M_TILES tiles of 8
+// rows by the warp's 32 columns.
+//
+// Shared memory layout per stage (no bank conflicts for the warps' 16-byte reads, in which
+// 8 lanes 4g + c .. share a phase: two g by four c):
+//   weights  8 packed rows of BN words, each row padded by 8 words, so that the four rows c
+//            of a phase start 32 bytes apart in the banks;
+//   x        8 * M_TILES rows of 64 halves (128 bytes: 8 pieces of 16 bytes), piece j of row r
+//            stored at j ^ 4 (r & 1), so that rows g and g + 1 of a phase use different halves
+//            of the banks;
+//   groups   the stage's group: BN zero points, then BN scales (fp16).
+//
+// splits > 1 divides K over that many blocks per column range (gridDim.y): each writes its
+// fp32 partial sums to the workspace and the last to finish (takes_last_ticket) adds them in
+// split order, so the result does not depend on which block finishes when.
+#pragma once
+
+#include "gemv.cuh"
+
+namespace asyncgen {
+
+constexpr int kTiledK = 64;                       // K rows per stage
+constexpr int kTiledChunks = kTiledK / kMmaChunk;  // 32-row chunks per stage
+constexpr int kTiledPackedRows = kTiledK / 8;
+constexpr int kTiledMaxRows = 64;
+constexpr int kTiledMaxSplits = 32;
+#ifndef AG_QGEMM_STAGES
+#define AG_QGEMM_STAGES 4
+#endif
+constexpr int kTiledStages = AG_QGEMM_STAGES;
+// Warps an SM should hold at once (bounding the registers a thread): 16 (128 registers)
+// up to 32 rows; 12 (168) for 64 rows, whose 64 accumulators a thread spill at 128.
+template <int M_TILES>
+constexpr int tiled_min_warps() {
+  return M_TILES >= 8 ? 12 : 16;
+}
+
+struct QuantGemmParams {
+  QuantGemvParams q;
+  float* workspace;  // [splits, m, n] fp32 when splits > 1
+  int* counters;     // [ceil(n / (32 * warps))] int32, all 0 (left all 0) when splits > 1
+  int splits;        // 1 .. kTiledMaxSplits
+  int warps;         // 4 or 8
+};
+
+template <int M_TILES, int WARPS>
+struct TiledLayout {
+  static constexpr int kCols = 32 * WARPS;                     // BN
+  static constexpr int kWordsPerRow = kCols + 8;               // padded packed row
+  static constexpr int kWeightBytes = kTiledPackedRows * kWordsPerRow * 4;
+  static constexpr int kXBytes = 8 * M_TILES * kTiledK * 2;
+  static constexpr int kGroupBytes = 2 * kCols * 2;
+  static constexpr int kStageBytes = kWeightBytes + kXBytes + kGroupBytes;
+  static constexpr int kSmemBytes = kTiledStages * kStageBytes;
+};
+
+// Whether the tiled kernel takes `p`: 1-64 rows, K a multiple of 64, groups of whole stages,
+// N a multiple of 8 (a 16-byte copy holds 8 scales), 16-byte aligned scales, zeros and x
+// rows, and an even output stride (the results are stored as pairs).
+inline bool quant_gemm_4bit_ok(const QuantGemmParams& gp) {
+  const QuantGemvParams& p = gp.q;
+  const auto aligned16 = [](const void* ptr, int64_t stride_elems, int elem_bytes) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (stride_elems * elem_bytes) % 16 == 0;
+  };
+  const bool split_ok = gp.splits == 1 || (gp.splits > 1 && gp.splits <= kTiledMaxSplits && gp.workspace != nullptr &&
+                                           gp.counters != nullptr);
+  return p.m >= 1 && p.m <= kTiledMaxRows && p.k % kTiledK == 0 && p.group_size % kTiledK == 0 &&
+         p.k % p.group_size == 0 && p.n % 8 == 0 && (gp.warps == 4 || gp.warps == 8) && split_ok &&
+         aligned16(p.scales, p.scales_stride, 2) && aligned16(p.zeros, p.zeros_stride, 2) &&
+         aligned16(p.x, p.x_stride, 2) && aligned16(p.qweight, p.qweight_stride, 4) &&
+         reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride % 2 == 0;
+}
+
+template <int M_TILES, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() / WARPS) quant_gemm_4bit_tiled_kernel(const QuantGemmParams gp) {
+  using L = TiledLayout<M_TILES, WARPS>;
+  constexpr int kThreads = WARPS * kWarpSize;
+  constexpr int kRows = 8 * M_TILES;
+  constexpr int BN = L::kCols;
+  const QuantGemvParams& p = gp.q;
+  AG_DYNAMIC_SMEM(smem);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const int col_base = blockIdx.x * BN;
+  const int wc = warp * 32 + 4 * g;  // the lane's 4 columns within the block
+
+  // This block's stages: split blockIdx.y of gp.splits, as even as whole stages allow.
+  const int stages = p.k / kTiledK;
+  const int split = blockIdx.y;
+  const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
+  const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
+  const int count = s_end - s_begin;
+
+  const __half* x = static_cast<const __half*>(p.x);
+  const __half* zeros = static_cast<const __half*>(p.zeros);
+  const __half* scales = static_cast<const __half*>(p.scales);
+  auto weights_at = [&](int slot) { return reinterpret_cast<uint32_t*>(smem + slot * L::kStageBytes); };
+  auto x_at = [&](int slot) { return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kWeightBytes); };
+  auto groups_at = [&](int slot) {
+    return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kWeightBytes + L::kXBytes);
+  };
+
+  // The copies of stage s (of the whole K) into ring slot `slot`: the weights and the group's
+  // constants (which no kernel ahead writes), then x.
+  auto load_weights = [&](int slot, int s) {
+    uint32_t* w = weights_at(slot);
+    const int packed0 = s * kTiledPackedRows;
+    for (int i = threadIdx.x; i < kTiledPackedRows * (BN / 4); i += kThreads) {
+      const int row = i / (BN / 4), piece = i % (BN / 4);
+      const int col = col_base + 4 * piece;
+      const bool ok = col < p.n;
+      const int32_t* src = p.qweight + (ok ? static_cast<int64_t>(packed0 + row) * p.qweight_stride + col : 0);
+      cp_async16(w + row * L::kWordsPerRow + 4 * piece, src, ok);
+    }
+    __half* gs = groups_at(slot);
+    const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
+    for (int i = threadIdx.x; i < BN / 4; i += kThreads) {
+      const int part = i / (BN / 8), piece = i % (BN / 8);
+      const int col = col_base + 8 * piece;
+      const bool ok = col < p.n;
+      const __half* src = part == 0 ? zeros + (ok ? group * p.zeros_stride + col : 0)
+                                    : scales + (ok ? group * p.scales_stride + col : 0);
+      cp_async16(gs + part * BN + 8 * piece, src, ok);
+    }
+  };
+  auto load_x = [&](int slot, int s) {
+    __half* xs = x_at(slot);
+    for (int i = threadIdx.x; i < kRows * 8; i += kThreads) {
+      const int r = i / 8, piece = i % 8;
+      const bool ok = r < p.m;
+      const __half* src = x + (ok ? static_cast<int64_t>(r) * p.x_stride + s * kTiledK + 8 * piece : 0);
+      cp_async16(xs + r * kTiledK + 8 * (piece ^ ((r & 1) << 2)), src, ok);
+    }
+  };
+
+  // Prologue: the weights of the first STAGES - 1 stages are requested before the wait for
+  // the kernel ahead (a dependent launch), x after it. Each load is its own commit group:
+  // stage i's x is group STAGES - 1 + i, so after the first STAGES - 1 + i + 1 groups have
+  // landed (cp_async_wait<STAGES - 2> once 2 (STAGES - 1) + i are committed) stage i is in.
+#pragma unroll
+  for (int i = 0; i < kTiledStages - 1; ++i) {
+    if (i < count) load_weights(i, s_begin + i);
+    cp_async_commit();
+  }
+  grid_dependency_wait();
+  launch_dependents();
+#pragma unroll
+  for (int i = 0; i < kTiledStages - 1; ++i) {
+    if (i < count) load_x(i, s_begin + i);
+    cp_async_commit();
+  }
+
+  float acc[M_TILES][2][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][t][r] = 0.f;
+
+  for (int i = 0; i < count; ++i) {
+    cp_async_wait<kTiledStages - 2>();
+    __syncthreads();  // stage i is in for every thread, and every warp is done with slot (i - 1) % STAGES
+    const int next = i + kTiledStages - 1;
+    if (next < count) {
+      load_weights(next % kTiledStages, s_begin + next);
+      load_x(next % kTiledStages, s_begin + next);
+    }
+    cp_async_commit();
+
+    const int slot = i % kTiledStages;
+    const uint32_t* w = weights_at(slot);
+    const __half* xs = x_at(slot);
+    const __half* gs = groups_at(slot);
+    const QuantGroup grp = make_group(*reinterpret_cast<const uint2*>(gs + wc),
+                                      *reinterpret_cast<const uint2*>(gs + BN + wc));
+#pragma unroll
+    for (int ch = 0; ch < kTiledChunks; ++ch) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(w + (4 * ch + c) * L::kWordsPerRow + wc);
+      const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+      uint32_t d[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dequant_word<true>(d[j], words[j], grp, j);
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const int r = 8 * mt + g;
+        const int piece = (4 * ch + c) ^ ((r & 1) << 2);
+        const uint4 xv = *reinterpret_cast<const uint4*>(xs + r * kTiledK + 8 * piece);
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          // B for k-step 0: elements (0, 4), (1, 5) of the lane's 8; k-step 1: (2, 6), (3, 7).
+          const uint32_t lo = step == 0 ? xv.x : xv.y;
+          const uint32_t hi = step == 0 ? xv.z : xv.w;
+          const uint32_t b[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
+                                   d[2 * t + 1][2 * step + 1]};
+            mma_m16n8k16<__half>(acc[mt][t], a, b);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // D entry r of tile t: column wc + 2t + r / 2, x row 8 mt + 2c + r % 2; entries r and r + 2
+  // are two neighbouring columns of one row, stored as a pair.
+  __half* out = static_cast<__half*>(p.out);
+  const __half* bias = static_cast<const __half*>(p.bias);
+  if (gp.splits == 1) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = 8 * mt + 2 * c + rr;
+          const int col = col_base + wc + 2 * t;
+          if (row >= p.m || col >= p.n) continue;
+          float v0 = acc[mt][t][rr], v1 = acc[mt][t][rr + 2];
+          if (bias != nullptr) {
+            v0 += __half2float(bias[col]);
+            v1 += __half2float(bias[col + 1]);
+          }
+          *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
+        }
+    return;
+  }
+  float* part = gp.workspace + static_cast<int64_t>(split) * p.m * p.n;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = 8 * mt + 2 * c + rr;
+        const int col = col_base + wc + 2 * t;
+        if (row >= p.m || col >= p.n) continue;
+        *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) =
+            make_float2(acc[mt][t][rr], acc[mt][t][rr + 2]);
+      }
+  if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
+  // The last block of this column range: the splits' sums in split order (other blocks'
+  // writes, read past L1), plus the bias.
+  for (int i = threadIdx.x; i < p.m * (BN / 2); i += kThreads) {
+    const int row = i / (BN / 2);
+    const int col = col_base + 2 * (i % (BN / 2));
+    if (col >= p.n) continue;
+    float2 v = make_float2(0.f, 0.f);
+    const float* src = gp.workspace + static_cast<int64_t>(row) * p.n + col;
+    for (int s = 0; s < gp.splits; ++s) {
+      const float2 pv = __ldcg(reinterpret_cast<const float2*>(src + static_cast<int64_t>(s) * p.m * p.n));
+      v.x += pv.x;
+      v.y += pv.y;
+    }
+    if (bias != nullptr) {
+      v.x += __half2float(bias[col]);
+      v.y += __half2float(bias[col + 1]);
+    }
+    *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v.x, v.y);
+  }
+}
+
+template <int M_TILES, int WARPS>
+void launch_quant_gemm_4bit_for(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
+  void (*kernel)(const QuantGemmParams) = quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>;
+  constexpr int smem = TiledLayout<M_TILES, WARPS>::kSmemBytes;
+#if defined(__CUDACC__)
+  if (smem > 48 * 1024) {
+    static bool configured[64] = {};  // per device: more than 48 KiB of dynamic shared memory
+    int device = 0;
+    cudaGetDevice(&device);
+    if (device < 0 || device >= 64 || !configured[device]) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (device >= 0 && device < 64) configured[device] = true;
+    }
+  }
+#endif
+  const dim3 grid(ceil_div(p.q.n, 32 * WARPS), p.splits), block(WARPS * kWarpSize);
+  if (dependent) {
+    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
+  } else {
+    AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, p);
+  }
+}
+
+template <int WARPS>
+void launch_quant_gemm_4bit_warps(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
+  if (p.q.m <= 8) {
+    launch_quant_gemm_4bit_for<1, WARPS>(p, stream, dependent);
+  } else if (p.q.m <= 16) {
+    launch_quant_gemm_4bit_for<2, WARPS>(p, stream, dependent);
+  } else if (p.q.m <= 32) {
+    launch_quant_gemm_4bit_for<4, WARPS>(p, stream, dependent);
+  } else {
+    launch_quant_gemm_4bit_for<8, WARPS>(p, stream, dependent);
+  }
+}
+
+// Returns false where the kernel does not take `p` (quant_gemm_4bit_ok). `dependent`
+// (sm_90+): launched so that it may start while the kernel ahead of it runs; it requests
+// its first weights, then waits for x.
+inline bool launch_quant_gemm_4bit(const QuantGemmParams& p, cudaStream_t stream, bool dependent = false) {
+  if (!quant_gemm_4bit_ok(p)) return false;
+  if (p.warps == 4) {
+    launch_quant_gemm_4bit_warps<4>(p, stream, dependent);
+  } else {
+    launch_quant_gemm_4bit_warps<8>(p, stream, dependent);
+  }
+  return true;
+}
+
+}  // namespace asyncgen
