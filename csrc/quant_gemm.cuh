@@ -42,7 +42,7 @@ constexpr int kTiledK = 64;                       // K rows per stage
 constexpr int kTiledChunks = kTiledK / kMmaChunk;  // 32-row chunks per stage
 constexpr int kTiledPackedRows = kTiledK / 8;
 constexpr int kTiledMaxRows = 64;
-constexpr int kTiledMaxSplits = 32;
+constexpr int kTiledMaxSplits = 8;
 #ifndef AG_QGEMM_STAGES
 #define AG_QGEMM_STAGES 4
 #endif
@@ -90,6 +90,10 @@ inline bool quant_gemm_4bit_ok(const QuantGemmParams& gp) {
          reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride % 2 == 0;
 }
 
+// The low (high) halves of two registers as one register: (lo.low, hi.low) ((lo.high, hi.high)).
+AG_DEVICE uint32_t pair_lo(uint32_t lo, uint32_t hi) { return (lo & 0xFFFFu) | (hi << 16); }
+AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) { return (lo >> 16) | (hi & 0xFFFF0000u); }
+
 template <int M_TILES, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() / WARPS) quant_gemm_4bit_tiled_kernel(const QuantGemmParams gp) {
   using L = TiledLayout<M_TILES, WARPS>;
@@ -121,35 +125,50 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   };
 
   // The copies of stage s (of the whole K) into ring slot `slot`: the weights and the group's
-  // constants (which no kernel ahead writes), then x.
+  // constants (which no kernel ahead writes), then x. Each thread's pieces are the same in
+  // every stage, so their addresses are worked out once here and a stage only adds its
+  // offset: computed per copy, the address arithmetic took more issue slots than the
+  // products at 16 rows (about 700 instructions a stage a thread, read in the sm_90 SASS).
+  constexpr int kWLoads = kTiledPackedRows * (BN / 4) / kThreads;  // 2: packed rows w0 and w0 + 4
+  static_assert(kTiledPackedRows * (BN / 4) == kWLoads * kThreads, "whole weight pieces a thread");
+  constexpr int kXRowsPerPass = kThreads / 8;
+  constexpr int kXLoads = (kRows + kXRowsPerPass - 1) / kXRowsPerPass;
+  const int w_row = threadIdx.x / (BN / 4), w_col = col_base + 4 * (threadIdx.x % (BN / 4));
+  const bool w_ok = w_col < p.n;
+  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0);
+  const int64_t w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
+  const int64_t w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kWLoads) * p.qweight_stride : 0;
+  const int w_dst = w_row * L::kWordsPerRow + 4 * (threadIdx.x % (BN / 4));
+  const bool g_load = threadIdx.x < BN / 4;
+  const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
+  const bool g_ok = g_load && g_col < p.n;
+  const __half* g_src = g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros;
+  const int64_t g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
+  const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
+  const int stages_per_group = p.group_size / kTiledK;
+  const int x_row = threadIdx.x / 8, x_piece = threadIdx.x % 8;
+  const __half* x_src = x + static_cast<int64_t>(x_row) * p.x_stride + 8 * x_piece;
+  const int x_dst = x_row * kTiledK + 8 * (x_piece ^ ((x_row & 1) << 2));  // rows x_row + 4 W j: same parity
+
   auto load_weights = [&](int slot, int s) {
     uint32_t* w = weights_at(slot);
-    const int packed0 = s * kTiledPackedRows;
-    for (int i = threadIdx.x; i < kTiledPackedRows * (BN / 4); i += kThreads) {
-      const int row = i / (BN / 4), piece = i % (BN / 4);
-      const int col = col_base + 4 * piece;
-      const bool ok = col < p.n;
-      const int32_t* src = p.qweight + (ok ? static_cast<int64_t>(packed0 + row) * p.qweight_stride + col : 0);
-      cp_async16(w + row * L::kWordsPerRow + 4 * piece, src, ok);
+    const int32_t* src = w_src + s * w_stage;
+#pragma unroll
+    for (int j = 0; j < kWLoads; ++j) {
+      cp_async16(w + w_dst + j * (kTiledPackedRows / kWLoads) * L::kWordsPerRow, src + j * w_next, w_ok);
     }
-    __half* gs = groups_at(slot);
-    const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
-    for (int i = threadIdx.x; i < BN / 4; i += kThreads) {
-      const int part = i / (BN / 8), piece = i % (BN / 8);
-      const int col = col_base + 8 * piece;
-      const bool ok = col < p.n;
-      const __half* src = part == 0 ? zeros + (ok ? group * p.zeros_stride + col : 0)
-                                    : scales + (ok ? group * p.scales_stride + col : 0);
-      cp_async16(gs + part * BN + 8 * piece, src, ok);
-    }
+    if (g_load) cp_async16(groups_at(slot) + g_dst, g_src + (s / stages_per_group) * g_stride, g_ok);
   };
   auto load_x = [&](int slot, int s) {
     __half* xs = x_at(slot);
-    for (int i = threadIdx.x; i < kRows * 8; i += kThreads) {
-      const int r = i / 8, piece = i % 8;
-      const bool ok = r < p.m;
-      const __half* src = x + (ok ? static_cast<int64_t>(r) * p.x_stride + s * kTiledK + 8 * piece : 0);
-      cp_async16(xs + r * kTiledK + 8 * (piece ^ ((r & 1) << 2)), src, ok);
+#pragma unroll
+    for (int j = 0; j < kXLoads; ++j) {
+      const int r = x_row + j * kXRowsPerPass;
+      if (r < kRows) {
+        const bool ok = r < p.m;
+        cp_async16(xs + x_dst + j * kXRowsPerPass * kTiledK,
+                   ok ? x_src + static_cast<int64_t>(j * kXRowsPerPass) * p.x_stride + s * kTiledK : x, ok);
+      }
     }
   };
 
@@ -180,6 +199,21 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
 
   for (int i = 0; i < count; ++i) {
     cp_async_wait<kTiledStages - 2>();
+    // Each thread puts the x pieces it copied for stage i into the order B wants (its own
+    // copies are visible to it after the wait; the barrier then shows them to every warp):
+    // 8 halves e0..e7 become (e0, e4), (e1, e5), (e2, e6), (e3, e7), the two registers of
+    // k-step 0 then those of k-step 1, once per block rather than in every warp.
+    {
+      __half* xs = x_at(i % kTiledStages);
+#pragma unroll
+      for (int j = 0; j < kXLoads; ++j) {
+        if (x_row + j * kXRowsPerPass < kRows) {
+          uint4* v = reinterpret_cast<uint4*>(xs + x_dst + j * kXRowsPerPass * kTiledK);
+          const uint4 e = *v;
+          *v = make_uint4(pair_lo(e.x, e.z), pair_hi(e.x, e.z), pair_lo(e.y, e.w), pair_hi(e.y, e.w));
+        }
+      }
+    }
     __syncthreads();  // stage i is in for every thread, and every warp is done with slot (i - 1) % STAGES
     const int next = i + kTiledStages - 1;
     if (next < count) {
@@ -208,10 +242,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
         const uint4 xv = *reinterpret_cast<const uint4*>(xs + r * kTiledK + 8 * piece);
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
-          // B for k-step 0: elements (0, 4), (1, 5) of the lane's 8; k-step 1: (2, 6), (3, 7).
-          const uint32_t lo = step == 0 ? xv.x : xv.y;
-          const uint32_t hi = step == 0 ? xv.z : xv.w;
-          const uint32_t b[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
+          // B for k-step 0: elements (0, 4), (1, 5) of the lane's 8; k-step 1: (2, 6), (3, 7),
+          // already paired in shared memory.
+          const uint32_t b[2] = {step == 0 ? xv.x : xv.z, step == 0 ? xv.y : xv.w};
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
@@ -267,12 +300,18 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
     const int row = i / (BN / 2);
     const int col = col_base + 2 * (i % (BN / 2));
     if (col >= p.n) continue;
-    float2 v = make_float2(0.f, 0.f);
     const float* src = gp.workspace + static_cast<int64_t>(row) * p.n + col;
-    for (int s = 0; s < gp.splits; ++s) {
-      const float2 pv = __ldcg(reinterpret_cast<const float2*>(src + static_cast<int64_t>(s) * p.m * p.n));
-      v.x += pv.x;
-      v.y += pv.y;
+    float2 pv[kTiledMaxSplits];  // requested together, then added in split order
+#pragma unroll
+    for (int s = 0; s < kTiledMaxSplits; ++s) {
+      pv[s] = s < gp.splits ? __ldcg(reinterpret_cast<const float2*>(src + static_cast<int64_t>(s) * p.m * p.n))
+                            : make_float2(0.f, 0.f);
+    }
+    float2 v = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kTiledMaxSplits; ++s) {
+      v.x += pv[s].x;
+      v.y += pv[s].y;
     }
     if (bias != nullptr) {
       v.x += __half2float(bias[col]);
