@@ -472,6 +472,8 @@ class AsyncEngine:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequestError("prompt must not be an empty list of token ids")
+            if _all_ids_in_range(prompt, self.vocab_size):
+                return None, list(prompt)
             bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
@@ -599,6 +601,12 @@ class RequestStream(AsyncIterator[StreamChunk]):
                 self.engine._abort_from_any_thread(self.group.request_id)
             except Exception:
                 pass
+
+
+def _all_ids_in_range(ids: Sequence[Any], vocab_size: int) -> bool:
+    """Whether every element is a plain ``int`` in ``[0, vocab_size)``: the common case,
+    checked in C (a long prompt is checked on every request, before it is queued)."""
+    return set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size
 
 
 def _coerce_params(params: Any) -> SamplingParams:
