@@ -397,33 +397,23 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         sizes = sorted({t for t, _ in keys})
-        top = sizes[-1]
         max_blocks = -(-self.max_model_len // self.block_size)
-        dev = self.device
-        g = self._prompt_inputs = {
-            "input_ids": torch.zeros(top, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(top, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((top,), -1, dtype=torch.int64, device=dev),
-            "block_tables": torch.zeros(top, max_blocks, dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(top, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.zeros(top + 1, dtype=torch.int32, device=dev),
-            "logits_idx": torch.zeros(top, dtype=torch.int64, device=dev),
-        }
-        self._prompt_graphs = {}
+        self._prompt_graphs, self._prompt_inputs = {}, {}
         for t, b in reversed(keys):
-            # A valid step to warm up and capture with: one sequence of t tokens, no context.
-            g["seq_lens"].zero_()
-            g["seq_lens"][0] = t
-            g["query_start_loc"].fill_(t)
-            g["query_start_loc"][0] = 0
+            # Each graph reads its own packed inputs (one copy writes them all), set up
+            # as a valid step to warm up and capture with: one sequence of t tokens, no context.
+            g = self._prompt_inputs[t, b] = _PromptGraphInputs(t, b, max_blocks, self.device)
+            g.seq_lens[0] = t
+            g.query_start_loc.fill_(t)
+            g.query_start_loc[0] = 0
             meta = AttentionMetadata(
-                g["slot_mapping"][:t], g["block_tables"][:b], g["seq_lens"][:b], g["query_start_loc"][: b + 1],
+                g.slot_mapping, g.block_tables, g.seq_lens, g.query_start_loc,
                 max_query_len=t, max_seq_len=self.max_model_len,
             )
             with torch.inference_mode():
                 def step():
-                    hidden = self.model(g["input_ids"][:t], g["positions"][:t], meta)
-                    return self.model.compute_logits(hidden[g["logits_idx"][:b]])
+                    hidden = self.model(g.input_ids, g.positions, meta)
+                    return self.model.compute_logits(hidden[g.logits_idx])
 
                 for _ in range(2):
                     step()
@@ -438,32 +428,34 @@ class ModelRunner:
         log.info("captured CUDA graphs for prompt steps of up to %s tokens (%d graphs, the shortest also with %d "
                  "sequence slots) in %.1f s", sizes, len(keys), _NARROW_PROMPT_SLOTS, time.perf_counter() - t0)
 
-    def _replay_prompt(self, key: tuple[int, int], inputs: "_StepInputs") -> torch.Tensor:
-        t, b = key
-        g = self._prompt_inputs
-        m = inputs.meta
-        n_tok = inputs.input_ids.shape[0]
-        n_seq = m.seq_lens.shape[0]
-        width = m.block_tables.shape[1]
-        g["input_ids"][:n_tok].copy_(inputs.input_ids)
-        self._fill_placeholders(g["input_ids"], inputs)
-        g["input_ids"][n_tok:t].zero_()
-        g["positions"][:n_tok].copy_(inputs.positions)
-        g["positions"][n_tok:t].zero_()
-        g["slot_mapping"][:n_tok].copy_(m.slot_mapping)
-        g["slot_mapping"][n_tok:t].fill_(-1)
-        g["block_tables"][:n_seq, :width].copy_(m.block_tables)
-        n_sample = inputs.logits_idx.shape[0]
-        g["seq_lens"][:n_seq].copy_(m.seq_lens)
-        g["seq_lens"][n_seq:b].zero_()
-        g["seq_lens"][n_seq : n_seq + 1].fill_(t - n_tok)  # the padding sequence (maybe empty)
-        g["query_start_loc"][: n_seq + 1].copy_(m.query_start_loc)
-        g["query_start_loc"][n_seq + 1 : b + 1].fill_(t)
-        g["logits_idx"][:n_sample].copy_(inputs.logits_idx)
-        g["logits_idx"][n_sample:b].zero_()  # rows left from a larger step would be out of range
+    def _replay_prompt(self, key: tuple[int, int], host: "_HostInputs") -> torch.Tensor:
+        """Writes the step into the graph's packed inputs with one copy and replays it;
+        the logits of the sampled rows."""
+        g = self._prompt_inputs[key]
+        n_seq, width = host.tables.shape
+        full_rows = n_seq * g.max_blocks * 4 <= _PACKED_TABLE_BYTES
+        size = g.packed_words(n_seq) if full_rows else g.table_offset
+        narrow = 0 if full_rows else -(-n_seq * width // 2)  # the table's words, sent apart
+        if self.device.type == "cuda":
+            staging, event = self._staging(size + narrow)
+        else:
+            staging, event = torch.empty(size + narrow, dtype=torch.int64), None
+        flat = staging.numpy()
+        g.pack(flat[:size], host, full_rows)
+        g.buf[:size].copy_(staging[:size], non_blocking=True)
+        if not full_rows:  # long block tables: only the step's columns travel (a strided copy)
+            tables = flat[size:].view(np.int32)[: n_seq * width]
+            tables[:] = host.tables.reshape(-1)
+            src = staging[size:].view(torch.int32)[: n_seq * width].view(n_seq, width)
+            g.block_tables[:n_seq, :width].copy_(src, non_blocking=True)
+        if event is not None:
+            event.record()
+        n_fill = host.fill_dst.size
+        if n_fill:
+            g.input_ids.index_copy_(0, g.fill_dst[:n_fill], self._last_tokens.index_select(0, g.fill_src[:n_fill]))
         graph, logits = self._prompt_graphs[key]
         graph.replay()
-        return logits[: inputs.logits_idx.shape[0]]
+        return logits[: host.logits_idx.size]
 
     def _prompt_graph_for(self, num_tokens: int, num_seqs: int) -> Optional[tuple[int, int]]:
         """The captured prompt graph (tokens, sequence slots) for this step: the fewest
@@ -500,24 +492,26 @@ class ModelRunner:
         if not out.seqs:
             return LaunchedStep([], None)
 
-        inputs = self._prepare(out)
-        graph_bs = self._graph_for(len(out.seqs)) if inputs.is_decode and self._graphs else None
+        host = self._host_inputs(out)
+        graph_bs = self._graph_for(len(out.seqs)) if host.is_decode and self._graphs else None
         prompt_t = None
-        if not inputs.is_decode and inputs.plp is None:  # (graphs compute only the sampled rows' logits)
-            prompt_t = self._prompt_graph_for(inputs.input_ids.shape[0], len(out.seqs))
+        if not host.is_decode and host.plp is None:  # (graphs compute only the sampled rows' logits)
+            prompt_t = self._prompt_graph_for(host.input_ids.size, len(out.seqs))
         plp = None
-        if graph_bs is not None:
-            logits = self._replay(graph_bs, inputs)
-        elif prompt_t is not None:
-            logits = self._replay_prompt(prompt_t, inputs)
+        if prompt_t is not None:
+            logits = self._replay_prompt(prompt_t, host)
         else:
-            self._fill_placeholders(inputs.input_ids, inputs)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            logits = self.model.compute_logits(hidden[inputs.logits_idx])
-            if inputs.plp is not None:
-                plp = self._prompt_logprobs(hidden, inputs.plp)
+            inputs = self._upload(host)
+            if graph_bs is not None:
+                logits = self._replay(graph_bs, inputs)
+            else:
+                self._fill_placeholders(inputs.input_ids, inputs)
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+                logits = self.model.compute_logits(hidden[inputs.logits_idx])
+                if inputs.plp is not None:
+                    plp = self._prompt_logprobs(hidden, inputs.plp)
         rows = []
-        for req_id, end in zip(inputs.sampling_ids, inputs.sample_ends):
+        for req_id, end in zip(host.sampling_ids, host.sample_ends):
             st = self.states[req_id]
             generated = end - len(st.prompt_token_ids)  # output tokens before the one sampled now
             if len(st.output_token_ids) > generated:  # a preempted sequence resamples a dropped token
@@ -527,8 +521,8 @@ class ModelRunner:
             ))
         tokens, pending = sample_async(logits, rows)  # (its event also covers plp's tensors)
         self._last_tokens = tokens
-        self._last_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_ids)}
-        return LaunchedStep(inputs.sampling_ids, pending, plp)
+        self._last_rows = {req_id: i for i, req_id in enumerate(host.sampling_ids)}
+        return LaunchedStep(host.sampling_ids, pending, plp)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plp: tuple) -> tuple:
         """Log-probabilities of the prompt tokens this step's chunks predict (and each
@@ -579,17 +573,11 @@ class ModelRunner:
         return logits[:n]
 
     def _prepare(self, out: SchedulerOutput) -> "_StepInputs":
-        """Builds the step's index tensors with numpy and moves them in one copy.
+        """The step's inputs on the device (the eager and decode-graph steps' form)."""
+        return self._upload(self._host_inputs(out))
 
-        The int32 inputs (seq_lens, query_start_loc, block tables) and the int64 ones are
-        packed into one int64 host array, the int32 section reinterpreted in place, so the
-        device gets every input with one transfer and no dtype conversion. Each int32 part
-        starts on a 16-byte boundary, as a tensor of its own would::
-
-            flat, int64:   [ int32 section (h words) | ids | positions | slots | logits_idx | fill_dst | fill_src ]
-            int32 section: [ seq_lens, pad | qsl, pad | tables, pad ]
-                             0               q0          t0
-        """
+    def _host_inputs(self, out: SchedulerOutput) -> "_HostInputs":
+        """The step's index arrays, built with numpy on the host."""
         seqs = out.seqs
         bs = self.block_size
         n = len(seqs)
@@ -624,18 +612,35 @@ class ModelRunner:
             fill_src = np.fromiter((self._last_rows[seqs[i].req_id] for i in fill), dtype=np.int64, count=len(fill))
         except KeyError as e:
             raise RuntimeError(f"sequence {e.args[0]!r} has a pending token the previous step did not sample") from None
+        return _HostInputs(
+            input_ids, positions, slot_mapping, logits_idx, fill_dst, fill_src, seq_lens, qsl, tables,
+            int(q_lens.max()), [seqs[i].req_id for i in sample_rows], seq_lens[sample_rows].tolist(), total == n, plp,
+        )
 
+    def _upload(self, host: "_HostInputs") -> "_StepInputs":
+        """Moves the step's arrays to the device in one copy.
+
+        The int32 inputs (seq_lens, query_start_loc, block tables) and the int64 ones are
+        packed into one int64 host array, the int32 section reinterpreted in place, so the
+        device gets every input with one transfer and no dtype conversion. Each int32 part
+        starts on a 16-byte boundary, as a tensor of its own would::
+
+            flat, int64:   [ int32 section (h words) | ids | positions | slots | logits_idx | fill_dst | fill_src ]
+            int32 section: [ seq_lens, pad | qsl, pad | tables, pad ]
+                             0               q0          t0
+        """
+        n, max_blocks = host.tables.shape
         # int32 parts at 16-byte boundaries: seq_lens at 0, qsl at q0, the tables at t0.
         q0 = -(-n // 4) * 4
         t0 = q0 + -(-(n + 1) // 4) * 4
         h = -(-(t0 + n * max_blocks) // 4) * 2  # int64 words of the int32 section
-        parts64 = (input_ids, positions, slot_mapping, logits_idx, fill_dst, fill_src)
+        parts64 = (host.input_ids, host.positions, host.slot_mapping, host.logits_idx, host.fill_dst, host.fill_src)
         sizes64 = [a.size for a in parts64]
         flat = np.empty(h + sum(sizes64), dtype=np.int64)
         sec32 = flat[:h].view(np.int32)
-        sec32[:n] = seq_lens
-        sec32[q0 : q0 + n + 1] = qsl
-        sec32[t0 : t0 + n * max_blocks] = tables.reshape(-1)
+        sec32[:n] = host.seq_lens
+        sec32[q0 : q0 + n + 1] = host.qsl
+        sec32[t0 : t0 + n * max_blocks] = host.tables.reshape(-1)
         np.concatenate(parts64, out=flat[h:])
         if self.device.type == "cuda":
             staging, event = self._staging(flat.size)
@@ -652,18 +657,20 @@ class ModelRunner:
             block_tables=tables_t.view(n, max_blocks),
             seq_lens=seq_lens_t,
             query_start_loc=qsl_t,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_query_len=host.max_query_len,
+            max_seq_len=int(host.seq_lens.max()),
         )
+        plp = host.plp
         if plp is not None:
             rows_t, targets_t = torch.from_numpy(plp[1]), torch.from_numpy(plp[2])
             if self.device.type == "cuda":  # pinned and asynchronous: no wait for the device
                 rows_t = rows_t.pin_memory().to(self.device, non_blocking=True)
                 targets_t = targets_t.pin_memory().to(self.device, non_blocking=True)
             plp = (plp[0], rows_t, targets_t)
+        fill = host.fill_dst.size > 0
         return _StepInputs(
-            ids_t, pos_t, meta, logits_t, [seqs[i].req_id for i in sample_rows], seq_lens[sample_rows].tolist(),
-            total == n, fill_dst_t if fill else None, fill_src_t if fill else None, plp,
+            ids_t, pos_t, meta, logits_t, host.sampling_ids, host.sample_ends, host.is_decode,
+            fill_dst_t if fill else None, fill_src_t if fill else None, plp,
         )
 
     def _prompt_logprob_rows(self, seqs, qsl) -> Optional[tuple]:
@@ -700,6 +707,99 @@ class ModelRunner:
         if buf is None or buf.numel() < size:
             buf = slot[0] = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
         return buf[:size], event
+
+
+@dataclasses.dataclass
+class _HostInputs:
+    """A step's inputs as host arrays (int64), before they travel to the device."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    logits_idx: np.ndarray  # [S] rows of the hidden states that sample
+    fill_dst: np.ndarray  # [F] input rows to take from the previous launch's samples
+    fill_src: np.ndarray  # [F] ... and which of its rows
+    seq_lens: np.ndarray  # [N]
+    qsl: np.ndarray  # [N + 1] query start locations
+    tables: np.ndarray  # [N, W] block tables, W = the step's longest
+    max_query_len: int
+    sampling_ids: list[str]  # the S sequences that sample, in row order
+    sample_ends: list[int]  # ... and how many tokens each has before the sampled one
+    is_decode: bool  # every sequence computes exactly one token
+    plp: Optional[tuple] = None  # prompt-logprob rows (see ModelRunner._prompt_logprob_rows), on the host
+
+
+# Block-table rows of up to this many bytes travel whole, in the prompt graph's one copy;
+# longer ones (long max_model_len, many sequences) only the step's columns, in a second.
+_PACKED_TABLE_BYTES = 64 << 10
+
+
+class _PromptGraphInputs:
+    """The inputs of one prompt-step graph of ``t`` tokens and ``b`` sequence slots,
+    packed in one int64 device buffer so that a step writes all of them, padding
+    included, with one host-to-device copy::
+
+        words: [ ids | positions | slots | logits_idx | fill_dst | fill_src | seq_lens | qsl | block tables ]
+                 t     t           t       b            b          b          b int32    b+1   b x max_blocks int32
+
+    Every part starts on a 16-byte boundary. ``fill_dst`` and ``fill_src`` are not read
+    by the graph: they say which inputs to overwrite with the previous launch's samples
+    before the replay. The block tables come last, so a step copies the rows of its own
+    sequences and leaves the others' earlier (valid) block ids in place.
+    """
+
+    def __init__(self, num_tokens: int, num_slots: int, max_blocks: int, device):
+        t, b = num_tokens, num_slots
+        self.num_tokens, self.num_slots, self.max_blocks = t, b, max_blocks
+        offsets, words = [], 0
+        for n in (t, t, t, b, b, b, -(-b // 2), -(-(b + 1) // 2), -(-b * max_blocks // 2)):
+            offsets.append(words)
+            words += -(-n // 2) * 2
+        self.offsets = offsets
+        self.table_offset = offsets[8]
+        self.buf = torch.zeros(words, dtype=torch.int64, device=device)
+        o = offsets
+        self.input_ids, self.positions, self.slot_mapping = (self.buf[o[i] : o[i] + t] for i in range(3))
+        self.logits_idx, self.fill_dst, self.fill_src = (self.buf[o[i] : o[i] + b] for i in range(3, 6))
+        self.slot_mapping.fill_(-1)
+        as32 = self.buf.view(torch.int32)
+        self.seq_lens = as32[2 * o[6] : 2 * o[6] + b]
+        self.query_start_loc = as32[2 * o[7] : 2 * o[7] + b + 1]
+        self.block_tables = as32[2 * o[8] : 2 * o[8] + b * max_blocks].view(b, max_blocks)
+
+    def packed_words(self, num_seqs: int) -> int:
+        """Words a step of ``num_seqs`` sequences copies when its table rows travel whole."""
+        return self.table_offset + -(-num_seqs * self.max_blocks // 2)
+
+    def pack(self, flat: np.ndarray, host: _HostInputs, full_rows: bool) -> None:
+        """Writes the step into ``flat``, laid out as ``buf``'s first ``flat.size`` words:
+        the step's tokens, then padding (token 0 at position 0, slot -1: nothing written)
+        up to ``t`` tokens as one more sequence, and sequence slots after it with no
+        tokens; with ``full_rows``, the block-table rows of the step's sequences."""
+        t, b = self.num_tokens, self.num_slots
+        o = self.offsets
+        n_tok, n_seq, n_sample, n_fill = host.input_ids.size, host.seq_lens.size, host.logits_idx.size, host.fill_dst.size
+        for off, values, pad in ((o[0], host.input_ids, 0), (o[1], host.positions, 0), (o[2], host.slot_mapping, -1)):
+            flat[off : off + n_tok] = values
+            flat[off + n_tok : off + t] = pad
+        flat[o[3] : o[3] + n_sample] = host.logits_idx
+        flat[o[3] + n_sample : o[3] + b] = 0  # rows left from a larger step would be out of range
+        flat[o[4] : o[4] + n_fill] = host.fill_dst
+        flat[o[5] : o[5] + n_fill] = host.fill_src
+        as32 = flat.view(np.int32)
+        seq_lens = as32[2 * o[6] : 2 * o[6] + b]
+        seq_lens[:n_seq] = host.seq_lens
+        seq_lens[n_seq:] = 0
+        seq_lens[n_seq : n_seq + 1] = t - n_tok  # the padding sequence (maybe empty)
+        qsl = as32[2 * o[7] : 2 * o[7] + b + 1]
+        qsl[: n_seq + 1] = host.qsl
+        qsl[n_seq + 1 :] = t
+        if full_rows:
+            width = host.tables.shape[1]
+            rows = as32[2 * o[8] : 2 * o[8] + n_seq * self.max_blocks].reshape(n_seq, self.max_blocks)
+            rows[:, :width] = host.tables
+            rows[:, width:] = 0
+            as32[2 * o[8] + rows.size : 2 * flat.size] = 0  # the next row's first id, if the last word holds it
 
 
 @dataclasses.dataclass
