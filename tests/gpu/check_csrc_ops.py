@@ -595,20 +595,6 @@ CHUNK_7B_SHAPES = [
     ("4 prompts of 512 from scratch", [(512, 0)] * 4, 32, 32, 128, 16, None),
     ("GQA 4: prefix hit 78/992", [(78, 992), (50, 0)] + [(0, 0)] * 6, 32, 8, 128, 16, 128),
 ]
-# Short chunks over long contexts as the engine's 8-slot prompt graphs give them (the
-# graph's padding sequence where the chunks leave tokens over, empty slots after it).
-SHORT_CHUNK_7B_SHAPES = [
-    ("32/992 (32-token graph)", [(32, 992)] + [(0, 0)] * 7, 32, 32, 128, 16, 32),
-    ("4 x 32/992 (128-token graph)", [(32, 992)] * 4 + [(0, 0)] * 4, 32, 32, 128, 16, 128),
-    ("128/2048 (128-token graph)", [(128, 2048)] + [(0, 0)] * 7, 32, 32, 128, 16, 128),
-    ("4 x 128/2048 (512-token graph)", [(128, 2048)] * 4 + [(0, 0)] * 4, 32, 32, 128, 16, 512),
-    ("16/4000 (16-token graph)", [(16, 4000)] + [(0, 0)] * 7, 32, 32, 128, 16, 16),
-    ("4 x 16/4000 (64-token graph)", [(16, 4000)] * 4 + [(0, 0)] * 4, 32, 32, 128, 16, 64),
-    ("GQA 4: 32/992", [(32, 992)] + [(0, 0)] * 7, 32, 8, 128, 16, 32),
-    ("GQA 4: 16/4000", [(16, 4000)] + [(0, 0)] * 7, 32, 8, 128, 16, 16),
-    ("128 from scratch (128-token graph)", [(128, 0)] + [(0, 0)] * 7, 32, 32, 128, 16, 128),
-]
-SHORT_SPLITS = (1, 2, 4, 8, 16)
 
 
 def _chunk_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
@@ -628,88 +614,6 @@ def _chunk_op(c, out, splits, counters):
     torch.ops.asyncgen_C.chunk_attention(out, c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
                                          c.query_start_loc, counters, c.scale, splits)
     return out
-
-
-def _short_chunk_op(c, out, splits, counters):
-    torch.ops.asyncgen_C.short_chunk_attention(out, c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                               c.query_start_loc, counters, c.scale, splits)
-    return out
-
-
-def _routed_kernel(seqs, num_tokens) -> str:
-    """The kernel cuda_backend.paged_attention picks for a prompt batch it can give csrc."""
-    if len(seqs) > cuda_backend.CHUNK_ATTENTION_MIN_SEQS:
-        return "csrc"
-    if num_tokens <= cuda_backend.SHORT_CHUNK_MAX_TOKENS:
-        return "short"
-    return "triton"
-
-
-def check_short_chunk_attention() -> None:
-    """The short-chunk kernel against the reference; a failing or raising shape is reported
-    and the rest still run."""
-    print("short_chunk_attention")
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEVICE)
-    small = [
-        ([(78, 130), (50, 0), (0, 0), (0, 0)], 2, 2, 128, 16),
-        ([(70, 0), (5, 61), (1, 40)], 4, 4, 64, 16),
-        ([(40, 33), (17, 0)], 8, 2, 64, 32),
-        ([(23, 9)], 6, 1, 64, 16),
-        ([(16, 700), (5, 300), (1, 1000)], 16, 2, 128, 16),
-        ([(1, 3000)], 8, 8, 128, 32),
-    ]
-    shapes = small + [(seqs, h, kvh, d, bs) for _, seqs, h, kvh, d, bs, _ in CHUNK_7B_SHAPES + SHORT_CHUNK_7B_SHAPES]
-    for dtype in (torch.float16, torch.bfloat16):
-        for i, (seqs, h, kvh, d, bs) in enumerate(shapes):
-            name = f"short chunk {str(dtype)[6:]} seqs={[q for q, _ in seqs if q]} H={h} KVH={kvh} D={d} bs={bs}"
-            try:
-                c = _chunk_case(seqs, h, kvh, d, bs, dtype, 40 + i)
-                ref = _chunk_reference(c)
-                for splits in SHORT_SPLITS:
-                    out = _short_chunk_op(c, torch.full_like(c.q, float("nan")), splits, counters)
-                    err = relative_error(out, ref)
-                    check(f"{name} splits={splits}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
-                num_tokens = sum(q for q, _ in seqs)
-                if _routed_kernel(seqs, num_tokens) == "short":
-                    out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                                       c.query_start_loc, c.scale, max_query_len=num_tokens,
-                                                       max_seq_len=4096)
-                    err = relative_error(out, ref)
-                    check(f"{name} routed", err < TOLERANCE[dtype], f"rel err {err:.2e}")
-                torch.cuda.synchronize()
-            except Exception as e:  # a launch failure: say so and go on
-                check(name, False, f"raised {type(e).__name__}: {e}")
-    check("short chunk counters left at zero", int(counters.abs().sum()) == 0)
-
-    # The 8-slot 128-token prompt graph, captured once and replayed as the engine replays
-    # it: a prefix hit (78 new tokens and the 50-token padding sequence) over shrinking
-    # contexts, then 4 sequences (40 over 1,030 cached, 50, 22 and 16 from scratch), whose
-    # block tables the case holds. GQA 4 and MHA, bf16.
-    four = [(40, 1030), (50, 0), (22, 0), (16, 0)] + [(0, 0)] * 4
-    four_starts, four_lens = [0, 40, 90, 112] + [128] * 5, [1070, 50, 22, 16] + [0] * 4
-    hit_starts = [0, 78] + [128] * 7
-    steps = [(hit_starts, [1070, 50] + [0] * 6), (hit_starts, [770, 50] + [0] * 6),
-             (hit_starts, [110, 50] + [0] * 6), (four_starts, four_lens)]
-    for kvh in (32, 8):
-        try:
-            c = _chunk_case(four, 32, kvh, 128, 16, torch.bfloat16, 60 + kvh)
-            out = torch.empty_like(c.q)
-            _short_chunk_op(c, out, 4, counters)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                _short_chunk_op(c, out, 4, counters)
-            for step, (starts, lens) in enumerate(steps):
-                c.query_start_loc.copy_(torch.tensor(starts, dtype=torch.int32))
-                c.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-                graph.replay()
-                torch.cuda.synchronize()
-                err = relative_error(out, _chunk_reference(c))
-                check(f"short chunk graph replay KVH={kvh} {step}", err < TOLERANCE[torch.bfloat16],
-                      f"rel err {err:.2e}")
-        except Exception as e:
-            check(f"short chunk graph replay KVH={kvh}", False, f"raised {type(e).__name__}: {e}")
-    check("short chunk counters zero after replays", int(counters.abs().sum()) == 0)
 
 
 def check_chunk_attention() -> None:
@@ -766,7 +670,7 @@ def bench_chunk_attention(copies: int = 8) -> None:
     print("\nchunk attention, fp16, us per call (CUDA graph over 8 caches)")
     counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEVICE)
     tri = triton_backend.ops().paged_attention
-    for name, seqs, h, kvh, d, bs, graph_tokens in CHUNK_7B_SHAPES + SHORT_CHUNK_7B_SHAPES:
+    for name, seqs, h, kvh, d, bs, graph_tokens in CHUNK_7B_SHAPES:
         cases = [_chunk_case(seqs, h, kvh, d, bs, torch.float16, 100 + i) for i in range(copies)]
         outs = [torch.empty_like(c.q) for c in cases]
         mql = graph_tokens or max(q for q, _ in seqs)
@@ -782,19 +686,8 @@ def bench_chunk_attention(copies: int = 8) -> None:
         for splits in (1, 2, 4, 8, 16):
             row[f"csrc {splits}"] = 1e3 * cuda_backend.graph_time_ms(
                 lambda co, s=splits: _chunk_op(co[0], co[1], s, counters), list(zip(cases, outs)), passes=5)
-        for splits in SHORT_SPLITS:  # the short-chunk kernel, at most this many splits
-            try:
-                row[f"short {splits}"] = 1e3 * cuda_backend.graph_time_ms(
-                    lambda co, s=splits: _short_chunk_op(co[0], co[1], s, counters), list(zip(cases, outs)), passes=5)
-            except Exception as e:
-                print(f"  {name}: short {splits} raised {type(e).__name__}: {e}")
-                row[f"short {splits}"] = float("nan")
-        routed = _routed_kernel(seqs, sum(q for q, _ in seqs))
-        best = min((k for k in row if k.startswith("short")), key=lambda k: row[k] if row[k] == row[k] else 1e9)
-        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
-              + f" (routed to {routed}; best short: {best})", flush=True)
-        del cases, outs
-        torch.cuda.empty_cache()
+        routed = "csrc" if len(seqs) > cuda_backend.CHUNK_ATTENTION_MIN_SEQS else "triton"
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + f" (routed to {routed})")
 
 
 def check_errors() -> None:
@@ -960,14 +853,14 @@ def main() -> int:
 
     steps = [check_store_kv_cache, check_rotary_store_kv, lambda: check_rotary_attention(args.quick),
              lambda: check_decode(args.quick), check_cuda_graph, check_launcher, check_dense_gemv, check_dense_gemv_gated,
-             check_quant_gemv, check_chunk_attention, check_short_chunk_attention,
+             check_quant_gemv, check_chunk_attention,
              check_errors]
     if args.rotary_only:
         steps = [lambda: check_rotary_attention(args.quick)]
     if args.gemv_only:
         steps = [check_dense_gemv, check_dense_gemv_gated, bench_dense_gemv_split, bench_gated]
     if args.chunk_only:
-        steps = [check_chunk_attention, check_short_chunk_attention] + ([] if args.no_bench else [bench_chunk_attention])
+        steps = [check_chunk_attention] + ([] if args.no_bench else [bench_chunk_attention])
     for step in steps:
         try:
             step()
