@@ -26,9 +26,6 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "chunk_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor(b!)? split_counters, float scale, int num_splits=1) -> ()");
   m.def(
-      "short_chunk_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, Tensor(b!)? split_counters, float scale, int num_splits=1) -> ()");
-  m.def(
       "dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row=0, "
       "bool gated=False) -> ()");
   m.def(
@@ -45,7 +42,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("paged_attention_decode", &asyncgen::paged_attention_decode);
   m.impl("rotary_paged_attention_decode", &asyncgen::rotary_paged_attention_decode);
   m.impl("chunk_attention", &asyncgen::chunk_attention);
-  m.impl("short_chunk_attention", &asyncgen::short_chunk_attention);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
   m.impl("quant_gemm_4bit", &asyncgen::quant_gemm_4bit);

@@ -1,4 +1,4 @@
-// Torch glue for the prompt-chunk attention kernels (chunk_attention.cuh): argument checks,
+// Torch glue for the prompt-chunk attention kernel (chunk_attention.cuh): argument checks,
 // the split partials and the launch on the current stream.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -13,14 +13,9 @@
 
 namespace asyncgen {
 
-namespace {
-
-// Both kernels: checks, the split partials, the launch (short_chunks: the kernel whose
-// warp groups and blocks split the keys). Both number blocks as chunk_grid_x does.
-void run_chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, const c10::optional<at::Tensor>& split_counters,
-                         double scale, int64_t num_splits, bool short_chunks) {
+void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits) {
   AG_CHECK_CUDA(q, q);
   const c10::cuda::CUDAGuard device_guard(q.device());
   check_paged_attention_args(out, q, k_cache, v_cache, block_tables, seq_lens);
@@ -95,27 +90,10 @@ void run_chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::T
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool launched = q.scalar_type() == at::kHalf
-                            ? launch_chunk_attention<__half>(p, static_cast<int>(head_dim), stream, short_chunks)
-                            : launch_chunk_attention<__nv_bfloat16>(p, static_cast<int>(head_dim), stream, short_chunks);
+                            ? launch_chunk_attention<__half>(p, static_cast<int>(head_dim), stream)
+                            : launch_chunk_attention<__nv_bfloat16>(p, static_cast<int>(head_dim), stream);
   TORCH_CHECK(launched, "no chunk_attention kernel for head_dim ", head_dim);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-}  // namespace
-
-void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits) {
-  run_chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, split_counters, scale,
-                      num_splits, false);
-}
-
-void short_chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, const c10::optional<at::Tensor>& split_counters,
-                           double scale, int64_t num_splits) {
-  run_chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, split_counters, scale,
-                      num_splits, true);
 }
 
 }  // namespace asyncgen

@@ -51,15 +51,6 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits);
 
-// chunk_attention for short chunks over long contexts (a prefix-cache hit): the same
-// arguments and semantics, a kernel whose warp groups and blocks split each query tile's
-// keys. num_splits is the most blocks a tile's keys are split over (fewer where its
-// context is short); with num_splits > 1, split_counters as above.
-void short_chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, const c10::optional<at::Tensor>& split_counters,
-                           double scale, int64_t num_splits);
-
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
 // warps_per_row: 1, 2, 4 or 8 warps share each output feature (0: one). gated: weight is
 // gate | up (2 D rows) and out [M, D] = silu(x W_gate^T) * (x W_up^T), at most 4 warps a row.

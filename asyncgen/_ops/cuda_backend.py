@@ -35,11 +35,8 @@ the argument on bad input):
   lengths; the csrc prompt-chunk kernel (tensor cores, sm_80+) for the other batches of
   more than :data:`CHUNK_ATTENTION_MIN_SEQS` sequences (a prompt chunk among decodes)
   with fp16 or bf16, head_dim 64/128, at most 8 query heads per kv head, a power-of-two
-  block_size up to 32, no sliding window and int32 tables, lengths and starts; its
-  short-chunk sibling (warp groups and blocks split the keys) for the other prompt batches
-  of at most :data:`SHORT_CHUNK_MAX_TOKENS` tokens that it takes (a prefix-cache hit in an
-  8-slot prompt graph); Triton for the rest (longer prefill chunks of few sequences,
-  other shapes).
+  block_size up to 32, no sliding window and int32 tables, lengths and starts; Triton for
+  the rest (prefill chunks of few sequences, a prefix-cache hit, other shapes).
   ``max_query_len`` / ``max_seq_len`` hints avoid a host sync; without them they are
   computed from the device tensors (a sync), so pass them on the hot path and under
   CUDA graphs. ``max_seq_len`` must bound ``seq_lens`` from above: it sizes the split-K
@@ -98,7 +95,7 @@ def _register_fakes() -> None:
     if register is None:  # torch < 2.4
         return
     for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
-                 "chunk_attention", "short_chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemm_4bit"):
+                 "chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemm_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -393,19 +390,6 @@ def paged_attention(
                                              None, float(scale), 1)
         return out
 
-    # A short chunk from few sequences (a prefix-cache hit in the engine's 8-slot prompt
-    # graphs) takes the kernel that also splits the keys; see SHORT_CHUNK_MAX_TOKENS.
-    if (
-        num_seqs <= CHUNK_ATTENTION_MIN_SEQS and num_tokens <= SHORT_CHUNK_MAX_TOKENS
-        and (max_query_len is None or max_query_len > 1)
-        and sliding_window is None and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
-    ):
-        counters = _short_chunk_counters(q.device, num_tokens, num_seqs, num_heads // num_kv_heads, num_kv_heads)
-        torch.ops.asyncgen_C.short_chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                   counters, float(scale),
-                                                   SHORT_CHUNK_SPLITS if counters is not None else 1)
-        return out
-
     from . import triton_backend
 
     return triton_backend.ops().paged_attention(
@@ -417,7 +401,6 @@ def paged_attention(
 # The prompt-chunk kernel (csrc/chunk_attention.cuh): 64 query rows a block, 4 warps,
 # tiles of 32 keys.
 _CHUNK_KEYS = 32  # the cache's block_size must divide it
-_CHUNK_ROWS = 64  # query rows a block: 64 / group tokens
 _CHUNK_HEAD_DIMS = (64, 128)
 _CHUNK_MAX_GROUP = 8
 # Batches of more sequences than this take it. On an H200 (7B, fp16, us per call in CUDA
@@ -426,38 +409,6 @@ _CHUNK_MAX_GROUP = 8
 # sequences: 27.6 against 64.8 for a 78-token chunk over 992 cached tokens (8 slots), 83.0
 # against 103.7 for 1,070 tokens from scratch, 74.1 against 89.2 for 4 prompts of 512.
 CHUNK_ATTENTION_MIN_SEQS = 8
-
-
-# Batches of at most CHUNK_ATTENTION_MIN_SEQS sequences and at most this many tokens take
-# the short-chunk kernel (csrc short_chunk_attention: the 64-row blocks of the kernel above,
-# two warp groups taking alternate key tiles, and each tile's keys split over up to
-# SHORT_CHUNK_SPLITS blocks where its context is long). Such a step is one request's chunk
-# over its cached prefix, replayed in a prompt graph whose token count is all the routing
-# sees (max_query_len is the graph's size there, max_seq_len the model's): 128 tokens is
-# the graph a prefix hit of tens of new tokens takes. Where Triton was timed faster the
-# batches stay with it: longer chunks from few sequences (a prompt from scratch, 4 prompts
-# of 512). The kernel is correct for any batch; the limits only keep the routing to the
-# steps it was built for until the GPU timing (tests/gpu/check_csrc_ops.py --chunk-only)
-# says how far it wins.
-SHORT_CHUNK_MAX_TOKENS = 128
-SHORT_CHUNK_SPLITS = 4
-# One int32 counter per query tile and kv head, zeros, left at zero by every launch; shared
-# by the launches on a device, which the engine runs on one stream one after another.
-_short_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _short_chunk_counters(device, num_tokens, num_seqs, group, num_kv_heads) -> torch.Tensor | None:
-    """The split counters for a short_chunk_attention launch, or None (one pass) when they
-    would have to be allocated during CUDA-graph capture (memory of the graph's pool must
-    not outlive it; the engine's warm-up steps before capture allocate them)."""
-    needed = (num_tokens // (_CHUNK_ROWS // group) + num_seqs) * num_kv_heads
-    counters = _short_counters.get(device)
-    if counters is None or counters.numel() < needed:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        size = max(needed, 4096 if counters is None else 2 * counters.numel())
-        counters = _short_counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
 
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
