@@ -49,19 +49,6 @@ inline void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
 }  // namespace asyncgen
 #endif
 
-// Barrier `id` (1-15; 0 is __syncthreads') among `num_threads` threads (whole warps, the
-// same count at every use of the id) of the block: returns once that many have arrived,
-// with their shared-memory writes before it visible to each other. Warp groups of one
-// block use it to synchronise among themselves only.
-#ifndef AG_NAMED_BARRIER
-#if defined(__CUDA_ARCH__)
-#define AG_NAMED_BARRIER(id, num_threads) \
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(num_threads) : "memory")
-#else
-#define AG_NAMED_BARRIER(id, num_threads) ((void)(id), (void)(num_threads))
-#endif
-#endif
-
 // The block's dynamic shared memory (the launch's smem bytes), 16-byte aligned.
 #ifndef AG_DYNAMIC_SMEM
 #define AG_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]

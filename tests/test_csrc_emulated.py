@@ -485,11 +485,11 @@ CHUNK_SHAPES = [
 ]
 
 
-def run_chunk(emu, case, num_splits=1, reverse_blocks=False, short_chunks=False):
+def run_chunk(emu, case, num_splits=1, reverse_blocks=False):
     out = torch.full_like(case.q, float("nan"))
     counters = torch.zeros(4096, dtype=torch.int32) if num_splits > 1 else None
     assert emu.chunk_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks, short_chunks)
+                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks)
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "the last split must reset its counter"
     ref = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
@@ -526,30 +526,3 @@ def test_chunk_attention_refuses_unsupported_shapes(emu):
     wide = make_chunk_case([(4, 4)], num_heads=16, num_kv_heads=1, head_dim=64, dtype=torch.float16)
     assert not emu.chunk_attention(torch.empty_like(wide.q), wide.q, wide.k_cache, wide.v_cache, wide.block_tables,
                                    wide.seq_lens, wide.query_start_loc, wide.scale)
-
-
-# The short-chunk kernel (short_chunk_attention_kernel: two warp groups take alternate key
-# tiles, blocks split a column's keys when it has at least 2 x 4 tiles): (seqs, num_heads,
-# num_kv_heads, head_dim, block_size, num_splits, reverse_blocks).
-SHORT_CHUNK_SHAPES = [
-    # A prefix hit in an 8-slot prompt graph: 64 + 14 rows, 9 key tiles over 3 blocks (one
-    # group with 2 tiles, the other 1), the 50-token padding sequence unsplit, empty slots.
-    ([(78, 200), (50, 0)] + [(0, 0)] * 6, 2, 2, 128, 16, 4, True),
-    ([(16, 300), (5, 40), (1, 77)], 8, 2, 64, 32, 2, True),   # GQA 4: 64 rows, 5 and 1 token
-    ([(5, 150), (1, 0)], 6, 1, 64, 16, 3, False),              # GQA 6: 30 rows of 60, 2 splits
-    ([(16, 100), (5, 0)], 8, 1, 128, 16, 16, False),           # GQA 8: two 64-row blocks
-    ([(1, 300), (1, 31)], 2, 2, 128, 32, 16, True),            # one query: 10 tiles, 3 splits
-    ([(40, 33), (17, 0)], 2, 2, 64, 16, 1, False),             # one pass: groups merged only
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", SHORT_CHUNK_SHAPES,
-                         ids=lambda s: f"{[q for q, _ in s[0] if q]}-{s[1]}x{s[2]}x{s[3]}-b{s[4]}-s{s[5]}{'-rev' * s[6]}")
-def test_short_chunk_attention_matches_reference(emu, shape, dtype):
-    seqs, num_heads, num_kv_heads, head_dim, block_size, num_splits, reverse = shape
-    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, dtype=dtype, seed=7 + len(seqs))
-    out, ref = run_chunk(emu, case, num_splits, reverse, short_chunks=True)
-    assert not out.isnan().any()
-    assert relative_error(out, ref) < TOLERANCE[dtype]

@@ -48,7 +48,6 @@ struct BlockRun {
   std::vector<Fiber> fibers;
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
-  Barrier named_barriers[16];  // bar.sync ids; 0 is the block barrier
   std::vector<uint64_t> shuffle_slots;  // one per thread
   std::function<void()> body;
   ucontext_t scheduler;
@@ -178,24 +177,6 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*st
       (reinterpret_cast<uintptr_t>(emu::g_dynamic_smem.data()) + 15) / 16 * 16)
 
 inline void __syncthreads() { emu::wait(emu::g_run->block_barrier); }
-
-namespace emu {
-// bar.sync id, count: the first arrival sets the count; a later one with another count is
-// a kernel bug (as on the hardware, where the behaviour is undefined).
-inline void named_barrier(int id, int count) {
-  if (id < 1 || id > 15 || count % 32 != 0) std::abort();
-  Barrier& b = g_run->named_barriers[id];
-  if (b.arrived == 0) {
-    b.expected = count;
-  } else if (b.expected != count) {
-    std::fprintf(stderr, "emu: barrier %d used with %d and %d threads\n", id, b.expected, count);
-    std::abort();
-  }
-  wait(b);
-}
-}  // namespace emu
-
-#define AG_NAMED_BARRIER(id, num_threads) emu::named_barrier((id), (num_threads))
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) std::abort();  // only full-warp syncs are modelled

@@ -39,12 +39,10 @@ int ag_paged_attention_decode(const DecodeParams* p, int dtype) {
   return ok ? 0 : 1;
 }
 
-// dtype as above; short_chunks: 1 for short_chunk_attention_kernel. Returns 0 on success,
-// 1 when no kernel takes the shapes.
-int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim, int short_chunks) {
-  const bool ok = dtype == 0
-                      ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr, short_chunks != 0)
-                      : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr, short_chunks != 0);
+// dtype as above. Returns 0 on success, 1 when no kernel takes the shapes.
+int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim) {
+  const bool ok = dtype == 0 ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr)
+                             : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr);
   return ok ? 0 : 1;
 }
 
