@@ -403,15 +403,7 @@ template <typename T, int HEAD_DIM>
 void launch_chunk_attention_for(const ChunkAttentionParams& p, cudaStream_t stream) {
   void (*kernel)(const ChunkAttentionParams) = chunk_attention_kernel<T, HEAD_DIM>;
   constexpr int smem = chunk_smem_bytes<HEAD_DIM>();
-#if defined(__CUDACC__)
-  static bool configured[64] = {};  // per device: more than 48 KiB of dynamic shared memory
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= 64 || !configured[device]) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (device >= 0 && device < 64) configured[device] = true;
-  }
-#endif
+  allow_dynamic_smem<chunk_attention_kernel<T, HEAD_DIM>>(smem);
   const int group = p.num_heads / p.num_kv_heads;
   const dim3 grid(chunk_grid_x(p.num_tokens, p.num_seqs, group), p.num_kv_heads, p.num_splits);
   AG_LAUNCH_KERNEL(kernel, grid, dim3(kChunkThreads), smem, stream, p);

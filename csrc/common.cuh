@@ -56,6 +56,23 @@ inline void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
 
 namespace asyncgen {
 
+// Lets KERNEL be launched with `bytes` (more than the default 48 KiB) of dynamic shared
+// memory on the current device, once per kernel and device. A no-op off the GPU.
+template <auto KERNEL>
+inline void allow_dynamic_smem(int bytes) {
+#if defined(__CUDACC__)
+  static bool configured[64] = {};  // per device, one set per kernel (a template argument)
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < 0 || device >= 64 || !configured[device]) {
+    cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (device >= 0 && device < 64) configured[device] = true;
+  }
+#else
+  (void)bytes;
+#endif
+}
+
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 

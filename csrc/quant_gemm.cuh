@@ -261,25 +261,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   // are two neighbouring columns of one row, stored as a pair.
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
-  if (gp.splits == 1) {
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int t = 0; t < 2; ++t)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int row = 8 * mt + 2 * c + rr;
-          const int col = col_base + wc + 2 * t;
-          if (row >= p.m || col >= p.n) continue;
-          float v0 = acc[mt][t][rr], v1 = acc[mt][t][rr + 2];
-          if (bias != nullptr) {
-            v0 += __half2float(bias[col]);
-            v1 += __half2float(bias[col + 1]);
-          }
-          *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
-        }
-    return;
-  }
+  const bool whole = gp.splits == 1;  // else the fp32 partials of this split
   float* part = gp.workspace + static_cast<int64_t>(split) * p.m * p.n;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -290,9 +272,18 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
         const int row = 8 * mt + 2 * c + rr;
         const int col = col_base + wc + 2 * t;
         if (row >= p.m || col >= p.n) continue;
-        *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) =
-            make_float2(acc[mt][t][rr], acc[mt][t][rr + 2]);
+        float v0 = acc[mt][t][rr], v1 = acc[mt][t][rr + 2];
+        if (!whole) {
+          *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) = make_float2(v0, v1);
+          continue;
+        }
+        if (bias != nullptr) {
+          v0 += __half2float(bias[col]);
+          v1 += __half2float(bias[col + 1]);
+        }
+        *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
       }
+  if (whole) return;
   if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
   // The last block of this column range: the splits' sums in split order (other blocks'
   // writes, read past L1), plus the bias.
@@ -325,17 +316,7 @@ template <int M_TILES, int WARPS>
 void launch_quant_gemm_4bit_for(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
   void (*kernel)(const QuantGemmParams) = quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>;
   constexpr int smem = TiledLayout<M_TILES, WARPS>::kSmemBytes;
-#if defined(__CUDACC__)
-  if (smem > 48 * 1024) {
-    static bool configured[64] = {};  // per device: more than 48 KiB of dynamic shared memory
-    int device = 0;
-    cudaGetDevice(&device);
-    if (device < 0 || device >= 64 || !configured[device]) {
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (device >= 0 && device < 64) configured[device] = true;
-    }
-  }
-#endif
+  if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>>(smem);
   const dim3 grid(ceil_div(p.q.n, 32 * WARPS), p.splits), block(WARPS * kWarpSize);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
