@@ -25,6 +25,10 @@ class Calls(list):
     quant_rows = cuda_backend.QUANT_MMA_MAX_ROWS  # what the fake 4-bit kernel takes
     tiled = False  # whether the fake tiled GEMM takes the weights
 
+    def __init__(self):
+        super().__init__()
+        self.scratches = []  # the scratch each tiled launch got
+
 
 @pytest.fixture
 def fake_csrc(monkeypatch):
@@ -44,8 +48,10 @@ def fake_csrc(monkeypatch):
         out.copy_(y)
         return out
 
-    def launch_tiled(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, warps=4, splits=1):
+    def launch_tiled(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, warps=4, splits=1,
+                     scratch=None):
         calls.append(("tiled", x.shape[0], warps, splits))
+        calls.scratches.append(scratch)
         y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
         return y if out is None else out.copy_(y)
 
@@ -269,6 +275,10 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
     write_checkpoint(tmp_path / "awq", VARIANTS["awq-g64"])
     model = load_model(tmp_path / "awq", "cuda")
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None)]
+    scratch = cuda_backend.GemmScratch("cpu")  # as the model runner gives each model one
+    for layer in layers:
+        for seg in layer.quant_segments:
+            seg.gemm_scratch = scratch
     chosen = QuantLinearMethod.choose_kernels(layers)
     tiled_rows = {call[1] for call in timed if call[0] == "tiled"}
     assert tiled_rows and min(tiled_rows) == TILED_MIN_ROWS
@@ -286,6 +296,20 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
         torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
         assert fake_csrc and all(call == ("tiled", 40, 8, 3) for call in fake_csrc)
     assert QuantLinearMethod.kernel_name(TILED + best) == "csrc-tiled-8w-split3"
+    assert fake_csrc.scratches and all(sc is scratch for sc in fake_csrc.scratches)
+
+
+def test_gemm_scratch_grows_and_keeps_what_graphs_captured():
+    scratch = cuda_backend.GemmScratch("cpu")
+    ws, counters = scratch.buffers(100, 10)
+    assert ws.numel() >= 100 and ws.dtype == torch.float32
+    assert counters.numel() >= 10 and counters.dtype == torch.int32 and int(counters.abs().sum()) == 0
+    assert scratch.buffers(50, 5)[0] is ws  # big enough: the same buffers
+    bigger, same_counters = scratch.buffers(1000, 10)
+    assert bigger.numel() >= 1000 and same_counters is counters
+    assert any(t is ws for t in scratch._retired)  # the old workspace stays alive
+    other = cuda_backend.GemmScratch("cpu")
+    assert other.buffers(100, 10)[0] is not scratch.workspace  # one per model
 
 
 def test_choose_dequant_rows_switches_where_dequantizing_wins_from_there_on(tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
-    "QUANT_GEMM_CONFIGS", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
+    "GemmScratch", "QUANT_GEMM_CONFIGS", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
 ]
 
 BUILD_HINT = (
@@ -791,10 +791,36 @@ def launch_quant_gemv_4bit(
 # columns, and with s splits s blocks share each column range's K.
 QUANT_GEMM_CONFIGS = tuple((warps, splits) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8))
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
-# Per device: the split GEMM's fp32 workspace and its counters. A buffer that grows is
-# replaced, and the old one kept: CUDA graphs captured with it still write to it.
-_gemm_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_retired_gemm_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+class GemmScratch:
+    """The split tiled GEMM's fp32 workspace and its counters (int32, left at zero by each
+    launch) on one device, for launches that never run at once: one per model, whose
+    steps run on one stream (two engines' models in one process each need their own). A
+    buffer that has to grow is replaced and the old one kept alive, since CUDA graphs
+    captured with it still use it."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.workspace: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
+
+    def buffers(self, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(workspace of at least ``floats`` fp32, counters of at least ``blocks`` zeros)."""
+        if self.workspace is None or self.workspace.numel() < floats:
+            if self.workspace is not None:
+                self._retired.append(self.workspace)
+                floats = max(floats, 2 * self.workspace.numel())
+            self.workspace = torch.empty(floats, dtype=torch.float32, device=self.device)
+        if self.counters is None or self.counters.numel() < blocks:
+            if self.counters is not None:
+                self._retired.append(self.counters)
+            self.counters = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=self.device)
+        return self.workspace, self.counters
+
+
+_default_scratch: dict[torch.device, GemmScratch] = {}  # for callers that pass none
 
 
 def quant_gemm_4bit_weight_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -814,18 +840,6 @@ def quant_gemm_4bit_weight_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros
     )
 
 
-def _split_buffers(device: torch.device, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    bufs = _gemm_buffers.get(device)
-    if bufs is None or bufs[0].numel() < floats or bufs[1].numel() < blocks:
-        if bufs is not None:
-            _retired_gemm_buffers.append(bufs)
-            floats, blocks = max(floats, bufs[0].numel()), max(blocks, bufs[1].numel())
-        bufs = (torch.empty(floats, dtype=torch.float32, device=device),
-                torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device))
-        _gemm_buffers[device] = bufs
-    return bufs
-
-
 def launch_quant_gemm_4bit(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -838,13 +852,14 @@ def launch_quant_gemm_4bit(
     out: torch.Tensor | None = None,
     warps: int = 4,
     splits: int = 1,
+    scratch: GemmScratch | None = None,
 ) -> torch.Tensor:
     """``x[:, perm] @ W + bias`` by the tiled tensor-core GEMM (``csrc/quant_gemm.cuh``) for
     1 to :data:`QUANT_MMA_MAX_ROWS` rows, for callers that checked the weight
     (:func:`quant_gemm_4bit_weight_ok`) and the input (:func:`gemv_input_ok`). ``warps`` and
-    ``splits`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the device's shared
-    workspace is used, so launches must not run at once on two streams. The op still
-    validates its arguments in C++."""
+    ``splits`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the partials go to
+    ``scratch`` (default: one per device, for launches that never run at once, see
+    :class:`GemmScratch`). The op still validates its arguments in C++."""
     if perm is not None:
         x = x.index_select(1, perm)
     k = qweight.shape[0] * 8
@@ -853,7 +868,9 @@ def launch_quant_gemm_4bit(
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     workspace = counters = None
     if splits > 1:
-        workspace, counters = _split_buffers(x.device, splits * x.shape[0] * n, -(-n // (32 * warps)))
+        if scratch is None:
+            scratch = _default_scratch.setdefault(x.device, GemmScratch(x.device))
+        workspace, counters = scratch.buffers(splits * x.shape[0] * n, -(-n // (32 * warps)))
     torch.ops.asyncgen_C.quant_gemm_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits
     )

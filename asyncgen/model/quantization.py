@@ -231,6 +231,9 @@ class _Segment:
     # x of at least this many rows (0: never) is multiplied by the weight dequantized to a
     # dense buffer, through cuBLAS; see QuantLinearMethod.choose_dequant_rows.
     dequant_rows: int = 0
+    # The tiled csrc GEMM's split workspace (cuda_backend.GemmScratch), one per model: set by
+    # the model runner before choose_kernels; None uses the device's default one.
+    gemm_scratch: Optional[Any] = None
 
 
 @dataclasses.dataclass
@@ -446,7 +449,8 @@ class QuantLinearMethod(LinearMethod):
                 if kernel >= TILED:
                     warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
                     return cuda_backend.launch_quant_gemm_4bit(
-                        x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits
+                        x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits,
+                        scratch=seg.gemm_scratch,
                     )
                 return cuda_backend.launch_quant_gemv_4bit(
                     x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel
@@ -537,7 +541,8 @@ class QuantLinearMethod(LinearMethod):
                     if kernel >= TILED:
                         warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
                         return cuda_backend.launch_quant_gemm_4bit(
-                            x, qweight, scales, zeros, size, seg.perm, bias, out=y, warps=warps, splits=splits
+                            x, qweight, scales, zeros, size, seg.perm, bias, out=y, warps=warps, splits=splits,
+                            scratch=seg.gemm_scratch,
                         )
                     return cuda_backend.launch_quant_gemv_4bit(
                         x, qweight, scales, zeros, size, seg.perm, bias, out=y, kernel=kernel

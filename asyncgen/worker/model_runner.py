@@ -181,6 +181,10 @@ class ModelRunner:
                 layer.mlp.gate_up_proj.gemv_gated = True  # SiLU-and-multiply inside the GEMV
         quantized = [m for m in linear if getattr(m, "quant_kernel", None) == "cuda"]
         if quantized:
+            scratch = cuda_backend.GemmScratch(self.device)  # this model's split workspace
+            for layer in quantized:
+                for seg in layer.quant_segments:
+                    seg.gemm_scratch = scratch
             t0 = time.perf_counter()
             chosen = QuantLinearMethod.choose_kernels(quantized)
             table = "; ".join(

@@ -406,7 +406,7 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
         for a, b in ((x, y), (x16, y16)):
             want = qref.quant_matmul(a, qweight, scales, zeros, 4, 128).float()
             worst = max(worst, ((b.float() - want).abs().max() / want.abs().max()).item())
-    counters = cuda_backend._gemm_buffers[x.device][1]
+    counters = cuda_backend._default_scratch[x.device].counters
     ok = worst < 2e-3 and int(counters.abs().sum()) == 0
     ROWS.append(Row("graph", "tiled split launches: 4 graph replays", worst, ok, 0.0, 0.0, 0))
     print(f"  tiled split launches, 4 graph replays: {'ok' if ok else 'FAIL'} rel_err {worst:.1e}, "
