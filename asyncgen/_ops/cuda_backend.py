@@ -758,6 +758,17 @@ def quant_gemv_4bit(
 QUANT_KERNELS = {"either": 0, "cuda_cores": 1, "tensor_cores": 2}  # the op's ``kernel`` argument
 
 
+def _quant_io(x: torch.Tensor, qweight: torch.Tensor, perm: torch.Tensor | None,
+              out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit launchers' x (its columns gathered by ``perm`` where given) and output
+    (a new [M, N] tensor of x's dtype where none is given)."""
+    if perm is not None:
+        x = x.index_select(1, perm)
+    if out is None:
+        out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
+    return x, out
+
+
 def launch_quant_gemv_4bit(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -775,11 +786,8 @@ def launch_quant_gemv_4bit(
     Gathers ``x[:, perm]`` first when given. ``kernel`` (a value of
     :data:`QUANT_KERNELS`) picks the CUDA-core or the tensor-core kernel; 0 takes tensor
     cores where they apply. The op still validates its arguments in C++."""
-    if perm is not None:
-        x = x.index_select(1, perm)
+    x, out = _quant_io(x, qweight, perm, out)
     k = qweight.shape[0] * 8
-    if out is None:
-        out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
     torch.ops.asyncgen_C.quant_gemv_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
     )
@@ -860,16 +868,12 @@ def launch_quant_gemm_4bit(
     ``splits`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the partials go to
     ``scratch`` (default: one per device, for launches that never run at once, see
     :class:`GemmScratch`). The op still validates its arguments in C++."""
-    if perm is not None:
-        x = x.index_select(1, perm)
-    k = qweight.shape[0] * 8
-    n = qweight.shape[1]
-    if out is None:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    x, out = _quant_io(x, qweight, perm, out)
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
     workspace = counters = None
     if splits > 1:
         if scratch is None:
-            scratch = _default_scratch.setdefault(x.device, GemmScratch(x.device))
+            scratch = _default_scratch.get(x.device) or _default_scratch.setdefault(x.device, GemmScratch(x.device))
         workspace, counters = scratch.buffers(splits * x.shape[0] * n, -(-n // (32 * warps)))
     torch.ops.asyncgen_C.quant_gemm_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits

@@ -446,16 +446,22 @@ class QuantLinearMethod(LinearMethod):
             from .._ops import cuda_backend
 
             if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, len(seg.route) - 1):
-                if kernel >= TILED:
-                    warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
-                    return cuda_backend.launch_quant_gemm_4bit(
-                        x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits,
-                        scratch=seg.gemm_scratch,
-                    )
-                return cuda_backend.launch_quant_gemv_4bit(
-                    x, qweight, scales, zeros, size, seg.perm, bias, out=out, kernel=kernel
-                )
+                return self._csrc(x, qweight, scales, zeros, seg, bias, out, size, kernel)
         return self._triton(x, qweight, scales, zeros, seg, bias, out, layer.quant_group_size)
+
+    @staticmethod
+    def _csrc(x, qweight, scales, zeros, seg: _Segment, bias, out, size, kernel: int):
+        """The csrc 4-bit kernel that route value ``kernel`` (not TRITON) names."""
+        from .._ops import cuda_backend
+
+        if kernel >= TILED:
+            warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
+            return cuda_backend.launch_quant_gemm_4bit(
+                x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits,
+                scratch=seg.gemm_scratch,
+            )
+        return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, size, seg.perm, bias, out=out,
+                                                   kernel=kernel)
 
     def _triton(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
         if x.shape[0] <= GEMV_MAX_ROWS:
@@ -538,15 +544,7 @@ class QuantLinearMethod(LinearMethod):
                     y = out[:, : qweight.shape[1]]
                     if kernel == TRITON:
                         return method._triton(x, qweight, scales, zeros, seg, bias, y, size)
-                    if kernel >= TILED:
-                        warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
-                        return cuda_backend.launch_quant_gemm_4bit(
-                            x, qweight, scales, zeros, size, seg.perm, bias, out=y, warps=warps, splits=splits,
-                            scratch=seg.gemm_scratch,
-                        )
-                    return cuda_backend.launch_quant_gemv_4bit(
-                        x, qweight, scales, zeros, size, seg.perm, bias, out=y, kernel=kernel
-                    )
+                    return QuantLinearMethod._csrc(x, qweight, scales, zeros, seg, bias, y, size, kernel)
 
                 times = {c: cuda_backend.graph_time_ms(lambda item, c=c: run(item, c), items) for c in candidates}
                 best = min(times, key=times.get)

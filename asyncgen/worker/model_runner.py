@@ -456,7 +456,7 @@ class ModelRunner:
             event.record()
         n_fill = host.fill_dst.size
         if n_fill:
-            g.input_ids.index_copy_(0, g.fill_dst[:n_fill], self._last_tokens.index_select(0, g.fill_src[:n_fill]))
+            self._fill_placeholders(g.input_ids, g.fill_dst[:n_fill], g.fill_src[:n_fill])
         graph, logits = self._prompt_graphs[key]
         graph.replay()
         return logits[: host.logits_idx.size]
@@ -509,7 +509,7 @@ class ModelRunner:
             if graph_bs is not None:
                 logits = self._replay(graph_bs, inputs)
             else:
-                self._fill_placeholders(inputs.input_ids, inputs)
+                self._fill_placeholders(inputs.input_ids, inputs.fill_dst, inputs.fill_src)
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
                 logits = self.model.compute_logits(hidden[inputs.logits_idx])
                 if inputs.plp is not None:
@@ -555,16 +555,18 @@ class ModelRunner:
                 result.logprobs[req_id] = lp
         return result
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, inputs: "_StepInputs") -> None:
-        """Writes the previous launch's device-side samples over the placeholder inputs."""
-        if inputs.fill_dst is not None:
-            input_ids.index_copy_(0, inputs.fill_dst, self._last_tokens.index_select(0, inputs.fill_src))
+    def _fill_placeholders(self, input_ids: torch.Tensor, fill_dst: Optional[torch.Tensor],
+                           fill_src: Optional[torch.Tensor]) -> None:
+        """Writes the previous launch's device-side samples (rows ``fill_src``) over the
+        placeholder inputs (rows ``fill_dst``); nothing where ``fill_dst`` is None."""
+        if fill_dst is not None:
+            input_ids.index_copy_(0, fill_dst, self._last_tokens.index_select(0, fill_src))
 
     def _replay(self, b: int, inputs: "_StepInputs") -> torch.Tensor:
         g = self._graph_inputs
         n = inputs.input_ids.shape[0]
         g["input_ids"][:n].copy_(inputs.input_ids)
-        self._fill_placeholders(g["input_ids"], inputs)
+        self._fill_placeholders(g["input_ids"], inputs.fill_dst, inputs.fill_src)
         g["positions"][:n].copy_(inputs.positions)
         g["slot_mapping"][:n].copy_(inputs.meta.slot_mapping)
         g["slot_mapping"][n:b].fill_(-1)
