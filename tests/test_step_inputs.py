@@ -69,3 +69,65 @@ def test_a_decode_step_of_many_sequences():
     assert inputs.meta.block_tables.tolist() == [[i, 40 + i] for i in range(9)]
     assert inputs.logits_idx.tolist() == list(range(9))
     assert inputs.fill_dst is None and inputs.fill_src is None
+
+
+def _one_sequence_cases():
+    return [
+        ScheduledSeq("a", [11, 12, 13, 14, 15], 6, [9, 2, 7], True),  # a chunk over a cached prefix, samples
+        ScheduledSeq("a", [21, 22, 23], 0, [4], False),  # the first chunk of a longer prompt
+        ScheduledSeq("a", list(range(30, 47)), 3, [8, 1, 6, 2, 5], True),  # spans four blocks, unaligned start
+        ScheduledSeq("a", [77], 13, [3, 0, 5, 9], True),  # a decode
+        ScheduledSeq("b", [PLACEHOLDER], 9, [5, 1, 8], True),  # a decode whose input is pending
+        ScheduledSeq("p", [31, 32, 33, 34], 2, [6, 3], False, prompt_logprobs=True),  # a chunk reporting prompt logprobs
+    ]
+
+
+def test_a_step_of_one_sequence_gets_the_arrays_of_the_general_path():
+    import numpy as np
+
+    from types import SimpleNamespace
+
+    for seq in _one_sequence_cases():
+        runner = _runner(4)
+        runner.states["p"] = SimpleNamespace(prompt_token_ids=[29, 30, 31, 32, 33, 34, 35, 36],
+                                             params=SimpleNamespace(prompt_logprobs=2))
+        one = runner._host_inputs(_step([seq]))
+        many = runner._host_inputs_many([seq])
+        for field in ("input_ids", "positions", "slot_mapping", "logits_idx", "fill_dst", "fill_src", "seq_lens",
+                      "qsl", "tables"):
+            a, b = getattr(one, field), getattr(many, field)
+            assert a.dtype == b.dtype == np.int64, (seq, field)
+            assert a.shape == b.shape and np.array_equal(a, b), (seq, field, a, b)
+        for field in ("max_query_len", "sampling_ids", "sample_ends", "is_decode"):
+            assert getattr(one, field) == getattr(many, field), (seq, field)
+        assert (one.plp is None) == (many.plp is None) == (not seq.prompt_logprobs)
+        if one.plp is not None:
+            assert one.plp[0] == many.plp[0] == [("p", 3, 4, 2)]
+            assert np.array_equal(one.plp[1], many.plp[1]) and np.array_equal(one.plp[2], many.plp[2])
+            assert one.plp[2].tolist() == [32, 33, 34, 35]
+
+
+def test_a_step_of_one_sequence_by_hand():
+    seq = _one_sequence_cases()[2]  # 17 tokens at positions 3..19 in blocks [8, 1, 6, 2, 5] of 4
+    inputs = _runner(4)._prepare(_step([seq]))
+    assert inputs.input_ids.tolist() == list(range(30, 47))
+    assert inputs.positions.tolist() == list(range(3, 20))
+    assert inputs.meta.slot_mapping.tolist() == [35] + [4, 5, 6, 7] + [24, 25, 26, 27] + [8, 9, 10, 11] + [20, 21, 22, 23]
+    assert inputs.meta.seq_lens.tolist() == [20]
+    assert inputs.meta.query_start_loc.tolist() == [0, 17]
+    assert inputs.logits_idx.tolist() == [16]
+    assert inputs.sample_ends == [20] and not inputs.is_decode
+    assert inputs.fill_dst is None
+
+
+def test_one_pending_decode_takes_its_sample_from_the_last_launch():
+    runner = _runner(4)
+    inputs = runner._prepare(_step([_one_sequence_cases()[4]]))
+    assert inputs.is_decode and inputs.fill_dst.tolist() == [0] and inputs.fill_src.tolist() == [3]
+    runner._last_rows = {}
+    try:
+        runner._prepare(_step([_one_sequence_cases()[4]]))
+    except RuntimeError as e:
+        assert "'b'" in str(e)
+    else:
+        raise AssertionError("a pending token the last launch did not sample must raise")

@@ -143,8 +143,9 @@ class ModelRunner:
         # The previous launch's sampled tokens on the device, and each sequence's row.
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
-        self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy]
+        self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy, the buffer as an array]
         self._staging_next = 0
+        self._copy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _packed_copy_views
 
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
@@ -331,6 +332,7 @@ class ModelRunner:
         self._prompt_graphs, self._prompt_inputs, self._prompt_graph_keys = {}, None, []
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
+        self._copy_views = {}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -441,16 +443,17 @@ class ModelRunner:
         size = g.packed_words(n_seq) if full_rows else g.table_offset
         narrow = 0 if full_rows else -(-n_seq * width // 2)  # the table's words, sent apart
         if self.device.type == "cuda":
-            staging, event = self._staging(size + narrow)
+            slot, buf, words, event = self._staging(size + narrow)
+            dst, src = self._packed_copy_views(key, g, slot, buf, size)
         else:
-            staging, event = torch.empty(size + narrow, dtype=torch.int64), None
-        flat = staging.numpy()
-        g.pack(flat[:size], host, full_rows)
-        g.buf[:size].copy_(staging[:size], non_blocking=True)
+            buf = torch.empty(size + narrow, dtype=torch.int64)
+            words, event, dst, src = buf.numpy(), None, g.buf[:size], buf[:size]
+        g.pack(words[:size], host, full_rows)
+        dst.copy_(src, non_blocking=True)
         if not full_rows:  # long block tables: only the step's columns travel (a strided copy)
-            tables = flat[size:].view(np.int32)[: n_seq * width]
+            tables = words[size : size + narrow].view(np.int32)[: n_seq * width]
             tables[:] = host.tables.reshape(-1)
-            src = staging[size:].view(torch.int32)[: n_seq * width].view(n_seq, width)
+            src = buf[size:].view(torch.int32)[: n_seq * width].view(n_seq, width)
             g.block_tables[:n_seq, :width].copy_(src, non_blocking=True)
         if event is not None:
             event.record()
@@ -584,7 +587,41 @@ class ModelRunner:
 
     def _host_inputs(self, out: SchedulerOutput) -> "_HostInputs":
         """The step's index arrays, built with numpy on the host."""
-        seqs = out.seqs
+        if len(out.seqs) == 1:
+            return self._host_inputs_one(out.seqs[0])
+        return self._host_inputs_many(out.seqs)
+
+    def _host_inputs_one(self, s) -> "_HostInputs":
+        """:meth:`_host_inputs_many` for a step of one sequence (a request's prompt at an
+        idle engine, one stream's decode) in a third of the numpy calls: this work lies
+        between a request's arrival and the start of its first step on the device."""
+        bs = self.block_size
+        q, start = len(s.token_ids), s.start_pos
+        end = start + q
+        input_ids = np.array(s.token_ids, dtype=np.int64)
+        positions = np.arange(start, end, dtype=np.int64)
+        tables = np.array(s.block_ids, dtype=np.int64).reshape(1, -1)
+        slot_mapping = tables[0, positions // bs] * bs + positions % bs
+        qsl = np.array((0, q), dtype=np.int64)
+        if s.sample:
+            logits_idx, sampling_ids, sample_ends = np.array((q - 1,), dtype=np.int64), [s.req_id], [end]
+        else:
+            logits_idx, sampling_ids, sample_ends = _NO_ROWS, [], []
+        plp = self._prompt_logprob_rows((s,), qsl) if s.prompt_logprobs else None
+        fill_dst = fill_src = _NO_ROWS
+        if s.token_ids[0] == PLACEHOLDER:
+            try:
+                fill_src = np.array((self._last_rows[s.req_id],), dtype=np.int64)
+            except KeyError:
+                raise RuntimeError(f"sequence {s.req_id!r} has a pending token the previous step did not sample") from None
+            fill_dst = np.zeros(1, dtype=np.int64)
+        return _HostInputs(
+            input_ids, positions, slot_mapping, logits_idx, fill_dst, fill_src, np.array((end,), dtype=np.int64), qsl,
+            tables, q, sampling_ids, sample_ends, q == 1, plp,
+        )
+
+    def _host_inputs_many(self, seqs) -> "_HostInputs":
+        """The step's index arrays for any number of sequences."""
         bs = self.block_size
         n = len(seqs)
         q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
@@ -649,9 +686,9 @@ class ModelRunner:
         sec32[t0 : t0 + n * max_blocks] = host.tables.reshape(-1)
         np.concatenate(parts64, out=flat[h:])
         if self.device.type == "cuda":
-            staging, event = self._staging(flat.size)
-            staging.numpy()[:] = flat
-            dev = staging.to(self.device, non_blocking=True)
+            _, buf, words, event = self._staging(flat.size)
+            words[: flat.size] = flat
+            dev = buf[: flat.size].to(self.device, non_blocking=True)
             event.record()
         else:
             dev = torch.from_numpy(flat)
@@ -700,19 +737,32 @@ class ModelRunner:
             return None
         return entries, np.asarray(rows, dtype=np.int64), np.asarray(targets, dtype=np.int64)
 
-    def _staging(self, size: int) -> tuple[torch.Tensor, "torch.cuda.Event"]:
-        """A pinned host buffer of at least ``size`` int64s and the event to record after
-        copying from it. Buffers rotate, and one is rewritten only after its last copy
-        finished, as steps are launched ahead of the device."""
+    def _staging(self, size: int) -> tuple[int, torch.Tensor, np.ndarray, "torch.cuda.Event"]:
+        """A pinned host buffer of at least ``size`` int64s: its ring slot, the buffer
+        (as a tensor and as an array) and the event to record after copying from it.
+        Buffers rotate, and one is rewritten only after its last copy finished, as steps
+        are launched ahead of the device."""
         if not self._staging_ring:
-            self._staging_ring = [[None, torch.cuda.Event()] for _ in range(3)]
-        slot = self._staging_ring[self._staging_next]
-        self._staging_next = (self._staging_next + 1) % len(self._staging_ring)
-        buf, event = slot
+            self._staging_ring = [[None, torch.cuda.Event(), None] for _ in range(3)]
+        index = self._staging_next
+        slot = self._staging_ring[index]
+        self._staging_next = (index + 1) % len(self._staging_ring)
+        buf, event, words = slot
         event.synchronize()  # returns at once unless the device is three steps behind
         if buf is None or buf.numel() < size:
             buf = slot[0] = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
-        return buf[:size], event
+            words = slot[2] = buf.numpy()
+            self._copy_views = {k: v for k, v in self._copy_views.items() if k[1] != index}
+        return index, buf, words, event
+
+    def _packed_copy_views(self, key, g: "_PromptGraphInputs", slot: int, buf: torch.Tensor, size: int):
+        """The first ``size`` words of prompt graph ``key``'s packed inputs and of staging
+        buffer ``slot``, as tensors kept from the last step of this shape (a prompt step at
+        an idle engine waits on every host call before the device starts)."""
+        views = self._copy_views.get((key, slot, size))
+        if views is None:
+            views = self._copy_views[key, slot, size] = (g.buf[:size], buf[:size])
+        return views
 
 
 @dataclasses.dataclass
@@ -734,6 +784,10 @@ class _HostInputs:
     is_decode: bool  # every sequence computes exactly one token
     plp: Optional[tuple] = None  # prompt-logprob rows (see ModelRunner._prompt_logprob_rows), on the host
 
+
+# An empty index array (no sampled rows, no placeholders), shared and never written.
+_NO_ROWS = np.empty(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
 
 # Block-table rows of up to this many bytes travel whole, in the prompt graph's one copy;
 # longer ones (long max_model_len, many sequences) only the step's columns, in a second.
