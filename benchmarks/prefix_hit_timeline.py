@@ -270,11 +270,12 @@ async def run(args) -> dict:
         install_probes(engine, events)
         gen = torch.Generator().manual_seed(0)
         hi = min(engine.vocab_size, 30000)
-        prefix = torch.randint(1000, hi, (args.prefix_len,), generator=gen).tolist()
+        lo = min(1000, hi // 2)  # ordinary tokens, past the special ones
+        prefix = torch.randint(lo, hi, (args.prefix_len,), generator=gen).tolist()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
         async def one(record: bool, gap_ms: float = 200.0):
-            prompt = prefix + torch.randint(1000, hi, (args.new_len,), generator=gen).tolist()
+            prompt = prefix + torch.randint(lo, hi, (args.new_len,), generator=gen).tolist()
             await anyio.sleep(gap_ms / 1e3)
             events.clear()
             t_send = time.perf_counter()
@@ -306,6 +307,7 @@ async def run(args) -> dict:
                 "segments_p50_us": {k: statistics.median(r[k] for r in rows) * 1e6 for k in keys},
                 "segments_mean_us": {k: statistics.fmean(r[k] for r in rows) * 1e6 for k in keys},
                 "cached_tokens_p50": statistics.median(r["cached"] or 0 for r in rows),
+                "requests": rows,  # seconds
             }
             print(f"{len(rows)} requests: {args.prefix_len}-token shared prefix + {args.new_len} new tokens, "
                   f"prefix caching {'off' if args.no_prefix_caching else 'on'} "
@@ -338,7 +340,7 @@ async def run(args) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda")
@@ -355,10 +357,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trace", type=int, default=3, help="requests traced with torch.profiler afterwards (cuda)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = anyio.run(run, args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return result
 
 
 if __name__ == "__main__":

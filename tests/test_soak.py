@@ -235,3 +235,22 @@ def test_online_benchmark_quick_with_prefix_caching_comparison(tiny_model, tmp_p
             assert on["mean_cached_prompt_tokens"] >= 48 - 16 and off["mean_cached_prompt_tokens"] == 0
         assert report["prefix_caching_ttft_ratio"]["mean"] > 0
         assert report["prefix_caching_ttft_from_send_ratio"]["mean"] > 0
+
+
+# --- the prefix-hit timeline -------------------------------------------------------------------
+def test_prefix_hit_timeline_segments_tile_each_first_token(tiny_model):
+    timeline = _load("prefix_hit_timeline")
+    report = timeline.main([
+        "--model", str(tiny_model), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+        "--max-num-seqs", "8", "--prefix-len", "48", "--new-len", "8", "--requests", "3", "--warmup", "1",
+        "--gap-ms", "5", "0", "--trace", "0",
+    ])
+    assert report["runs"].keys() == {"5.0", "0.0"}
+    for run in report["runs"].values():
+        assert run["cached_tokens_p50"] == 48  # the prefix's three full blocks of 16
+        for r in run["requests"]:
+            parts = [r[k] for k in timeline.SEGMENTS]
+            assert all(p >= 0 for p in parts), r
+            # consecutive timestamps: the segments add up to the stream() call -> first token time
+            assert sum(parts) == pytest.approx(r["total"], rel=1e-9, abs=1e-9), r
+            assert 0 < r["host_inputs (cpu)"] and r["host_inputs"] <= r["launch"]
