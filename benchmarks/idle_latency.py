@@ -130,6 +130,14 @@ def install_stubs(engine, clock: DeviceClock, graphs: bool, events: list) -> Non
     if events is None:
         return
 
+    record_host_steps(core, runner, events)
+
+
+def record_host_steps(core, runner, events: list) -> None:
+    """Records ``(name:start|end, perf_counter, object)`` around the engine core's and the
+    runner's host steps (the object: the step's SchedulerOutput or LaunchedStep, else the
+    call's first argument)."""
+
     def wrap(obj, name):
         fn = getattr(obj, name)
 
@@ -193,51 +201,70 @@ def install_fake_graphs(runner, vocab: int) -> None:
     runner._prompt_graph_keys = keys
 
 
-def segments(events: list, t_send: float, t_recv: float, req_id: str) -> dict[str, float]:
-    """The request's first-token path, cut at the recorded timestamps (seconds)."""
-    def first(name, after, key=None):
+class FirstStep(dict):
+    """The recorded events of a request's first step (see :func:`find_first_step`)."""
+
+    def first(self, name, after, key=None):
+        """(index, time) of the first event ``name`` at or after index ``after``."""
+        events = self["events"]
         for i in range(after, len(events)):
             ev, t, obj = events[i]
             if ev == name and (key is None or key(obj)):
                 return i, t
         raise LookupError(name)
 
+
+def find_first_step(events: list, t_send: float, req_id: str) -> FirstStep:
+    """Indices ``i_*`` and times ``t_*`` of the events on request ``req_id``'s path from its
+    ``stream()`` call (``t_send``) to the emission of its first token, from the records of
+    :func:`record_host_steps` and a ``("waited", t, pending)`` event when a step's tokens
+    reached the host; also the step's ``out`` (SchedulerOutput), ``launched`` and ``pending``."""
+    f = FirstStep(events=events)
+    first = f.first
     start = next(i for i, (_, t, _) in enumerate(events) if t >= t_send)
-    i_add, t_added = first("add:end", start)
+    i_add, f["t_added"] = first("add:end", start)
     # The request's prompt step: the first schedule() after it was added whose output has it.
     i = i_add
     while True:
-        i, t_sched0 = first("schedule:start", i + 1)
-        i_s, t_sched1 = first("schedule:end", i)
+        i, f["t_sched0"] = first("schedule:start", i + 1)
+        i_s, f["t_sched1"] = first("schedule:end", i)
         out = events[i_s][2]
         if any(s.req_id == req_id and s.sample for s in out.seqs):
             break
-    i_l, t_launch0 = first("launch:start", i_s, lambda o: o is out)
-    i_le, _ = first("launch:end", i_l)  # (the device thread runs one call at a time)
-    launched = events[i_le][2]
-    pending = launched.pending
-    _, t_enq = first("enqueued", i_l, lambda o: o is pending)
-    i_c, t_collect0 = first("collect:start", i_le, lambda o: o is launched)
-    i_w, t_waited = first("waited", i_c, lambda o: o is pending)
-    i_ce, t_collect1 = first("collect:end", i_w, lambda o: o is launched)
-    i_u, t_update0 = first("update:start", i_ce, lambda o: o is out)
-    i_ue, t_update1 = first("update:end", i_u)
-    i_e, t_emit0 = first("emit:start", i_ue, lambda reqs: any(r.request_id == req_id for r in reqs))
-    _, t_emit1 = first("emit:end", i_e)
+    f["out"] = out
+    f["i_l"], f["t_launch0"] = first("launch:start", i_s, lambda o: o is out)
+    f["i_le"], f["t_launch1"] = first("launch:end", f["i_l"])  # (the device thread runs one call at a time)
+    launched = f["launched"] = events[f["i_le"]][2]
+    pending = f["pending"] = launched.pending
+    i_c, _ = first("collect:start", f["i_le"], lambda o: o is launched)
+    i_w, f["t_waited"] = first("waited", i_c, lambda o: o is pending)
+    i_ce, f["t_collect1"] = first("collect:end", i_w, lambda o: o is launched)
+    i_u, f["t_update0"] = first("update:start", i_ce, lambda o: o is out)
+    i_ue, f["t_update1"] = first("update:end", i_u)
+    i_e, f["t_emit0"] = first("emit:start", i_ue, lambda reqs: any(r.request_id == req_id for r in reqs))
+    _, f["t_emit1"] = first("emit:end", i_e)
+    return f
+
+
+def segments(events: list, t_send: float, t_recv: float, req_id: str) -> dict[str, float]:
+    """The request's first-token path, cut at the recorded timestamps (seconds)."""
+    f = find_first_step(events, t_send, req_id)
+    pending = f["pending"]
+    _, t_enq = f.first("enqueued", f["i_l"], lambda o: o is pending)
     ready = pending._stub_ready
     return {
-        "send": t_added - t_send,
-        "wake": t_sched0 - t_added,
-        "schedule": t_sched1 - t_sched0,
-        "submit": t_launch0 - t_sched1,
-        "launch": t_enq - t_launch0,
-        "wait+": t_waited - ready,
-        "collect": t_collect1 - t_waited,
-        "return": t_update0 - t_collect1,
-        "update": t_update1 - t_update0,
-        "gap": t_emit0 - t_update1,
-        "emit": t_emit1 - t_emit0,
-        "handoff": t_recv - t_emit1,
+        "send": f["t_added"] - t_send,
+        "wake": f["t_sched0"] - f["t_added"],
+        "schedule": f["t_sched1"] - f["t_sched0"],
+        "submit": f["t_launch0"] - f["t_sched1"],
+        "launch": t_enq - f["t_launch0"],
+        "wait+": f["t_waited"] - ready,
+        "collect": f["t_collect1"] - f["t_waited"],
+        "return": f["t_update0"] - f["t_collect1"],
+        "update": f["t_update1"] - f["t_update0"],
+        "gap": f["t_emit0"] - f["t_update1"],
+        "emit": f["t_emit1"] - f["t_emit0"],
+        "handoff": t_recv - f["t_emit1"],
         # device time the request waited for beyond its own step (a step queued ahead of it)
         "(queued)": pending._stub_start - t_enq,
     }

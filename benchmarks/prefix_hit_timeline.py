@@ -42,21 +42,30 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from idle_latency import find_first_step, record_host_steps  # noqa: E402
 
 GPU_KEYS = ("prep", "replay", "after replay", "gpu step", "host_inputs", "host_inputs (cpu)", "staging", "staging (cpu)",
-            "pack", "pack (cpu)", "sample_async", "sample_async (cpu)", "launch cpu (cpu)")  # launch's pieces; the step's device time (CUDA events)
+            "pack", "pack (cpu)", "sample_async", "sample_async (cpu)")  # launch's pieces; the step's device time (CUDA events)
 SEGMENTS = ("send", "wake", "schedule", "submit", "launch", "device", "collect", "return", "update", "gap", "emit",
             "handoff")
 
 
-def install_probes(engine, events: list) -> None:
+def install_probes(engine, events: list):
     """Records (name, perf_counter, object) at the start and end of the engine's host
     steps and when a step's sampled tokens reach the host; on CUDA also around each prompt
-    graph's replay, with CUDA events at the replay and at the end of the launch."""
+    graph's replay, with CUDA events at the replay and at the end of the launch. Returns
+    a function that takes the module-level probes back out (the engine's stay)."""
+    from asyncgen.worker import model_runner as mr
     from asyncgen.worker import sampler
 
     runner, core = engine._runner, engine._core
     real_result = sampler.PendingSample.result
+    module_level = [(sampler.PendingSample, "result", real_result), (mr._PromptGraphInputs, "pack", mr._PromptGraphInputs.pack),
+                    (mr, "sample_async", mr.sample_async)]
+
+    def uninstall():
+        for owner, name, original in module_level:
+            setattr(owner, name, original)
 
     def result(self):
         res = real_result(self)
@@ -65,26 +74,10 @@ def install_probes(engine, events: list) -> None:
 
     sampler.PendingSample.result = result
 
-    def wrap(obj, name):
-        fn = getattr(obj, name)
+    record_host_steps(core, runner, events)
 
-        @functools.wraps(fn)
-        def timed(*args):
-            events.append((name + ":start", time.perf_counter(), args[0] if args else None))
-            res = fn(*args)
-            events.append((name + ":end", time.perf_counter(), res if name in ("schedule", "launch") else args[0]))
-            return res
-
-        setattr(obj, name, timed)
-
-    for name in ("add", "schedule", "update", "emit"):
-        wrap(core, name)
-    for name in ("launch", "collect"):
-        wrap(runner, name)
     # The launch's pieces, each with its wall time and its thread's CPU time (a wait for
     # the GIL or the device shows as wall time without CPU time).
-    from asyncgen.worker import model_runner as mr
-
     def piece(owner, name, label):
         fn = getattr(owner, name)
 
@@ -101,18 +94,8 @@ def install_probes(engine, events: list) -> None:
     piece(runner, "_staging", "staging")
     piece(mr._PromptGraphInputs, "pack", "pack")
     piece(mr, "sample_async", "sample_async")
-    inner = runner.launch
-
-    @functools.wraps(inner)
-    def launch_cpu(out):
-        c0 = time.thread_time()
-        res = inner(out)
-        events.append(("piece", time.perf_counter(), ("launch cpu", None, time.thread_time() - c0)))
-        return res
-
-    runner.launch = launch_cpu
     if runner.device.type != "cuda":
-        return
+        return uninstall
 
     class TimedGraph:
         """A prompt graph whose replay is bracketed by host timestamps and a CUDA event."""
@@ -139,62 +122,38 @@ def install_probes(engine, events: list) -> None:
         return res
 
     runner.launch = launch_with_end_event
+    return uninstall
 
 
 
 def segments(events: list, t_send: float, t_recv: float, req_id: str) -> dict[str, float]:
-    def first(name, after, key=None):
-        for i in range(after, len(events)):
-            ev, t, obj = events[i]
-            if ev == name and (key is None or key(obj)):
-                return i, t
-        raise LookupError(name)
-
-    start = next(i for i, (_, t, _) in enumerate(events) if t >= t_send)
-    i_add, t_added = first("add:end", start)
-    i = i_add
-    while True:
-        i, t_sched0 = first("schedule:start", i + 1)
-        i_s, t_sched1 = first("schedule:end", i)
-        out = events[i_s][2]
-        if any(s.req_id == req_id and s.sample for s in out.seqs):
-            break
-    i_l, t_launch0 = first("launch:start", i_s, lambda o: o is out)
-    i_le, t_launch1 = first("launch:end", i_l)
-    gpu = {}
+    """The request's first-token path (seconds): :data:`SEGMENTS`, and on CUDA the launch's
+    pieces, its CUDA events under ``_events``."""
+    f = find_first_step(events, t_send, req_id)
+    i_l, i_le, t_launch0, t_launch1 = f["i_l"], f["i_le"], f["t_launch0"], f["t_launch1"]
+    seg = {
+        "send": f["t_added"] - t_send,
+        "wake": f["t_sched0"] - f["t_added"],
+        "schedule": f["t_sched1"] - f["t_sched0"],
+        "submit": t_launch0 - f["t_sched1"],
+        "launch": t_launch1 - t_launch0,
+        "device": f["t_waited"] - t_launch1,
+        "collect": f["t_collect1"] - f["t_waited"],
+        "return": f["t_update0"] - f["t_collect1"],
+        "update": f["t_update1"] - f["t_update0"],
+        "gap": f["t_emit0"] - f["t_update1"],
+        "emit": f["t_emit1"] - f["t_emit0"],
+        "handoff": t_recv - f["t_emit1"],
+    }
     try:
-        i_r, t_replay0 = first("replay:start", i_l)
+        i_r, t_replay0 = f.first("replay:start", i_l)
         if i_r < i_le:
-            _, t_replay1 = first("replay:end", i_r)
-            _, _, ev_end = events[first("launch:event", i_le)[0]]
-            gpu = {"prep": t_replay0 - t_launch0, "replay": t_replay1 - t_replay0, "after replay": t_launch1 - t_replay1,
-                   "_events": (events[i_r][2], ev_end)}
+            _, t_replay1 = f.first("replay:end", i_r)
+            _, _, ev_end = events[f.first("launch:event", i_le)[0]]
+            seg.update({"prep": t_replay0 - t_launch0, "replay": t_replay1 - t_replay0,
+                        "after replay": t_launch1 - t_replay1, "_events": (events[i_r][2], ev_end)})
     except LookupError:
         pass
-    launched = events[i_le][2]
-    pending = launched.pending
-    i_c, _ = first("collect:start", i_le, lambda o: o is launched)
-    i_w, t_waited = first("waited", i_c, lambda o: o is pending)
-    i_ce, t_collect1 = first("collect:end", i_w, lambda o: o is launched)
-    i_u, t_update0 = first("update:start", i_ce, lambda o: o is out)
-    i_ue, t_update1 = first("update:end", i_u)
-    i_e, t_emit0 = first("emit:start", i_ue, lambda reqs: any(r.request_id == req_id for r in reqs))
-    _, t_emit1 = first("emit:end", i_e)
-    seg = {
-        "send": t_added - t_send,
-        "wake": t_sched0 - t_added,
-        "schedule": t_sched1 - t_sched0,
-        "submit": t_launch0 - t_sched1,
-        "launch": t_launch1 - t_launch0,
-        "device": t_waited - t_launch1,
-        "collect": t_collect1 - t_waited,
-        "return": t_update0 - t_collect1,
-        "update": t_update1 - t_update0,
-        "gap": t_emit0 - t_update1,
-        "emit": t_emit1 - t_emit0,
-        "handoff": t_recv - t_emit1,
-    }
-    seg.update(gpu)
     for ev, _, obj in events[i_l:i_le]:
         if ev == "piece":
             label, wall, cpu = obj
@@ -267,76 +226,79 @@ async def run(args) -> dict:
     result: dict = {"args": vars(args)}
     async with AsyncEngine.from_pretrained(args.model, **kw) as engine:
         events: list = []
-        install_probes(engine, events)
-        gen = torch.Generator().manual_seed(0)
-        hi = min(engine.vocab_size, 30000)
-        lo = min(1000, hi // 2)  # ordinary tokens, past the special ones
-        prefix = torch.randint(lo, hi, (args.prefix_len,), generator=gen).tolist()
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        uninstall = install_probes(engine, events)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            hi = min(engine.vocab_size, 30000)
+            lo = min(1000, hi // 2)  # ordinary tokens, past the special ones
+            prefix = torch.randint(lo, hi, (args.prefix_len,), generator=gen).tolist()
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-        async def one(record: bool, gap_ms: float = 200.0):
-            prompt = prefix + torch.randint(lo, hi, (args.new_len,), generator=gen).tolist()
-            await anyio.sleep(gap_ms / 1e3)
-            events.clear()
-            t_send = time.perf_counter()
-            t_recv, cached = None, None
-            stream = engine.stream(prompt, params)
-            async with stream:
-                async for chunk in stream:
-                    if t_recv is None and chunk.token_ids:
-                        t_recv = time.perf_counter()
-                    if chunk.finish_reason is not None and chunk.metrics is not None:
-                        cached = chunk.metrics.num_cached_tokens
-            if not record:
-                return None
-            seg = segments(events, t_send, t_recv, stream.request_id)
-            if "_events" in seg:
-                ev0, ev1 = seg.pop("_events")
-                ev1.synchronize()
-                seg["gpu step"] = ev0.elapsed_time(ev1) / 1e3  # replay start -> sampled tokens copied
-            seg["total"] = t_recv - t_send
-            seg["cached"] = cached
-            return seg
+            async def one(record: bool, gap_ms: float = 200.0):
+                prompt = prefix + torch.randint(lo, hi, (args.new_len,), generator=gen).tolist()
+                await anyio.sleep(gap_ms / 1e3)
+                events.clear()
+                t_send = time.perf_counter()
+                t_recv, cached = None, None
+                stream = engine.stream(prompt, params)
+                async with stream:
+                    async for chunk in stream:
+                        if t_recv is None and chunk.token_ids:
+                            t_recv = time.perf_counter()
+                        if chunk.finish_reason is not None and chunk.metrics is not None:
+                            cached = chunk.metrics.num_cached_tokens
+                if not record:
+                    return None
+                seg = segments(events, t_send, t_recv, stream.request_id)
+                if "_events" in seg:
+                    ev0, ev1 = seg.pop("_events")
+                    ev1.synchronize()
+                    seg["gpu step"] = ev0.elapsed_time(ev1) / 1e3  # replay start -> sampled tokens copied
+                seg["total"] = t_recv - t_send
+                seg["cached"] = cached
+                return seg
 
-        for _ in range(args.warmup):
-            await one(False)
-        for gap_ms in args.gap_ms:
-            rows = [await one(True, gap_ms) for _ in range(args.requests)]
-            keys = [k for k in (*SEGMENTS, *GPU_KEYS, "total") if all(k in r for r in rows)]
-            res = result.setdefault("runs", {})[str(gap_ms)] = {
-                "segments_p50_us": {k: statistics.median(r[k] for r in rows) * 1e6 for k in keys},
-                "segments_mean_us": {k: statistics.fmean(r[k] for r in rows) * 1e6 for k in keys},
-                "cached_tokens_p50": statistics.median(r["cached"] or 0 for r in rows),
-                "requests": rows,  # seconds
-            }
-            print(f"{len(rows)} requests: {args.prefix_len}-token shared prefix + {args.new_len} new tokens, "
-                  f"prefix caching {'off' if args.no_prefix_caching else 'on'} "
-                  f"({res['cached_tokens_p50']:.0f} cached at the median), {gap_ms} ms apart")
-            print(f"  {'segment':<12} {'p50 µs':>8} {'mean µs':>8}")
-            for key in keys:
-                print(f"  {key:<12} {res['segments_p50_us'][key]:8.0f} {res['segments_mean_us'][key]:8.0f}")
+            for _ in range(args.warmup):
+                await one(False)
+            for gap_ms in args.gap_ms:
+                rows = [await one(True, gap_ms) for _ in range(args.requests)]
+                keys = [k for k in (*SEGMENTS, *GPU_KEYS, "total") if all(k in r for r in rows)]
+                res = result.setdefault("runs", {})[str(gap_ms)] = {
+                    "segments_p50_us": {k: statistics.median(r[k] for r in rows) * 1e6 for k in keys},
+                    "segments_mean_us": {k: statistics.fmean(r[k] for r in rows) * 1e6 for k in keys},
+                    "cached_tokens_p50": statistics.median(r["cached"] or 0 for r in rows),
+                    "requests": rows,  # seconds
+                }
+                print(f"{len(rows)} requests: {args.prefix_len}-token shared prefix + {args.new_len} new tokens, "
+                      f"prefix caching {'off' if args.no_prefix_caching else 'on'} "
+                      f"({res['cached_tokens_p50']:.0f} cached at the median), {gap_ms} ms apart")
+                print(f"  {'segment':<12} {'p50 µs':>8} {'mean µs':>8}")
+                for key in keys:
+                    print(f"  {key:<12} {res['segments_p50_us'][key]:8.0f} {res['segments_mean_us'][key]:8.0f}")
 
-        if args.trace and args.device == "cuda":
-            await anyio.sleep(0.2)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.trace):
-                    await one(False)
-            path = os.path.join(tempfile.mkdtemp(), "trace.json")
-            prof.export_chrome_trace(path)
-            steps = device_timeline(path)
-            result["device_steps"] = steps
-            # the traced requests' prompt steps: the longest steps in the trace
-            for s in sorted(steps, key=lambda s: -s["span_us"])[: args.trace]:
-                print(f"  traced step: {s['kernels']} kernels over {s['span_us']:.0f} µs, busy {s['busy_us']:.0f}, "
-                      f"idle {s['idle_us']:.0f}; graph launch -> first kernel {s['launch_to_first_kernel_us']:.0f} µs "
-                      f"(host cudaGraphLaunch {s['host_launch_us']} µs); last kernel -> tokens on host "
-                      f"{s['last_kernel_to_tokens_us']}")
-                print("    idle before (total µs, count):")
-                for name, tot, n in s["gaps"]:
-                    print(f"      {tot:8.1f} {n:4d}  {name}")
-                print("    kernels (total µs, count):")
-                for name, tot, n in s["kernel_us"]:
-                    print(f"      {tot:8.1f} {n:4d}  {name}")
+            if args.trace and args.device == "cuda":
+                await anyio.sleep(0.2)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.trace):
+                        await one(False)
+                path = os.path.join(tempfile.mkdtemp(), "trace.json")
+                prof.export_chrome_trace(path)
+                steps = device_timeline(path)
+                result["device_steps"] = steps
+                # the traced requests' prompt steps: the longest steps in the trace
+                for s in sorted(steps, key=lambda s: -s["span_us"])[: args.trace]:
+                    print(f"  traced step: {s['kernels']} kernels over {s['span_us']:.0f} µs, busy {s['busy_us']:.0f}, "
+                          f"idle {s['idle_us']:.0f}; graph launch -> first kernel {s['launch_to_first_kernel_us']:.0f} µs "
+                          f"(host cudaGraphLaunch {s['host_launch_us']} µs); last kernel -> tokens on host "
+                          f"{s['last_kernel_to_tokens_us']}")
+                    print("    idle before (total µs, count):")
+                    for name, tot, n in s["gaps"]:
+                        print(f"      {tot:8.1f} {n:4d}  {name}")
+                    print("    kernels (total µs, count):")
+                    for name, tot, n in s["kernel_us"]:
+                        print(f"      {tot:8.1f} {n:4d}  {name}")
+        finally:
+            uninstall()
     return result
 
 

@@ -239,12 +239,17 @@ def test_online_benchmark_quick_with_prefix_caching_comparison(tiny_model, tmp_p
 
 # --- the prefix-hit timeline -------------------------------------------------------------------
 def test_prefix_hit_timeline_segments_tile_each_first_token(tiny_model):
+    from asyncgen.worker import model_runner, sampler
+
     timeline = _load("prefix_hit_timeline")
+    originals = (sampler.PendingSample.result, model_runner._PromptGraphInputs.pack, model_runner.sample_async)
     report = timeline.main([
         "--model", str(tiny_model), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
         "--max-num-seqs", "8", "--prefix-len", "48", "--new-len", "8", "--requests", "3", "--warmup", "1",
         "--gap-ms", "5", "0", "--trace", "0",
     ])
+    # its probes are taken back out of the modules other tests use
+    assert (sampler.PendingSample.result, model_runner._PromptGraphInputs.pack, model_runner.sample_async) == originals
     assert report["runs"].keys() == {"5.0", "0.0"}
     for run in report["runs"].values():
         assert run["cached_tokens_p50"] == 48  # the prefix's three full blocks of 16
