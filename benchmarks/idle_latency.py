@@ -252,21 +252,30 @@ def segments(events: list, t_send: float, t_recv: float, req_id: str) -> dict[st
     pending = f["pending"]
     _, t_enq = f.first("enqueued", f["i_l"], lambda o: o is pending)
     ready = pending._stub_ready
+    seg = host_segments(f, t_send, t_recv)
+    seg.update({
+        "launch": t_enq - f["t_launch0"],
+        "wait+": f["t_waited"] - ready,
+        # device time the request waited for beyond its own step (a step queued ahead of it)
+        "(queued)": pending._stub_start - t_enq,
+    })
+    return {k: seg[k] for k in (*SEGMENTS, "(queued)")}
+
+
+def host_segments(f: FirstStep, t_send: float, t_recv: float) -> dict[str, float]:
+    """The host's segments of a first step found by :func:`find_first_step` up to the
+    launch and from the tokens' arrival on the host (seconds)."""
     return {
         "send": f["t_added"] - t_send,
         "wake": f["t_sched0"] - f["t_added"],
         "schedule": f["t_sched1"] - f["t_sched0"],
         "submit": f["t_launch0"] - f["t_sched1"],
-        "launch": t_enq - f["t_launch0"],
-        "wait+": f["t_waited"] - ready,
         "collect": f["t_collect1"] - f["t_waited"],
         "return": f["t_update0"] - f["t_collect1"],
         "update": f["t_update1"] - f["t_update0"],
         "gap": f["t_emit0"] - f["t_update1"],
         "emit": f["t_emit1"] - f["t_emit0"],
         "handoff": t_recv - f["t_emit1"],
-        # device time the request waited for beyond its own step (a step queued ahead of it)
-        "(queued)": pending._stub_start - t_enq,
     }
 
 

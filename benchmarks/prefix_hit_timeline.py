@@ -42,7 +42,7 @@ import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from idle_latency import find_first_step, record_host_steps  # noqa: E402
+from idle_latency import find_first_step, host_segments, record_host_steps  # noqa: E402
 
 GPU_KEYS = ("prep", "replay", "after replay", "gpu step", "host_inputs", "host_inputs (cpu)", "staging", "staging (cpu)",
             "pack", "pack (cpu)", "sample_async", "sample_async (cpu)")  # launch's pieces; the step's device time (CUDA events)
@@ -131,20 +131,9 @@ def segments(events: list, t_send: float, t_recv: float, req_id: str) -> dict[st
     pieces, its CUDA events under ``_events``."""
     f = find_first_step(events, t_send, req_id)
     i_l, i_le, t_launch0, t_launch1 = f["i_l"], f["i_le"], f["t_launch0"], f["t_launch1"]
-    seg = {
-        "send": f["t_added"] - t_send,
-        "wake": f["t_sched0"] - f["t_added"],
-        "schedule": f["t_sched1"] - f["t_sched0"],
-        "submit": t_launch0 - f["t_sched1"],
-        "launch": t_launch1 - t_launch0,
-        "device": f["t_waited"] - t_launch1,
-        "collect": f["t_collect1"] - f["t_waited"],
-        "return": f["t_update0"] - f["t_collect1"],
-        "update": f["t_update1"] - f["t_update0"],
-        "gap": f["t_emit0"] - f["t_update1"],
-        "emit": f["t_emit1"] - f["t_emit0"],
-        "handoff": t_recv - f["t_emit1"],
-    }
+    seg = host_segments(f, t_send, t_recv)
+    seg.update({"launch": t_launch1 - t_launch0, "device": f["t_waited"] - t_launch1})
+    seg = {k: seg[k] for k in SEGMENTS}
     try:
         i_r, t_replay0 = f.first("replay:start", i_l)
         if i_r < i_le:
