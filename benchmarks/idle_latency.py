@@ -184,19 +184,7 @@ def install_fake_graphs(runner, vocab: int) -> None:
     runner._graphs = {b: (FakeGraph(), logits(b)) for b in sizes}
     runner._graph_sizes = sizes
     keys = mr._prompt_graph_keys(runner.cfg.max_num_batched_tokens, runner.cfg.max_num_seqs)
-    if hasattr(mr, "_PromptGraphInputs"):  # each graph its own packed inputs
-        runner._prompt_inputs = {(t, b): mr._PromptGraphInputs(t, b, max_blocks, runner.device) for t, b in keys}
-    else:  # (earlier versions: one set of inputs, sliced)
-        top = max(t for t, _ in keys)
-        runner._prompt_inputs = {
-            "input_ids": torch.zeros(top, dtype=torch.int64),
-            "positions": torch.zeros(top, dtype=torch.int64),
-            "slot_mapping": torch.full((top,), -1, dtype=torch.int64),
-            "block_tables": torch.zeros(top, max_blocks, dtype=torch.int32),
-            "seq_lens": torch.zeros(top, dtype=torch.int32),
-            "query_start_loc": torch.zeros(top + 1, dtype=torch.int32),
-            "logits_idx": torch.zeros(top, dtype=torch.int64),
-        }
+    runner._prompt_inputs = {(t, b): mr._PromptGraphInputs(t, b, max_blocks, runner.device) for t, b in keys}
     runner._prompt_graphs = {k: (FakeGraph(), logits(k[1])) for k in keys}
     runner._prompt_graph_keys = keys
 

@@ -145,7 +145,6 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy, the buffer as an array]
         self._staging_next = 0
-        self._copy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _packed_copy_views
 
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
@@ -332,7 +331,6 @@ class ModelRunner:
         self._prompt_graphs, self._prompt_inputs, self._prompt_graph_keys = {}, None, []
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
-        self._copy_views = {}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -443,13 +441,12 @@ class ModelRunner:
         size = g.packed_words(n_seq) if full_rows else g.table_offset
         narrow = 0 if full_rows else -(-n_seq * width // 2)  # the table's words, sent apart
         if self.device.type == "cuda":
-            slot, buf, words, event = self._staging(size + narrow)
-            dst, src = self._packed_copy_views(key, g, slot, buf, size)
+            buf, words, event = self._staging(size + narrow)
         else:
             buf = torch.empty(size + narrow, dtype=torch.int64)
-            words, event, dst, src = buf.numpy(), None, g.buf[:size], buf[:size]
+            words, event = buf.numpy(), None
         g.pack(words[:size], host, full_rows)
-        dst.copy_(src, non_blocking=True)
+        g.buf[:size].copy_(buf[:size], non_blocking=True)
         if not full_rows:  # long block tables: only the step's columns travel (a strided copy)
             tables = words[size : size + narrow].view(np.int32)[: n_seq * width]
             tables[:] = host.tables.reshape(-1)
@@ -610,11 +607,7 @@ class ModelRunner:
         plp = self._prompt_logprob_rows((s,), qsl) if s.prompt_logprobs else None
         fill_dst = fill_src = _NO_ROWS
         if s.token_ids[0] == PLACEHOLDER:
-            try:
-                fill_src = np.array((self._last_rows[s.req_id],), dtype=np.int64)
-            except KeyError:
-                raise RuntimeError(f"sequence {s.req_id!r} has a pending token the previous step did not sample") from None
-            fill_dst = np.zeros(1, dtype=np.int64)
+            fill_dst, fill_src = np.zeros(1, dtype=np.int64), self._fill_src((s.req_id,))
         return _HostInputs(
             input_ids, positions, slot_mapping, logits_idx, fill_dst, fill_src, np.array((end,), dtype=np.int64), qsl,
             tables, q, sampling_ids, sample_ends, q == 1, plp,
@@ -651,14 +644,19 @@ class ModelRunner:
         # Inputs still being sampled by the previous launch (always a chunk's only token).
         fill = [i for i, s in enumerate(seqs) if s.token_ids[0] == PLACEHOLDER]
         fill_dst = qsl[:-1][fill]
-        try:
-            fill_src = np.fromiter((self._last_rows[seqs[i].req_id] for i in fill), dtype=np.int64, count=len(fill))
-        except KeyError as e:
-            raise RuntimeError(f"sequence {e.args[0]!r} has a pending token the previous step did not sample") from None
+        fill_src = self._fill_src([seqs[i].req_id for i in fill])
         return _HostInputs(
             input_ids, positions, slot_mapping, logits_idx, fill_dst, fill_src, seq_lens, qsl, tables,
             int(q_lens.max()), [seqs[i].req_id for i in sample_rows], seq_lens[sample_rows].tolist(), total == n, plp,
         )
+
+    def _fill_src(self, req_ids) -> np.ndarray:
+        """The previous launch's sample row of each of these sequences, whose input token
+        that launch is still sampling."""
+        try:
+            return np.fromiter((self._last_rows[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        except KeyError as e:
+            raise RuntimeError(f"sequence {e.args[0]!r} has a pending token the previous step did not sample") from None
 
     def _upload(self, host: "_HostInputs") -> "_StepInputs":
         """Moves the step's arrays to the device in one copy.
@@ -686,7 +684,7 @@ class ModelRunner:
         sec32[t0 : t0 + n * max_blocks] = host.tables.reshape(-1)
         np.concatenate(parts64, out=flat[h:])
         if self.device.type == "cuda":
-            _, buf, words, event = self._staging(flat.size)
+            buf, words, event = self._staging(flat.size)
             words[: flat.size] = flat
             dev = buf[: flat.size].to(self.device, non_blocking=True)
             event.record()
@@ -737,32 +735,21 @@ class ModelRunner:
             return None
         return entries, np.asarray(rows, dtype=np.int64), np.asarray(targets, dtype=np.int64)
 
-    def _staging(self, size: int) -> tuple[int, torch.Tensor, np.ndarray, "torch.cuda.Event"]:
-        """A pinned host buffer of at least ``size`` int64s: its ring slot, the buffer
-        (as a tensor and as an array) and the event to record after copying from it.
+    def _staging(self, size: int) -> tuple[torch.Tensor, np.ndarray, "torch.cuda.Event"]:
+        """A pinned host buffer of at least ``size`` int64s (as a tensor and as an array)
+        and the event to record after copying from it.
         Buffers rotate, and one is rewritten only after its last copy finished, as steps
         are launched ahead of the device."""
         if not self._staging_ring:
             self._staging_ring = [[None, torch.cuda.Event(), None] for _ in range(3)]
-        index = self._staging_next
-        slot = self._staging_ring[index]
-        self._staging_next = (index + 1) % len(self._staging_ring)
+        slot = self._staging_ring[self._staging_next]
+        self._staging_next = (self._staging_next + 1) % len(self._staging_ring)
         buf, event, words = slot
         event.synchronize()  # returns at once unless the device is three steps behind
         if buf is None or buf.numel() < size:
             buf = slot[0] = torch.empty(max(size, 1 << 16), dtype=torch.int64, pin_memory=True)
             words = slot[2] = buf.numpy()
-            self._copy_views = {k: v for k, v in self._copy_views.items() if k[1] != index}
-        return index, buf, words, event
-
-    def _packed_copy_views(self, key, g: "_PromptGraphInputs", slot: int, buf: torch.Tensor, size: int):
-        """The first ``size`` words of prompt graph ``key``'s packed inputs and of staging
-        buffer ``slot``, as tensors kept from the last step of this shape (a prompt step at
-        an idle engine waits on every host call before the device starts)."""
-        views = self._copy_views.get((key, slot, size))
-        if views is None:
-            views = self._copy_views[key, slot, size] = (g.buf[:size], buf[:size])
-        return views
+        return buf, words, event
 
 
 @dataclasses.dataclass
