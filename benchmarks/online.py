@@ -53,6 +53,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -387,6 +388,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="torch intra-op threads (default: torch's); on a busy CPU 1 can be much faster")
     ap.add_argument("--json", metavar="OUT", help="write the summary (and every request's timings) here")
     ap.add_argument("--quick", action="store_true", help="a few tiny requests: a smoke run for tests")
+    ap.add_argument("--log-level", default="WARNING", help="of the engine's log (INFO shows its start-up choices)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rate, args.num_requests = 20.0, 8
@@ -403,6 +405,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("asyncgen").setLevel(args.log_level.upper())
     if args.torch_threads is not None:
         import torch
 

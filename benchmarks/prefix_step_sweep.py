@@ -15,7 +15,7 @@ than L2 holds), as a forward pass reads each layer's once. (Its first version al
 the four dense products at 64-128 rows, cuBLAS against a Triton weight-streaming GEMM;
 that GEMM lost and was removed: docs/BENCHMARKS.md.)
 
-    PYTHONPATH=. python3 benchmarks/prefix_step_sweep.py [--json out.json]
+    PYTHONPATH=. python3 benchmarks/prefix_step_sweep.py [--json out.json] [--profile-once]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def attention_inputs(gen):
     return q, caches, tables, seq_lens, qsl
 
 
-def sweep_attention(gen, results: dict) -> None:
+def sweep_attention(gen, results: dict, grid) -> None:
     from asyncgen._ops import triton_paged_attention as tpa
 
     q, caches, tables, seq_lens, qsl = attention_inputs(gen)
@@ -105,14 +105,14 @@ def sweep_attention(gen, results: dict) -> None:
         return us
 
     first = []
-    for bm, bn, splits in itertools.product((32, 64, 128), (32, 64, 128), (1, 2, 4, 8, 16)):
+    for bm, bn, splits in itertools.product(grid.block_m, grid.block_n, grid.splits):
         warps = 8 if bm >= 128 else 4
         us = measure((bm, bn, warps, 2), splits)
         if us is not None:
             first.append((us, bm, bn, splits))
     first.sort()
-    for _, bm, bn, splits in first[:6]:
-        for warps, stages in ((4, 2), (8, 2), (4, 3), (8, 3), (4, 4), (8, 4)):
+    for _, bm, bn, splits in first[: grid.top]:
+        for warps, stages in itertools.product(grid.warps, grid.stages):
             if (warps, stages) != (8 if bm >= 128 else 4, 2):
                 measure((bm, bn, warps, stages), splits)
     best = min(rows[1:], key=lambda r: r["us"])
@@ -120,16 +120,43 @@ def sweep_attention(gen, results: dict) -> None:
     results["attention"] = rows
 
 
+def profile_once(gen) -> None:
+    """The engine's attention call of the prefix-hit step, five times, eagerly."""
+    from asyncgen._ops import triton_paged_attention as tpa
+
+    q, caches, tables, seq_lens, qsl = attention_inputs(gen)
+    out = torch.empty_like(q)
+    for i in range(5):
+        tpa.paged_attention(q, caches[i % COPIES][0], caches[i % COPIES][1], tables, seq_lens, qsl, HEAD_DIM**-0.5,
+                            out=out, max_query_len=GRAPH_TOKENS, max_seq_len=4096)
+    torch.cuda.synchronize()
+
+
 def main() -> int:
+    global GRAPH_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--graph-tokens", type=int, default=GRAPH_TOKENS,
+                        help="tokens of the prompt graph the step replays (the new tokens plus padding)")
+    parser.add_argument("--block-m", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--top", type=int, default=6, help="tilings of the first pass tried with other warps/stages")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--profile-once", action="store_true",
+                        help="run the engine's configuration a few times eagerly and exit (for ncu)")
     args = parser.parse_args()
+    GRAPH_TOKENS = args.graph_tokens
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     results: dict = {"device": torch.cuda.get_device_name()}
-    sweep_attention(gen, results)
+    if args.profile_once:
+        profile_once(gen)
+        return 0
+    sweep_attention(gen, results, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

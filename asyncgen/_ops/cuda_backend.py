@@ -23,6 +23,9 @@ the argument on bad input):
   :func:`gemv_input_ok`, and call the ``launch_*`` forms, which skip the Python checks.
   :func:`choose_dense_gemv` times the dense one against cuBLAS per weight shape.
   ``gated=True`` gives the SiLU-and-multiply of a gate|up product from the same kernel.
+- Dense products above the GEMV's rows: ``F.linear`` (cuBLAS's pick), or at the row counts
+  of the CUDA graphs where another cuBLASLt algorithm was faster, that one
+  (:func:`choose_dense_algos`, ``asyncgen/_ops/cublaslt.py``).
 - ``rotary_attention`` (what the attention layer calls): for decode-only batches of up to
   :data:`ROTARY_DECODE_FUSED_MAX_SEQS` sequences that the csrc decode kernel takes
   (below), with int64 positions and slots and at most 8 query heads per kv head, one csrc
@@ -57,6 +60,7 @@ __all__ = [
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
     "GemmScratch", "QUANT_GEMM_CONFIGS", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
+    "LT_MAX_ROWS", "choose_dense_algos",
 ]
 
 BUILD_HINT = (
@@ -946,4 +950,67 @@ def choose_dense_gemv(layers, rows=(1, 2, 4, 8)) -> dict[tuple, tuple[int, int]]
         for layer in group:
             layer.gemv_rows = best
             layer.gemv_warps_per_row = split
+    return chosen
+
+
+# Row counts up to which choose_dense_algos times cuBLASLt's algorithms (beyond them, the
+# products are compute-bound and cuBLAS's own pick was as fast on the H200:
+# docs/BENCHMARKS.md), the workspace the candidates may use, and the gain an algorithm
+# must show over F.linear to be taken (graph timings repeat to about 1 %).
+LT_MAX_ROWS = 256
+LT_WORKSPACE_BYTES = 8 << 20
+LT_MIN_GAIN = 0.03
+
+
+@torch.inference_mode()
+def choose_dense_algos(layers, rows, workspace: torch.Tensor) -> dict[tuple, dict[int, int]]:
+    """For each distinct weight shape among ``layers`` (dense linear layers on a CUDA
+    device) and each row count in ``rows`` up to :data:`LT_MAX_ROWS` above the layer's
+    ``gemv_rows``, times every cuBLASLt algorithm for the product (each first checked
+    against ``F.linear`` on random input) against ``F.linear`` itself, through one CUDA
+    graph over all the layers of that shape, and routes the row count to the fastest
+    algorithm where it wins by :data:`LT_MIN_GAIN` (``layer.lt_routes[rows]``, an
+    :class:`asyncgen._ops.cublaslt.LtRoute` using ``workspace``). Run before CUDA graphs
+    are captured; only which kernels compute changes, not what (up to rounding).
+    Returns {(N, K, dtype, has_bias): {rows: the algorithm's rank in cuBLASLt's order}}.
+    """
+    from . import cublaslt
+
+    if not layers or not cublaslt.available():
+        return {}
+    by_shape: dict[tuple, list] = {}
+    for layer in layers:
+        w = layer.weight
+        by_shape.setdefault((w.shape[0], w.shape[1], w.dtype, layer.bias is not None), []).append(layer)
+    device = layers[0].weight.device
+    chosen: dict[tuple, dict[int, int]] = {}
+    for key, group in by_shape.items():
+        n, k, dtype, has_bias = key
+        picks = chosen[key] = {}
+        gen = torch.Generator(device=device).manual_seed(n * 31 + k)
+        for m in sorted({m for m in rows if group[0].gemv_rows < m <= LT_MAX_ROWS}):
+            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+            plan = cublaslt.LtMatmul(m, n, k, dtype, has_bias, device.index or 0)
+            first = group[0]
+            ref = torch.nn.functional.linear(x, first.weight, first.bias).float()
+            out = torch.empty(m, n, dtype=dtype, device=device)
+            if not all(plan.accepts(out, x, g.weight, g.bias) for g in group):
+                continue
+            theirs = graph_time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
+            best = None
+            for algo in plan.algos(workspace_bytes=workspace.numel()):
+                route = cublaslt.LtRoute(plan, algo, workspace)
+                try:
+                    got = route(x, first.weight, first.bias).float()
+                except RuntimeError:  # the library declined this algorithm for these pointers
+                    continue
+                if not (got - ref).norm() <= 1e-2 * ref.norm():
+                    continue
+                ours = graph_time_ms(lambda g, r=route: r(x, g.weight, g.bias), group)
+                if best is None or ours < best[0]:
+                    best = (ours, route)
+            if best is not None and best[0] < (1 - LT_MIN_GAIN) * theirs:
+                picks[m] = best[1].algo.rank
+                for layer in group:
+                    layer.lt_routes[m] = best[1]
     return chosen

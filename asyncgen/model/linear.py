@@ -75,6 +75,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
             y = cuda_backend.launch_dense_gemv(x2, layer.weight, layer.bias, warps_per_row=layer.gemv_warps_per_row)
             return y.view(*x.shape[:-1], layer.out_features)
+        route = layer.lt_routes.get(x.shape[0]) if layer.lt_routes else None
+        if route is not None and route.takes(x):
+            return route(x, layer.weight, layer.bias)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
 
     def apply_gated(self, layer, x):
@@ -145,6 +148,9 @@ class LinearBase(nn.Module):
         # gate|up layers: whether those rows also go to the GEMV that writes silu(gate) * up
         # (set by the model runner with the cuda backend).
         self.gemv_gated = False
+        # Row counts whose product runs a chosen cuBLASLt algorithm instead of F.linear
+        # ({rows: cublaslt.LtRoute}; set by asyncgen._ops.cuda_backend.choose_dense_algos).
+        self.lt_routes: dict = {}
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, dtype, device)
         self.bias = (

@@ -41,13 +41,23 @@ log = logging.getLogger(__name__)
 # Prompt (and mixed) steps of up to this many tokens replay a CUDA graph; longer ones
 # keep the device busy long enough to hide their kernel launches.
 _MAX_PROMPT_GRAPH_TOKENS = 2048
-_PROMPT_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+# Every 16 tokens up to 128: a short chunk after a cached prefix (a prefix-cache hit) pays
+# for its graph's padding in every kernel of its step (on the H200 the attention of a
+# 78-token chunk took 24.2 us a layer in an 80-token graph, 27.2 in the 128-token one).
+_PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
 # Prompt graphs of up to this many tokens are also captured with this many sequence slots.
 # The general attention kernel splits the context only for batches of at most
 # triton_paged_attention._PREFILL_SPLIT_MAX_SEQS sequences: the narrow graphs must not
 # have more slots than that, or a prefix-cache hit would not split.
 _NARROW_PROMPT_TOKENS = 512
 _NARROW_PROMPT_SLOTS = 8
+
+
+def _decode_graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes captured as CUDA graphs: 1, 2, 4, 8, then every 16, up to
+    ``max_num_seqs`` (at most 512)."""
+    max_bs = min(max_num_seqs, 512)
+    return sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs) if b <= max_bs})
 
 
 def _prompt_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
@@ -144,6 +154,7 @@ class ModelRunner:
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
         self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy, the buffer as an array]
+        self._lt_workspace: Optional[torch.Tensor] = None  # the cuBLASLt routes' workspace (_choose_dense_algos)
         self._staging_next = 0
 
     def _pick_backend(self) -> str:
@@ -194,6 +205,30 @@ class ModelRunner:
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
 
+    def _choose_dense_algos(self) -> None:
+        """Times cuBLASLt's algorithms against ``F.linear`` for each unquantized weight
+        shape at the row counts the CUDA graphs will run (``cuda_backend.choose_dense_algos``);
+        the graphs then capture the faster. The routes share this model's workspace."""
+        if self.cfg.enforce_eager:
+            return
+        from .._ops import cuda_backend
+        from ..model.linear import LinearBase
+
+        layers = [m for m in self.model.modules() if isinstance(m, LinearBase)
+                  and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+                  and m.weight.dtype == self.dtype]
+        if not layers:
+            return
+        rows = set(_decode_graph_sizes(self.cfg.max_num_seqs))
+        rows.update(t for t, _ in _prompt_graph_keys(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs))
+        t0 = time.perf_counter()
+        self._lt_workspace = torch.empty(cuda_backend.LT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        chosen = cuda_backend.choose_dense_algos(layers, sorted(rows), self._lt_workspace)
+        table = "; ".join(f"{n}x{k}: " + (", ".join(f"{m}:#{rank}" for m, rank in picks.items()) or "none")
+                          for (n, k, _, _), picks in chosen.items())
+        log.info("cuBLASLt algorithms by rows (N x K: rows:#heuristic rank; else cuBLAS): %s (timed in %.2f s)",
+                 table or "cuBLASLt unavailable", time.perf_counter() - t0)
+
     def _choose_dequant(self) -> None:
         """Times the Triton 4-bit GEMM against dequantize-then-cuBLAS at prompt sizes for each
         4-bit weight shape and sets where prompt steps switch to the latter
@@ -230,6 +265,7 @@ class ModelRunner:
             self._choose_gemv()
         if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
             self._choose_dequant()
+            self._choose_dense_algos()
         log.info(
             "loaded %s (%s, %s, ops=%s) in %.1f s",
             self.path, self.dtype, self.device, self.ops_backend, time.perf_counter() - t0,
@@ -329,6 +365,7 @@ class ModelRunner:
         self._graphs.clear()
         self._graph_inputs = None
         self._prompt_graphs, self._prompt_inputs, self._prompt_graph_keys = {}, None, []
+        self._lt_workspace = None
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
         if self.device.type == "cuda":
@@ -347,8 +384,8 @@ class ModelRunner:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
         t0 = time.perf_counter()
-        max_bs = min(self.cfg.max_num_seqs, 512)
-        sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs) if b <= max_bs})
+        sizes = _decode_graph_sizes(self.cfg.max_num_seqs)
+        max_bs = sizes[-1]
         max_blocks = -(-self.max_model_len // self.block_size)
         dev = self.device
         g = self._graph_inputs = {
