@@ -170,8 +170,8 @@ def install_fake_graphs(runner, vocab: int) -> None:
         t[:, _HOT_TOKEN] = 1.0
         return t
 
-    max_bs = min(runner.cfg.max_num_seqs, 512)
-    sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs) if b <= max_bs})
+    sizes = mr._decode_graph_sizes(runner.cfg.max_num_seqs)
+    max_bs = sizes[-1]
     max_blocks = -(-runner.max_model_len // runner.block_size)
     runner._graph_inputs = {
         "input_ids": torch.zeros(max_bs, dtype=torch.int64),

@@ -162,3 +162,29 @@ def test_decode_graph_sizes():
     assert _decode_graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert _decode_graph_sizes(3) == [1, 2, 3]
     assert _decode_graph_sizes(2000)[-1] == 512
+
+
+@pytest.mark.parametrize("picked", [True, False])
+def test_runner_times_the_graphs_row_counts_and_keeps_the_workspace_only_for_routes(monkeypatch, picked):
+    from types import SimpleNamespace
+
+    from asyncgen.worker import model_runner as mr
+
+    runner = mr.ModelRunner.__new__(mr.ModelRunner)  # only the start-up choice is under test
+    runner.cfg = SimpleNamespace(enforce_eager=False, max_num_seqs=40, max_num_batched_tokens=96)
+    runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    layers = layers_of((16, 64), (32, 64))
+    runner.model = torch.nn.ModuleList(layers)
+    seen = {}
+
+    def fake_choose(got_layers, rows, workspace):
+        seen.update(layers=got_layers, rows=rows, workspace=workspace)
+        return {(16, 64, torch.float32, False): {16: 0} if picked else {}, (32, 64, torch.float32, False): {}}
+
+    monkeypatch.setattr(cuda_backend, "choose_dense_algos", fake_choose)
+    runner._choose_dense_algos()
+    assert seen["layers"] == layers
+    # The decode graphs' batch sizes and the prompt graphs' token counts, once each.
+    assert seen["rows"] == [1, 2, 4, 8, 16, 32, 40, 48, 64, 80, 96]
+    assert seen["workspace"].numel() == cuda_backend.LT_WORKSPACE_BYTES
+    assert (runner._lt_workspace is seen["workspace"]) if picked else runner._lt_workspace is None

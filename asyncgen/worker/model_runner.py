@@ -179,8 +179,7 @@ class ModelRunner:
         from ..model.quantization import ROUTE_ROWS, QuantLinearMethod
 
         linear = [m for m in self.model.modules() if isinstance(m, LinearBase)]
-        layers = [m for m in linear if isinstance(getattr(m, "weight", None), torch.Tensor)
-                  and m.weight.dim() == 2 and m.weight.dtype == self.dtype]
+        layers = self._dense_layers()
         if layers:
             t0 = time.perf_counter()
             chosen = cuda_backend.choose_dense_gemv(layers)
@@ -205,6 +204,14 @@ class ModelRunner:
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
 
+    def _dense_layers(self) -> list:
+        """The model's linear layers with an unquantized weight [N, K] in the model's dtype."""
+        from ..model.linear import LinearBase
+
+        return [m for m in self.model.modules() if isinstance(m, LinearBase)
+                and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+                and m.weight.dtype == self.dtype]
+
     def _choose_dense_algos(self) -> None:
         """Times cuBLASLt's algorithms against ``F.linear`` for each unquantized weight
         shape at the row counts the CUDA graphs will run (``cuda_backend.choose_dense_algos``);
@@ -212,11 +219,8 @@ class ModelRunner:
         if self.cfg.enforce_eager:
             return
         from .._ops import cuda_backend
-        from ..model.linear import LinearBase
 
-        layers = [m for m in self.model.modules() if isinstance(m, LinearBase)
-                  and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
-                  and m.weight.dtype == self.dtype]
+        layers = self._dense_layers()
         if not layers:
             return
         rows = set(_decode_graph_sizes(self.cfg.max_num_seqs))
@@ -224,6 +228,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._lt_workspace = torch.empty(cuda_backend.LT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         chosen = cuda_backend.choose_dense_algos(layers, sorted(rows), self._lt_workspace)
+        if not any(chosen.values()):
+            self._lt_workspace = None  # no route holds it
         table = "; ".join(f"{n}x{k}: " + (", ".join(f"{m}:#{rank}" for m, rank in picks.items()) or "none")
                           for (n, k, _, _), picks in chosen.items())
         log.info("cuBLASLt algorithms by rows (N x K: rows:#heuristic rank; else cuBLAS): %s (timed in %.2f s)",

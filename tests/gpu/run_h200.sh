@@ -25,6 +25,7 @@ if [ "$phase" = checks ] || [ "$phase" = all ]; then
   run build python3 setup.py build_ext --inplace
   run triton_ops python3 tests/gpu/check_triton_ops.py
   run csrc_ops python3 tests/gpu/check_csrc_ops.py
+  run dense_algos python3 tests/gpu/check_dense_algos.py
   run engine python3 tests/gpu/check_engine_cuda.py --tokenizer .gpu-assets/tokenizer
 fi
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
