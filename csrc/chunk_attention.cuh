@@ -58,8 +58,6 @@ constexpr int kChunkThreads = kChunkWarps * kWarpSize;
 constexpr int kChunkRows = 16 * kChunkWarps;  // query rows per block
 constexpr int kChunkKeys = 32;                // key positions per tile
 constexpr int kChunkMinBlocks = 4;            // blocks an SM (registers <= 128, ~52 KB of shared memory each)
-constexpr int kChunkDeepStages = 4;           // the ring of batches of few sequences (see launch_chunk_attention_for)
-constexpr int kChunkDeepMaxSeqs = 8;
 constexpr int kChunkPad = 8;                  // elements of padding per shared-memory row
 constexpr int kChunkMaxGroup = 8;             // query heads per kv head
 constexpr int kChunkMaxSplits = 16;
@@ -92,19 +90,13 @@ __host__ __device__ inline int chunk_grid_x(int num_tokens, int num_seqs, int gr
   return num_tokens / chunk_tokens_per_block(group) + num_seqs;
 }
 
-template <int HEAD_DIM, int STAGES>
+template <int HEAD_DIM>
 constexpr int chunk_smem_bytes() {
-  return (kChunkRows + 2 * STAGES * kChunkKeys) * (HEAD_DIM + kChunkPad) * 2;
+  return (kChunkRows + 4 * kChunkKeys) * (HEAD_DIM + kChunkPad) * 2;
 }
 
-// Blocks an SM that a STAGES-deep ring leaves room for (the launch bound on registers).
-template <int STAGES>
-constexpr int chunk_min_blocks() {
-  return STAGES <= 2 ? kChunkMinBlocks : 2;
-}
-
-template <typename T, int HEAD_DIM, int STAGES>
-__global__ void __launch_bounds__(kChunkThreads, chunk_min_blocks<STAGES>()) chunk_attention_kernel(const ChunkAttentionParams p) {
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attention_kernel(const ChunkAttentionParams p) {
   constexpr int kRow = HEAD_DIM + kChunkPad;   // shared-memory row, elements
   constexpr int kPieces = HEAD_DIM / 8;        // 16-byte pieces of a row
   constexpr int kKSteps = HEAD_DIM / 16;       // k steps of S = Q K^T
@@ -112,8 +104,8 @@ __global__ void __launch_bounds__(kChunkThreads, chunk_min_blocks<STAGES>()) chu
   constexpr int kKeyTiles = kChunkKeys / 8;    // n tiles of S
   AG_DYNAMIC_SMEM(smem);
   T* q_s = reinterpret_cast<T*>(smem);         // [kChunkRows][kRow]
-  T* k_s = q_s + kChunkRows * kRow;            // [STAGES][kChunkKeys][kRow]
-  T* v_s = k_s + STAGES * kChunkKeys * kRow;   // [STAGES][kChunkKeys][kRow]
+  T* k_s = q_s + kChunkRows * kRow;            // [2][kChunkKeys][kRow]
+  T* v_s = k_s + 2 * kChunkKeys * kRow;        // [2][kChunkKeys][kRow]
   __shared__ float scratch[kChunkWarps];
 
   const int group = p.num_heads / p.num_kv_heads;
@@ -204,29 +196,20 @@ __global__ void __launch_bounds__(kChunkThreads, chunk_min_blocks<STAGES>()) chu
       const int head = kv_head * group + (ok ? r % group : 0);
       cp_async16(q_s + r * kRow + piece * 8, q + token * p.q_stride_token + head * p.q_stride_head + piece * 8, ok);
     }
-    // Tiles tile_lo .. tile_lo + STAGES - 2 are requested here, one commit group each (the
-    // first also holds Q's copies); iteration i requests tile i + STAGES - 1 into the slot
-    // iteration i - 1 computed, and commits a group even when there is none, so that
-    // before tile i is computed i + STAGES groups are committed and the oldest i + 1
-    // (tile i's included) must have landed: at most STAGES - 1 pending.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (tile_lo + s < tile_hi) {
-        fetch_ids(tile_lo + s);
-        load_keys(tile_lo + s, s);
-      }
-      cp_async_commit();
-    }
-    if (tile_lo + STAGES - 1 < tile_hi) fetch_ids(tile_lo + STAGES - 1);
+    fetch_ids(tile_lo);
+    load_keys(tile_lo, 0);
+    cp_async_commit();
+    if (tile_lo + 1 < tile_hi) fetch_ids(tile_lo + 1);
     for (int tile = tile_lo; tile < tile_hi; ++tile) {
-      const int stage = (tile - tile_lo) % STAGES;
-      const int ahead = tile + STAGES - 1;
-      if (ahead < tile_hi) {
-        load_keys(ahead, (stage + STAGES - 1) % STAGES);
-        if (ahead + 1 < tile_hi) fetch_ids(ahead + 1);  // used by the next iteration's copies
+      const int stage = (tile - tile_lo) & 1;
+      if (tile + 1 < tile_hi) {
+        load_keys(tile + 1, stage ^ 1);
+        cp_async_commit();
+        if (tile + 2 < tile_hi) fetch_ids(tile + 2);  // used by the next iteration's copies
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
       }
-      cp_async_commit();
-      cp_async_wait<STAGES - 1>();
       __syncthreads();
       if (warp_active && tile * kChunkKeys <= warp_last_pos) {
         const T* ks = k_s + stage * kChunkKeys * kRow;
@@ -416,27 +399,14 @@ inline bool chunk_attention_supported(int head_dim, int group, int num_splits) {
          num_splits <= kChunkMaxSplits;
 }
 
-template <typename T, int HEAD_DIM, int STAGES>
-void launch_chunk_attention_stages(const ChunkAttentionParams& p, cudaStream_t stream) {
-  void (*kernel)(const ChunkAttentionParams) = chunk_attention_kernel<T, HEAD_DIM, STAGES>;
-  constexpr int smem = chunk_smem_bytes<HEAD_DIM, STAGES>();
-  allow_dynamic_smem<chunk_attention_kernel<T, HEAD_DIM, STAGES>>(smem);
+template <typename T, int HEAD_DIM>
+void launch_chunk_attention_for(const ChunkAttentionParams& p, cudaStream_t stream) {
+  void (*kernel)(const ChunkAttentionParams) = chunk_attention_kernel<T, HEAD_DIM>;
+  constexpr int smem = chunk_smem_bytes<HEAD_DIM>();
+  allow_dynamic_smem<chunk_attention_kernel<T, HEAD_DIM>>(smem);
   const int group = p.num_heads / p.num_kv_heads;
   const dim3 grid(chunk_grid_x(p.num_tokens, p.num_seqs, group), p.num_kv_heads, p.num_splits);
   AG_LAUNCH_KERNEL(kernel, grid, dim3(kChunkThreads), smem, stream, p);
-}
-
-// A batch of few sequences has few blocks with rows (a prefix-cache hit's chunk: two per
-// kv head and split), about one an SM, so a two-deep ring leaves each block one tile of
-// copies in flight while it computes; those take a ring kChunkDeepStages deep (and fewer
-// blocks an SM fit). Many sequences keep four blocks an SM with two stages each.
-template <typename T, int HEAD_DIM>
-void launch_chunk_attention_for(const ChunkAttentionParams& p, cudaStream_t stream) {
-  if (p.num_seqs <= kChunkDeepMaxSeqs) {
-    launch_chunk_attention_stages<T, HEAD_DIM, kChunkDeepStages>(p, stream);
-  } else {
-    launch_chunk_attention_stages<T, HEAD_DIM, 2>(p, stream);
-  }
 }
 
 // Returns false when no kernel takes the shapes.

@@ -482,9 +482,6 @@ CHUNK_SHAPES = [
     ([(70, 0), (5, 61), (1, 40)], 2, 2, 64, 16),          # from scratch, a short chunk, one token
     ([(40, 33), (17, 0)], 8, 2, 64, 32),                   # GQA 4: 16 tokens a block
     ([(23, 9)], 6, 1, 64, 16),                             # GQA 6: 10 tokens, 60 of 64 rows a block
-    # More than 8 sequences (a chunk among decodes) take the two-deep ring, the others the
-    # deeper one (7 key tiles above wrap it).
-    ([(20, 40)] + [(1, 10 + 3 * i) for i in range(9)], 2, 2, 64, 16),
 ]
 
 

@@ -53,7 +53,7 @@ from types import ModuleType
 
 import torch
 
-from . import Ops
+from . import Ops, compose_rotary_attention
 
 __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
@@ -320,7 +320,6 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see
     the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
@@ -328,9 +327,7 @@ def paged_attention(
     ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
-    host sync. ``split_counters`` (int32 zeros, left at zero; the model's, as the fused
-    decode kernel takes them) lets a short prompt chunk of few sequences split its keys
-    over the csrc kernel's blocks (:func:`_short_chunk_splits`).
+    host sync.
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -385,18 +382,6 @@ def paged_attention(
         )
         return out
 
-    # A short chunk of few sequences (a prefix-cache hit: tens of tokens after a long cached
-    # prefix) takes the csrc prompt-chunk kernel with its deep ring, its keys split over
-    # blocks, where the caller lends split counters.
-    splits = 0
-    if split_counters is not None and sliding_window is None:
-        splits = _short_chunk_splits(num_tokens, num_seqs, num_heads, num_kv_heads, max_query_len, split_counters)
-    if splits and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out):
-        _check_same_cuda_device(out=out, split_counters=split_counters)
-        torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             split_counters, float(scale), splits)
-        return out
-
     # Batches of many sequences (a prompt chunk among decodes, prompt graphs with a slot per
     # sequence) take the csrc prompt-chunk kernel. Decode-only batches the decode kernel
     # left (wide GQA batches) stay with Triton's decode kernel: a prompt-chunk block would
@@ -428,29 +413,6 @@ _CHUNK_MAX_GROUP = 8
 # sequences: 27.6 against 64.8 for a 78-token chunk over 992 cached tokens (8 slots), 83.0
 # against 103.7 for 1,070 tokens from scratch, 74.1 against 89.2 for 4 prompts of 512.
 CHUNK_ATTENTION_MIN_SEQS = 8
-# Prompt batches of at most CHUNK_ATTENTION_MIN_SEQS sequences and this many tokens a
-# sequence (max_query_len) take it with CHUNK_SHORT_SPLITS splits of their keys, where
-# the caller lends split counters: the kernel's deep ring for few sequences keeps copies
-# in flight in the one or two blocks an SM such a step has (docs/BENCHMARKS.md).
-CHUNK_SHORT_MAX_TOKENS = 128
-CHUNK_SHORT_SPLITS = 4
-_CHUNK_ROWS = 64  # query rows a block: (token, head of the group) pairs
-
-
-def _short_chunk_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
-                        max_query_len: int | None, split_counters: torch.Tensor) -> int:
-    """How many splits the csrc prompt-chunk kernel takes this short prompt batch with (0:
-    not this way): at most CHUNK_ATTENTION_MIN_SEQS sequences, a known ``max_query_len``
-    from 2 to CHUNK_SHORT_MAX_TOKENS, and a contiguous int32 ``split_counters`` with an
-    entry for each of the kernel's blocks of a split (its grid's x by the kv heads)."""
-    if not (num_seqs <= CHUNK_ATTENTION_MIN_SEQS and max_query_len is not None
-            and 1 < max_query_len <= CHUNK_SHORT_MAX_TOKENS):
-        return 0
-    if split_counters.dtype != torch.int32 or split_counters.dim() != 1 or not split_counters.is_contiguous():
-        return 0
-    group = num_heads // num_kv_heads
-    blocks = (num_tokens // max(_CHUNK_ROWS // group, 1) + num_seqs) * num_kv_heads
-    return CHUNK_SHORT_SPLITS if split_counters.numel() >= blocks else 0
 
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
@@ -509,6 +471,7 @@ def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, spli
 
 
 # What rotary_attention runs where the fused decode kernel does not take the call.
+_rotary_store_then_attention = compose_rotary_attention(rotary_store_kv, paged_attention)
 
 
 def rotary_attention(
@@ -569,9 +532,10 @@ def rotary_attention(
             split_counters, float(scale), max_seq_len, sliding_window or 0,
         )
         return out
-    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                           max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters)
+    return _rotary_store_then_attention(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )
 
 
 def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

@@ -589,7 +589,6 @@ def check_quant_gemv() -> None:
 # tokens (max_query_len hint) or None)
 CHUNK_7B_SHAPES = [
     ("prefix hit 78/992 (128-token graph, 8 slots)", [(78, 992), (50, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 128),
-    ("prefix hit 72/992 (80-token graph, 8 slots)", [(72, 992), (8, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 80),
     ("1,070 from scratch (1280-token graph)", [(1070, 0), (210, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 1280),
     ("512-token chunk over 512 + 63 decodes", [(512, 512)] + [(1, 300 + 7 * i) for i in range(63)], 32, 32, 128, 16,
      None),
@@ -637,15 +636,13 @@ def check_chunk_attention() -> None:
                 err = relative_error(out, ref)
                 check(f"chunk {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} splits={splits}",
                       err < TOLERANCE[dtype], f"rel err {err:.2e}")
-            # Through the backend's routing, with the engine's hints, without and with split
-            # counters (a short chunk of few sequences takes the csrc kernel's splits then).
-            for lent in (None, counters):
-                out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                                   c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
-                                                   max_seq_len=max(q + k for q, k in seqs), split_counters=lent)
-                err = relative_error(out, ref)
-                check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d} counters={lent is not None}",
-                      err < TOLERANCE[dtype], f"rel err {err:.2e}")
+            # Through the backend's routing, with the engine's hints.
+            out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
+                                               c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
+                                               max_seq_len=max(q + k for q, k in seqs))
+            err = relative_error(out, ref)
+            check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype],
+                  f"rel err {err:.2e}")
     check("chunk counters left at zero", int(counters.abs().sum()) == 0)
 
     # Captured once, replayed with other lengths (as a prompt graph is).
@@ -685,13 +682,11 @@ def bench_chunk_attention(copies: int = 8) -> None:
         row["routed"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
                                                     co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
-                                                    **hints, split_counters=counters),
-            list(zip(cases, outs)), passes=5)
+                                                    **hints), list(zip(cases, outs)), passes=5)
         for splits in (1, 2, 4, 8, 16):
             row[f"csrc {splits}"] = 1e3 * cuda_backend.graph_time_ms(
                 lambda co, s=splits: _chunk_op(co[0], co[1], s, counters), list(zip(cases, outs)), passes=5)
-        short = cuda_backend._short_chunk_splits(sum(q for q, _ in seqs), len(seqs), h, kvh, mql, counters)
-        routed = "csrc" if len(seqs) > cuda_backend.CHUNK_ATTENTION_MIN_SEQS else f"csrc {short}" if short else "triton"
+        routed = "csrc" if len(seqs) > cuda_backend.CHUNK_ATTENTION_MIN_SEQS else "triton"
         print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + f" (routed to {routed})")
 
 
