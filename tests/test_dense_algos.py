@@ -20,7 +20,7 @@ WORKSPACE = (0, 0, 4096, 0, 1 << 30)  # bytes each rank needs; rank 4 needs more
 
 
 class FakePlan:
-    def __init__(self, m, n, k, dtype, has_bias, device, x_stride=None):
+    def __init__(self, m, n, k, dtype, has_bias, device):
         self.m, self.n, self.k = m, n, k
         self.runs: list[tuple[int, int]] = []
         PLANS.append(self)

@@ -10,11 +10,12 @@ timed on the device, can be run instead (:func:`choose_dense_algos` in ``cuda_ba
 The library is the ``libcublasLt`` that torch's own cuBLAS loaded into the process (found
 in ``/proc/self/maps``), reached through ``ctypes``: no headers, no link step, the same
 version torch runs. The calls cost host time (a few microseconds each), so the engine
-uses them where that cost is paid once: inside the CUDA graphs it captures.
+chooses algorithms only for the row counts its CUDA graphs run, whose capture pays that
+cost once (an eager step of such a row count pays it per call).
 
 Row-major ``out [M, N] = x [M, K] @ weight[N, K]^T (+ bias)`` is, in cuBLAS's column-major
 terms, ``out^T [N, M] = op_T(weight) [N, K] @ x^T [K, M]``: A is the weight (transposed),
-B is x, D is out, all with leading dimensions of their row strides. Accumulation and
+B is x, D is out, all contiguous (leading dimensions K, K and N). Accumulation and
 scaling are fp32, as torch's own fp16/bf16 products.
 """
 
@@ -161,15 +162,15 @@ def available() -> bool:
 
 
 class LtMatmul:
-    """``out [m, n] = x [m, k] @ weight [n, k]^T (+ bias [n])`` of one shape and dtype, x
-    rows ``x_stride`` elements apart (out and weight contiguous rows).
+    """``out [m, n] = x [m, k] @ weight [n, k]^T (+ bias [n])`` of one shape and dtype, all
+    contiguous.
 
     Holds the cuBLASLt descriptors of the shape; :meth:`algos` lists its algorithms and
     :meth:`run` launches one on the current stream. Not safe to share between threads
     that run it at the same time (the bias pointer is a descriptor attribute).
     """
 
-    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool, device: int, x_stride: int | None = None):
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, has_bias: bool, device: int):
         lib = _library()
         if lib is None:
             raise RuntimeError("cuBLASLt is not available (no CUDA device, or torch's libcublasLt was not found)")
@@ -178,7 +179,6 @@ class LtMatmul:
         if min(m, n, k) < 1:
             raise ValueError(f"m, n and k must be positive, got {(m, n, k)}")
         self.m, self.n, self.k, self.dtype, self.has_bias, self.device = m, n, k, dtype, has_bias, device
-        self.x_stride = k if x_stride is None else x_stride
         self._lib = lib
         self._handle = lib.handle(device)
         f, check, ct = lib.lib, lib.check, _CUDA_TYPES[dtype]
@@ -190,7 +190,7 @@ class LtMatmul:
             check(f.cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(v), ctypes.sizeof(v)), "DescSetAttribute")
         self._a, self._b, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         check(f.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), ct, k, n, k), "MatrixLayoutCreate")  # weight
-        check(f.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), ct, k, m, self.x_stride), "MatrixLayoutCreate")  # x
+        check(f.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), ct, k, m, k), "MatrixLayoutCreate")  # x
         check(f.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), ct, n, m, n), "MatrixLayoutCreate")  # out
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._bias_ptr = ctypes.c_void_p(0)
@@ -234,7 +234,7 @@ class LtMatmul:
         return (
             (bias is not None) == self.has_bias
             and all(t.dtype == self.dtype and t.is_cuda and t.device.index == self.device for t in tensors)
-            and tuple(x.shape) == (self.m, self.k) and x.stride() == (self.x_stride, 1)
+            and tuple(x.shape) == (self.m, self.k) and x.is_contiguous()
             and tuple(weight.shape) == (self.n, self.k) and weight.is_contiguous()
             and tuple(out.shape) == (self.m, self.n) and out.is_contiguous()
             and (bias is None or (tuple(bias.shape) == (self.n,) and bias.is_contiguous()))
@@ -273,9 +273,9 @@ class LtRoute:
         self.plan, self.algo, self.workspace = plan, algo, workspace
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` (the layer's input, of the plan's row count) has the contiguous
-        rows and alignment the plan was made for; the weight and bias were checked when
-        the route was chosen."""
+        """Whether ``x`` (the layer's input, of the plan's row count) is contiguous and
+        aligned as the plan wants; the weight and bias were checked when the route was
+        chosen."""
         return x.dim() == 2 and x.is_contiguous() and x.data_ptr() % _ALIGNMENT == 0
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
