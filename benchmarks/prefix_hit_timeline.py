@@ -15,7 +15,8 @@ its stub (``device``: from the end of the launch to the sampled tokens on the ho
 
 and the launch's pieces: ``prep`` (launch() start to the prompt graph's replay, which
 holds ``host_inputs``, ``staging`` and ``pack``; "(cpu)" is the device thread's CPU time
-in them), ``replay`` (the host's graph launch), ``after replay`` (sampling enqueued) and
+in them; cut at the start of ``_replay_prompt`` into ``prep to inputs`` and ``inputs to
+replay``), ``replay`` (the host's graph launch), ``after replay`` (sampling enqueued) and
 ``gpu step``, CUDA events from the replay to the sampled tokens' copy to the host. Then
 ``--trace`` more requests run under ``torch.profiler``, and the trace's kernels are cut
 up per graph launch: busy time, idle gaps (by the kernel that waited), the host's
@@ -44,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from idle_latency import find_first_step, host_segments, record_host_steps  # noqa: E402
 
-GPU_KEYS = ("prep", "replay", "after replay", "gpu step", "host_inputs", "host_inputs (cpu)", "staging", "staging (cpu)",
+GPU_KEYS = ("prep", "prep to inputs", "inputs to replay", "replay", "after replay", "gpu step", "host_inputs",
+            "host_inputs (cpu)", "staging", "staging (cpu)",
             "pack", "pack (cpu)", "sample_async", "sample_async (cpu)")  # launch's pieces; the step's device time (CUDA events)
 SEGMENTS = ("send", "wake", "schedule", "submit", "launch", "device", "collect", "return", "update", "gap", "emit",
             "handoff")
@@ -111,6 +113,14 @@ def install_probes(engine, events: list):
             events.append(("replay:end", time.perf_counter(), None))
 
     runner._prompt_graphs = {k: (TimedGraph(g), logits) for k, (g, logits) in runner._prompt_graphs.items()}
+    replay_prompt = runner._replay_prompt
+
+    @functools.wraps(replay_prompt)
+    def replay_prompt_marked(*args):
+        events.append(("replay_prompt:start", time.perf_counter(), None))
+        return replay_prompt(*args)
+
+    runner._replay_prompt = replay_prompt_marked
     launch = runner.launch
 
     @functools.wraps(launch)
@@ -139,7 +149,9 @@ def segments(events: list, t_send: float, t_recv: float, req_id: str) -> dict[st
         if i_r < i_le:
             _, t_replay1 = f.first("replay:end", i_r)
             _, _, ev_end = events[f.first("launch:event", i_le)[0]]
-            seg.update({"prep": t_replay0 - t_launch0, "replay": t_replay1 - t_replay0,
+            _, t_inputs = f.first("replay_prompt:start", i_l)
+            seg.update({"prep": t_replay0 - t_launch0, "prep to inputs": t_inputs - t_launch0,
+                        "inputs to replay": t_replay0 - t_inputs, "replay": t_replay1 - t_replay0,
                         "after replay": t_launch1 - t_replay1, "_events": (events[i_r][2], ev_end)})
     except LookupError:
         pass

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,6 +110,42 @@ def test_rotary_attention_rejects_bad_arguments_by_name(monkeypatch):
     with pytest.raises(ValueError, match="k must have shape"):
         cuda_backend.rotary_attention(**_rotary_attention_args(k=torch.randn(2, 2, 32, dtype=torch.float16)))
 
+
+
+@pytest.mark.parametrize(
+    "num_tokens, layout, cos_sin_dtype, fused",
+    [
+        (1, "packed", torch.float32, True),
+        (80, "packed", torch.float32, True),    # the vectorized form takes any token count
+        (256, "packed", torch.float32, True),
+        (8, "offset", torch.float32, True),     # only the element-wise form: up to 8 tokens
+        (80, "offset", torch.float32, False),
+        (80, "odd_stride", torch.float32, False),
+        (80, "packed", torch.float16, False),   # the fused kernel needs fp32 cos/sin
+    ],
+)
+def test_rotary_store_kv_routing(monkeypatch, num_tokens, layout, cos_sin_dtype, fused):
+    """Which kernels rotary_store_kv runs, from the tensors alone (the CPU tensors reach the
+    fused kernel's device check, or the two ops it falls back to, stubbed here)."""
+    triton_backend = pytest.importorskip("asyncgen._ops.triton_backend")
+    from csrc_emu.cases import make_rotary_store_case
+
+    calls = []
+    monkeypatch.setattr(cuda_backend, "_extension", lambda: object())
+    triton_ops = SimpleNamespace(rotary_embedding=lambda *a: calls.append("rotary"))
+    monkeypatch.setattr(triton_backend, "ops", lambda: triton_ops)
+    monkeypatch.setattr(cuda_backend, "store_kv_cache", lambda *a: calls.append("store"))
+    case = make_rotary_store_case(num_tokens=num_tokens, num_heads=8, num_kv_heads=2, head_dim=64,
+                                  dtype=torch.float16, layout=layout)
+    args = (case.positions, case.q, case.k, case.v, case.cos_sin.to(cos_sin_dtype), case.k_cache, case.v_cache,
+            case.slot_mapping)
+    if fused:
+        with pytest.raises(ValueError, match="q is on cpu; the cuda backend needs CUDA tensors"):
+            cuda_backend.rotary_store_kv(*args)
+        assert calls == []
+    else:
+        cuda_backend.rotary_store_kv(*args)
+        assert calls == ["rotary", "store"]
 
 def test_store_kv_cache_rejects_bad_arguments_by_name():
     key = torch.randn(5, 2, 64, dtype=torch.float16)

@@ -11,7 +11,15 @@ import torch
 
 from asyncgen._ops import reference
 from csrc_emu import harness
-from csrc_emu.cases import make_chunk_case, make_decode_case, make_rotary_decode_case, make_store_case, relative_error
+from csrc_emu.cases import (
+    ROTARY_LAYOUTS,
+    make_chunk_case,
+    make_decode_case,
+    make_rotary_decode_case,
+    make_rotary_store_case,
+    make_store_case,
+    relative_error,
+)
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -208,44 +216,70 @@ def test_store_kv_cache_matches_reference(emu, dtype, head_dim, slot_dtype):
     assert torch.equal(case.v_cache, v_ref)
 
 
-@pytest.mark.parametrize(
-    "dtype, num_heads, num_kv_heads, head_dim, slot_dtype, pos_dtype",
-    [
-        (torch.float16, 4, 4, 128, torch.int64, torch.int64),
-        (torch.bfloat16, 8, 2, 64, torch.int32, torch.int64),  # GQA
-        (torch.float32, 6, 2, 64, torch.int64, torch.int32),
-        (torch.float16, 32, 8, 128, torch.int32, torch.int32),  # more tasks than the blocks of a token take at once
-    ],
-)
-def test_rotary_store_kv_matches_reference(emu, dtype, num_heads, num_kv_heads, head_dim, slot_dtype, pos_dtype):
-    """Rotary in place on q and k, then the cache write of the rotated k and of v, as the
-    two reference ops do it in turn; q, k, v are views of one fused qkv row, as in the model."""
-    g = torch.Generator().manual_seed(num_heads * head_dim)
-    num_tokens, block_size, num_blocks, max_pos = 5, 16, 6, 300
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-    positions = torch.randint(0, max_pos, (num_tokens,), generator=g).to(pos_dtype)
-    angles = torch.rand(max_pos, head_dim // 2, generator=g) * 6.3
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
-    slots[2] = -1  # a padding token: rotated, not stored
-    slot_mapping = slots.to(slot_dtype)
+# (dtype, num_heads, num_kv_heads, head_dim, num_tokens, slot_dtype, pos_dtype, layout); the
+# layouts are those of make_rotary_store_case. The vectorized kernel takes the packed ones
+# whose half rows are whole 16-byte vectors, the element-wise kernel the rest.
+ROTARY_STORE_CASES = [
+    (torch.float16, 4, 4, 128, 1, torch.int64, torch.int64, "packed"),       # MHA, a decode token
+    (torch.float16, 8, 2, 128, 80, torch.int32, torch.int64, "packed"),      # GQA 4, a prefix-hit chunk
+    (torch.bfloat16, 8, 2, 64, 17, torch.int64, torch.int32, "packed"),
+    (torch.bfloat16, 4, 4, 128, 80, torch.int32, torch.int32, "packed"),
+    (torch.float32, 6, 2, 64, 3, torch.int64, torch.int32, "packed"),        # 4 floats a vector
+    (torch.float32, 4, 4, 128, 17, torch.int32, torch.int64, "packed"),
+    (torch.float16, 32, 8, 128, 3, torch.int32, torch.int32, "packed"),      # many rows a token
+    (torch.float16, 8, 2, 64, 17, torch.int64, torch.int64, "offset"),       # unaligned base pointers
+    (torch.bfloat16, 4, 2, 128, 3, torch.int32, torch.int64, "offset"),
+    (torch.float32, 4, 2, 64, 5, torch.int64, torch.int32, "odd_stride"),    # odd head stride
+    (torch.float16, 4, 4, 64, 17, torch.int64, torch.int64, "cos_sin_stride"),  # cos/sin rows 66 floats apart
+    (torch.float16, 4, 2, 24, 5, torch.int64, torch.int64, "packed"),        # half rows of 12: not whole vectors
+]
 
-    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
-    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
-    reference.rotary_embedding(positions.long(), q_ref, k_ref, cos_sin)
-    reference.store_kv_cache(k_ref, v_ref, kc_ref, vc_ref, slot_mapping.long())
-    emu.rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+@pytest.mark.parametrize(
+    "dtype, num_heads, num_kv_heads, head_dim, num_tokens, slot_dtype, pos_dtype, layout",
+    ROTARY_STORE_CASES,
+    ids=lambda v: str(v).removeprefix("torch.") if not isinstance(v, int) else str(v),
+)
+def test_rotary_store_kv_matches_reference(emu, dtype, num_heads, num_kv_heads, head_dim, num_tokens, slot_dtype,
+                                           pos_dtype, layout):
+    """Rotary in place on q and k, then the cache write of the rotated k and of v, as the
+    two reference ops do it in turn, with padding tokens (slot -1: rotated, not stored).
+    The launcher takes the vectorized kernel exactly where cuda_backend expects it to."""
+    from asyncgen._ops import cuda_backend
+
+    case = make_rotary_store_case(num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, dtype=dtype, layout=layout, slot_dtype=slot_dtype,
+                                  pos_dtype=pos_dtype, seed=num_tokens * head_dim + num_heads)
+    v_before = case.v.clone()
+    vectorized = emu.rotary_store_kv(case.q, case.k, case.v, case.positions, case.cos_sin, case.k_cache,
+                                     case.v_cache, case.slot_mapping)
+    whole_vectors = (head_dim // 2) * case.q.element_size() % 16 == 0
+    assert vectorized == (layout == "packed" and whole_vectors)
+    assert vectorized == cuda_backend._rotary_store_vectorized(case.q, case.k, case.v, case.cos_sin, case.k_cache,
+                                                               case.v_cache)
     ulp = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
-    for got, want in ((q, q_ref), (k, k_ref), (k_cache, kc_ref)):
+    for got, want in ((case.q, case.q_ref), (case.k, case.k_ref), (case.k_buffer, case.k_buffer_ref)):
         assert (got.float() - want.float()).abs().max().item() <= ulp * want.float().abs().max().item()
-    assert torch.equal(v, v_ref)
-    assert torch.equal(v_cache, vc_ref)
+    assert torch.equal(case.v, v_before)
+    assert torch.equal(case.v_buffer, case.v_buffer_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_rotary_store_kv_vectorized_equals_elementwise(emu, dtype):
+    """The two kernels round the same fp32 products once: the same values laid out for
+    the vectorized kernel and in each layout the element-wise one takes give bit for bit
+    the same q, k and caches."""
+    results = {}
+    for layout in ROTARY_LAYOUTS:
+        case = make_rotary_store_case(num_tokens=17, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype,
+                                      layout=layout, seed=5)
+        vectorized = emu.rotary_store_kv(case.q, case.k, case.v, case.positions, case.cos_sin, case.k_cache,
+                                         case.v_cache, case.slot_mapping)
+        assert vectorized == (layout == "packed")
+        results[layout] = (case.q, case.k, case.k_buffer, case.v_buffer)
+    for layout, tensors in results.items():
+        for got, want in zip(tensors, results["packed"]):
+            assert torch.equal(got, want), layout
 
 
 # --- GEMV (csrc/gemv.cuh) ---------------------------------------------------------------

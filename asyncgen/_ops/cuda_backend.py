@@ -13,9 +13,11 @@ the argument on bad input):
 - ``store_kv_cache``: csrc when key and cache share a 2- or 4-byte dtype and each cache
   block is contiguous; Triton otherwise.
 - ``rotary_store_kv`` (what the attention layer calls): one csrc kernel for the rotary
-  of q and k and the cache write at up to :data:`ROTARY_STORE_FUSED_MAX_TOKENS` tokens
-  when the cos/sin cache is fp32 and the caches' blocks are contiguous in q's dtype; the
-  Triton rotary and ``store_kv_cache`` otherwise.
+  of q and k and the cache write when the cos/sin cache is fp32 and the caches' blocks
+  are contiguous in q's dtype, at any token count when its 16-byte form takes the tensors
+  (q, k, v as views of the packed qkv rows), else at up to
+  :data:`ROTARY_STORE_FUSED_MAX_TOKENS` tokens; the Triton rotary and ``store_kv_cache``
+  otherwise.
 - ``dense_gemv`` / ``quant_gemv_4bit``: csrc matrix-vector products for up to
   :data:`GEMV_MAX_ROWS` rows (decode at small batch); the ``*_supported`` functions say
   whether a call's tensors fit the kernels (the linear layers fall back otherwise). The
@@ -228,19 +230,45 @@ def store_kv_cache(
     triton_backend.ops().store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-# Up to this many tokens the fused kernel takes rotary_store_kv. On an H200 (7B shapes,
-# docs/BENCHMARKS.md) it took 2.66 us a layer for one decode token against 3.60 for the two
-# kernels, but 6.3 us for a 78-token prompt chunk, where the rotary kernel alone took 2.9:
-# it moves elements one at a time, the separate kernels 16-byte vectors.
+# The fused rotary + cache-write kernel comes in two forms (csrc/cache_kernels.cuh), and its
+# launcher picks one. The element-wise form moves single elements; on an H200 (7B shapes,
+# docs/BENCHMARKS.md) it took 2.66 us a layer for one decode token against 3.60 for the
+# Triton rotary plus the csrc cache write, but 6.3 us for a 78-token prompt chunk, where
+# the rotary kernel alone took 2.9. So where only that form applies (unaligned q, k or v,
+# see _rotary_store_vectorized) the fused kernel takes up to this many tokens and the two
+# kernels the rest. The vectorized form moves 16-byte vectors, as the two kernels do, and
+# takes every token count: at prompt chunks and large decode batches it is expected to
+# replace the two launches with one. It has not been timed on a GPU yet;
+# tests/gpu/check_csrc_ops.py times both forms against the two kernels.
 ROTARY_STORE_FUSED_MAX_TOKENS = 8
 
 
-def _rotary_store_fusable(positions, q, k_cache, v_cache, cos_sin_cache, slot_mapping) -> bool:
+def _rotary_store_vectorized(q, k, v, cos_sin_cache, k_cache, v_cache) -> bool:
+    """Whether the fused kernel's launcher takes its vectorized form, as
+    ``rotary_store_vec_ok`` in csrc/cache_kernels.cuh decides: every base pointer 16-byte
+    aligned, each half of head_dim and every q/k/v and cache block stride whole 16-byte
+    vectors of q's dtype, cos/sin rows a multiple of 4 floats apart."""
+    if not (q.dim() == k.dim() == v.dim() == 3 and cos_sin_cache.dim() == 2 and k_cache.dim() == v_cache.dim() == 4):
+        return False
+    vec = 16 // q.element_size()
+    num_tokens, num_heads, head_dim = q.shape
+    tasks = num_tokens * (num_heads + 2 * k.shape[1]) * (head_dim // (2 * vec))
+    return (
+        head_dim % (2 * vec) == 0
+        and cos_sin_cache.stride(0) % 4 == 0
+        and k_cache.stride(0) % vec == 0
+        and v_cache.stride(0) % vec == 0
+        and all(s % vec == 0 for t in (q, k, v) for s in t.stride()[:2])
+        and all(t.data_ptr() % 16 == 0 for t in (q, k, v, cos_sin_cache, k_cache, v_cache))
+        and tasks < 2**31 - 128  # the kernel counts its tasks, and its grid rounds them up a block, in an int
+    )
+
+
+def _rotary_store_fusable(positions, q, k, v, k_cache, v_cache, cos_sin_cache, slot_mapping) -> bool:
     """Whether the fused kernel takes the call (its shapes are checked after)."""
     return (
-        all(isinstance(t, torch.Tensor) for t in (positions, q, k_cache, v_cache, cos_sin_cache, slot_mapping))
+        all(isinstance(t, torch.Tensor) for t in (positions, q, k, v, k_cache, v_cache, cos_sin_cache, slot_mapping))
         and q.dim() == 3
-        and q.shape[0] <= ROTARY_STORE_FUSED_MAX_TOKENS
         and k_cache.dim() == 4
         and v_cache.dim() == 4
         and cos_sin_cache.dtype == torch.float32
@@ -249,6 +277,8 @@ def _rotary_store_fusable(positions, q, k_cache, v_cache, cos_sin_cache, slot_ma
         and _block_contiguous(v_cache)
         and positions.is_contiguous()
         and slot_mapping.is_contiguous()
+        and (q.shape[0] <= ROTARY_STORE_FUSED_MAX_TOKENS
+             or _rotary_store_vectorized(q, k, v, cos_sin_cache, k_cache, v_cache))
         and _extension() is not None
     )
 
@@ -264,12 +294,12 @@ def rotary_store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Rotary embedding of ``q`` and ``k`` in place, then the cache write of the rotated
-    ``k`` and of ``v`` (see the reference): one csrc kernel for up to
-    :data:`ROTARY_STORE_FUSED_MAX_TOKENS` tokens (decode at small batch), else the Triton
-    rotary and :func:`store_kv_cache`, which check their own arguments; those also take
-    what the fused kernel does not (a cos/sin cache other than fp32, caches whose blocks
-    are not contiguous)."""
-    if not _rotary_store_fusable(positions, q, k_cache, v_cache, cos_sin_cache, slot_mapping):
+    ``k`` and of ``v`` (see the reference): one csrc kernel at any token count when its
+    vectorized form takes the tensors, at up to :data:`ROTARY_STORE_FUSED_MAX_TOKENS`
+    tokens otherwise; else the Triton rotary and :func:`store_kv_cache`, which check their own
+    arguments; those also take what the fused kernel does not (a cos/sin cache other than
+    fp32, caches whose blocks are not contiguous)."""
+    if not _rotary_store_fusable(positions, q, k, v, k_cache, v_cache, cos_sin_cache, slot_mapping):
         from . import triton_backend
 
         triton_backend.ops().rotary_embedding(positions, q, k, cos_sin_cache)
@@ -320,6 +350,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see
     the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
@@ -327,7 +358,8 @@ def paged_attention(
     ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
-    host sync.
+    host sync. ``split_counters``: the model's int32 zeros, with which Triton's general
+    kernel combines a split context in the same launch.
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -398,7 +430,7 @@ def paged_attention(
 
     return triton_backend.ops().paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters,
     )
 
 
@@ -500,7 +532,8 @@ def rotary_attention(
     as one kernel: it rotates q and the new k as it reads them, stores the new k and v,
     then attends (``split_counters``: that kernel's split-K combine, else a second
     kernel). q and k are left as they came. Everything else runs the two ops, which check
-    their own arguments."""
+    their own arguments (Triton's general kernel combines a split context with
+    ``split_counters`` too)."""
     if (
         max_query_len == 1
         and isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] <= ROTARY_DECODE_FUSED_MAX_SEQS
@@ -534,7 +567,7 @@ def rotary_attention(
         return out
     return _rotary_store_then_attention(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters,
     )
 
 

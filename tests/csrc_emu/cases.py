@@ -197,6 +197,96 @@ def make_store_case(
     )
 
 
+
+@dataclasses.dataclass
+class RotaryStoreCase:
+    """Inputs of rotary_store_kv (rotary of q and k in place, then the cache write of k and
+    v) and, in ``*_ref``, what the two reference ops leave in q, k and the caches. The
+    caches are views of buffers with one spare block on either side, so a write outside
+    them (a padding token's) shows in the buffers."""
+
+    q: torch.Tensor             # [num_tokens, num_heads, head_dim], a view (see layout)
+    k: torch.Tensor             # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    positions: torch.Tensor     # [num_tokens] int32 or int64
+    cos_sin: torch.Tensor       # [max_position, head_dim] fp32: cos | sin
+    k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]: k_buffer[1:-1]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens] int32 or int64; -1 for padding tokens
+    k_buffer: torch.Tensor      # [num_blocks + 2, block_size, num_kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    q_ref: torch.Tensor
+    k_ref: torch.Tensor
+    k_buffer_ref: torch.Tensor
+    v_buffer_ref: torch.Tensor
+
+
+# How q, k and v lie in memory:
+#   packed          views of one [num_tokens, (num_heads + 2 num_kv_heads) * head_dim] qkv,
+#                   as the model passes them (16-byte aligned when head_dim is)
+#   offset          the same rows, starting one element past a 16-byte boundary
+#   odd_stride      [num_tokens, heads, head_dim + 1] rows cut to head_dim (odd head stride)
+#   cos_sin_stride  packed, but cos_sin a view with rows head_dim + 2 floats apart
+ROTARY_LAYOUTS = ("packed", "offset", "odd_stride", "cos_sin_stride")
+
+
+def make_rotary_store_case(
+    *,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    layout: str = "packed",
+    slot_dtype: torch.dtype = torch.int64,
+    pos_dtype: torch.dtype = torch.int64,
+    block_size: int = 16,
+    max_position: int = 300,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> RotaryStoreCase:
+    """Random q, k, v, positions and cos/sin in ``layout`` (above); the same ``seed`` gives
+    the same values in every layout. About a quarter of the tokens, and token 2 when there
+    is one, are padding (slot -1): rotated, not stored. The tensors are laid out on
+    ``device`` itself, so the layout holds there."""
+    from asyncgen._ops import reference
+
+    assert layout in ROTARY_LAYOUTS, layout
+    g = torch.Generator().manual_seed(seed)
+    heads = num_heads + 2 * num_kv_heads
+    values = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
+    if layout == "odd_stride":
+        rows = torch.zeros(num_tokens, heads, head_dim + 1, dtype=dtype, device=device)
+        qkv = rows[..., :head_dim]
+    else:
+        flat = torch.zeros(num_tokens * heads * head_dim + 1, dtype=dtype, device=device)
+        qkv = (flat[1:] if layout == "offset" else flat[:-1]).view(num_tokens, heads, head_dim)
+    qkv.copy_(values)
+    # As the model splits its packed [num_tokens, heads * head_dim] rows.
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
+    positions = torch.randint(0, max_position, (num_tokens,), generator=g)
+    angles = torch.rand(max_position, head_dim // 2, generator=g) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    if layout == "cos_sin_stride":
+        cos_sin = torch.cat((cos_sin, torch.zeros(max_position, 2)), dim=-1).to(device)[:, :head_dim]
+    else:
+        cos_sin = cos_sin.to(device)
+    num_blocks = (num_tokens + block_size - 1) // block_size + 2
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
+    if num_tokens > 2:
+        slots[2] = -1
+    shape = (num_blocks + 2, block_size, num_kv_heads, head_dim)
+    k_buffer = torch.randn(shape, generator=g).to(dtype).to(device)
+    v_buffer = torch.randn(shape, generator=g).to(dtype).to(device)
+    positions, slots = positions.to(device), slots.to(device)
+
+    q_ref, k_ref, kb_ref, vb_ref = q.clone(), k.clone(), k_buffer.clone(), v_buffer.clone()
+    reference.rotary_embedding(positions, q_ref, k_ref, cos_sin)
+    reference.store_kv_cache(k_ref, v.clone(), kb_ref[1:-1], vb_ref[1:-1], slots)
+    return RotaryStoreCase(q, k, v, positions.to(pos_dtype), cos_sin, k_buffer[1:-1], v_buffer[1:-1],
+                           slots.to(slot_dtype), k_buffer, v_buffer, q_ref, k_ref, kb_ref, vb_ref)
+
 @dataclasses.dataclass
 class ChunkCase:
     q: torch.Tensor                # [num_tokens, num_heads, head_dim], a strided view

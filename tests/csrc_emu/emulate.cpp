@@ -54,14 +54,18 @@ int ag_store_kv_cache(const StoreKVParams* p, int element_size, int slot_is_int6
   }
 }
 
-// dtype: 0 = float16, 1 = bfloat16, 2 = float32.
-int ag_rotary_store_kv(const RotaryStoreParams* p, int dtype, int slot_is_int64, int pos_is_int64) {
+// dtype: 0 = float16, 1 = bfloat16, 2 = float32. Returns 0 on success and sets *vectorized
+// to whether the launcher took the 16-byte kernel.
+int ag_rotary_store_kv(const RotaryStoreParams* p, int dtype, int slot_is_int64, int pos_is_int64, int* vectorized) {
+  bool vec = false;
   switch (dtype) {
-    case 0: asyncgen::launch_rotary_store_kv<__half>(*p, slot_is_int64, pos_is_int64, nullptr); return 0;
-    case 1: asyncgen::launch_rotary_store_kv<__nv_bfloat16>(*p, slot_is_int64, pos_is_int64, nullptr); return 0;
-    case 2: asyncgen::launch_rotary_store_kv<float>(*p, slot_is_int64, pos_is_int64, nullptr); return 0;
+    case 0: vec = asyncgen::launch_rotary_store_kv<__half>(*p, slot_is_int64, pos_is_int64, nullptr); break;
+    case 1: vec = asyncgen::launch_rotary_store_kv<__nv_bfloat16>(*p, slot_is_int64, pos_is_int64, nullptr); break;
+    case 2: vec = asyncgen::launch_rotary_store_kv<float>(*p, slot_is_int64, pos_is_int64, nullptr); break;
     default: return 1;
   }
+  *vectorized = vec ? 1 : 0;
+  return 0;
 }
 
 // dtype as above. Returns 0 on success.

@@ -228,7 +228,8 @@ class Emulator:
         lib.ag_chunk_attention.argtypes = [ctypes.POINTER(ChunkAttentionParams), ctypes.c_int, ctypes.c_int]
         assert lib.ag_sizeof_store_params() == ctypes.sizeof(StoreKVParams)
         assert lib.ag_sizeof_rotary_store_params() == ctypes.sizeof(RotaryStoreParams)
-        lib.ag_rotary_store_kv.argtypes = [ctypes.POINTER(RotaryStoreParams)] + [ctypes.c_int] * 3
+        lib.ag_rotary_store_kv.argtypes = [ctypes.POINTER(RotaryStoreParams)] + [ctypes.c_int] * 3 + [
+            ctypes.POINTER(ctypes.c_int)]
         assert lib.ag_sizeof_dense_gemv_params() == ctypes.sizeof(DenseGemvParams)
         assert lib.ag_sizeof_quant_gemv_params() == ctypes.sizeof(QuantGemvParams)
         lib.ag_dense_gemv.argtypes = [ctypes.POINTER(DenseGemvParams), ctypes.c_int]
@@ -332,8 +333,9 @@ class Emulator:
         assert rc == 0
         return aligned
 
-    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-        """The fused rotary + cache write (cache_kernels.cuh), in place on q, k and the caches."""
+    def rotary_store_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> bool:
+        """The fused rotary + cache write (cache_kernels.cuh), in place on q, k and the caches.
+        Returns whether the launcher took the vectorized kernel (else the element-wise one)."""
         p = RotaryStoreParams(
             _ptr(q), _ptr(k), _ptr(v), _ptr(k_cache), _ptr(v_cache), _ptr(positions), _ptr(cos_sin_cache),
             _ptr(slot_mapping), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -341,9 +343,11 @@ class Emulator:
             q.shape[0], q.shape[1], k.shape[1], q.shape[2], k_cache.shape[1],
         )
         dtype = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[q.dtype]
+        vectorized = ctypes.c_int()
         rc = self.lib.ag_rotary_store_kv(ctypes.byref(p), dtype, slot_mapping.dtype == torch.int64,
-                                         positions.dtype == torch.int64)
+                                         positions.dtype == torch.int64, ctypes.byref(vectorized))
         assert rc == 0
+        return bool(vectorized.value)
 
     def dense_gemv(self, out, x, weight, bias=None, warps_per_row=0, gated=False):
         """out[m, n] = x[m] . weight[n] (+ bias[n]), or gated: out[m, j] = silu(y[m, j]) *

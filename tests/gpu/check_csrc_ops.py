@@ -14,7 +14,9 @@ window, an empty padded sequence, CUDA-graph replay with new lengths), and the G
 layer shapes and 1-8 rows). Timing: the decode
 kernel for a 7B shape at batch 1/64/256 and 1k-4k context, in GB/s of K/V read against
 ~4.3 TB/s, next to the Triton decode kernel when asyncgen._ops.triton_backend imports;
-the GEMVs at 7B decode shapes next to cuBLAS and the Triton 4-bit GEMV.
+the GEMVs at 7B decode shapes next to cuBLAS and the Triton 4-bit GEMV; the fused rotary +
+cache write (both kernel forms) next to the Triton rotary plus the csrc cache write at
+1-256 tokens (``--rotary-store-only``: that op's checks and timing alone).
 Exits 1 on any mismatch, 2 when the extension is not built.
 """
 
@@ -31,7 +33,12 @@ import torch
 from asyncgen._ops import cuda_backend, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared input builders
-from csrc_emu.cases import make_chunk_case, make_decode_case, make_rotary_decode_case  # noqa: E402
+from csrc_emu.cases import (  # noqa: E402
+    make_chunk_case,
+    make_decode_case,
+    make_rotary_decode_case,
+    make_rotary_store_case,
+)
 
 PEAK_GBPS = 4300.0
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -168,52 +175,78 @@ def check_store_kv_cache() -> None:
 
 def check_rotary_store_kv() -> None:
     """The fused rotary + cache write against the two reference ops, at 7B and 8B (GQA)
-    shapes, a decode token and a 300-token chunk, with padding slots; and its time against
-    the Triton rotary plus the csrc cache write it replaces, per layer call in a graph."""
+    shapes, from a decode token to prompt chunks, with padding slots: q, k, v as views of
+    the packed qkv rows (the vectorized kernel) and laid out one element off or with an
+    odd head stride (the element-wise kernel), through the op itself and the launcher."""
     print("rotary_store_kv")
+    i32, i64 = torch.int32, torch.int64
+    for dtype, heads, kv_heads, num_tokens, slot_dtype, pos_dtype, layout in [
+        (torch.float16, 32, 32, 1, i64, i64, "packed"), (torch.float16, 32, 32, 16, i32, i64, "packed"),
+        (torch.float16, 32, 32, 78, i64, i64, "packed"), (torch.bfloat16, 32, 8, 80, i32, i32, "packed"),
+        (torch.float16, 32, 32, 256, i32, i64, "packed"), (torch.bfloat16, 32, 8, 300, i64, i32, "packed"),
+        (torch.float32, 32, 8, 7, i64, i64, "packed"), (torch.float32, 32, 8, 80, i32, i64, "packed"),
+        (torch.float16, 32, 32, 78, i64, i64, "offset"), (torch.bfloat16, 32, 8, 5, i32, i64, "odd_stride"),
+    ]:
+        for via in ("op", "launcher"):
+            case = make_rotary_store_case(num_tokens=num_tokens, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                                          dtype=dtype, layout=layout, slot_dtype=slot_dtype, pos_dtype=pos_dtype,
+                                          max_position=4096, seed=num_tokens + kv_heads, device=DEVICE)
+            q, k, v, kc, vc = case.q, case.k, case.v, case.k_cache, case.v_cache
+            v_before = v.clone()
+            form = "vec" if cuda_backend._rotary_store_vectorized(q, k, v, case.cos_sin, kc, vc) else "elem"
+            if via == "op":  # the kernel itself, whatever the launcher would route there
+                torch.ops.asyncgen_C.rotary_store_kv(q, k, v, case.positions, case.cos_sin, kc, vc, case.slot_mapping)
+            else:
+                cuda_backend.rotary_store_kv(case.positions, q, k, v, case.cos_sin, kc, vc, case.slot_mapping)
+            tol = TOLERANCE.get(dtype, 1e-5)
+            err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                      for a, b in ((case.q, case.q_ref), (case.k, case.k_ref), (case.k_buffer, case.k_buffer_ref)))
+            same_v = torch.equal(case.v_buffer, case.v_buffer_ref) and torch.equal(case.v, v_before)
+            check(f"rotary_store_kv {dtype} {heads}/{kv_heads} heads T={num_tokens} {layout} ({form}, {via})",
+                  err < tol and same_v, f"rel err {err:.1e}, v and its cache unchanged elsewhere: {same_v}")
+
+
+def bench_rotary_store_kv() -> None:
+    """Per layer call in a CUDA graph (32 layers' caches in turn), 7B shapes: the fused
+    kernel's vectorized form (q, k, v as views of the packed qkv rows), its element-wise
+    form (the same rows one element off), and the Triton rotary plus the csrc cache write
+    that the fused kernel replaces; and what the launcher runs at each token count."""
     from asyncgen._ops import triton_backend
 
-    for dtype, heads, kv_heads, num_tokens, slot_dtype, pos_dtype in [
-        (torch.float16, 32, 32, 1, torch.int64, torch.int64), (torch.float16, 32, 32, 300, torch.int32, torch.int64),
-        (torch.bfloat16, 32, 8, 300, torch.int64, torch.int32), (torch.float32, 32, 8, 7, torch.int64, torch.int64),
-    ]:
-        torch.manual_seed(num_tokens + kv_heads)
-        head_dim, num_blocks, block_size, max_pos = 128, 40, 16, 4096
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device=DEVICE, dtype=dtype)
-        q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-        positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE).to(pos_dtype)
-        angles = torch.rand(max_pos, head_dim // 2, device=DEVICE) * 6.3
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
-        slots[torch.rand(num_tokens, device=DEVICE) < 0.2] = -1
-        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
-        q_ref, k_ref, kc_ref, vc_ref = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
-        reference.rotary_embedding(positions.long(), q_ref, k_ref, cos_sin)
-        reference.store_kv_cache(k_ref, v.clone(), kc_ref, vc_ref, slots.long())
-        cuda_backend.rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots.to(slot_dtype))
-        tol = TOLERANCE.get(dtype, 1e-5)
-        err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                  for a, b in ((q, q_ref), (k, k_ref), (k_cache, kc_ref)))
-        check(f"rotary_store_kv {dtype} {heads}/{kv_heads} heads T={num_tokens}",
-              err < tol and torch.equal(v_cache, vc_ref), f"rel err {err:.1e}")
-    # Time per layer call at one decode token (7B): fused against rotary + cache write.
     t = triton_backend.ops()
-    qkv = torch.randn(1, 3 * 4096, device=DEVICE, dtype=torch.float16)
-    q, k, v = (qkv[:, i * 4096 : (i + 1) * 4096].view(1, 32, 128) for i in range(3))
-    positions = torch.tensor([700], device=DEVICE)
-    slots = torch.tensor([123], device=DEVICE)
-    caches = [(torch.zeros(64, 16, 32, 128, device=DEVICE, dtype=torch.float16),) * 2 for _ in range(32)]
-    cos_sin = torch.randn(4096, 128, device=DEVICE)
-    fused = 1e3 * cuda_backend.graph_time_ms(
-        lambda c: cuda_backend.rotary_store_kv(positions, q, k, v, cos_sin, c[0], c[1], slots), caches)
-    split = 1e3 * cuda_backend.graph_time_ms(
-        lambda c: (t.rotary_embedding(positions, q, k, cos_sin), cuda_backend.store_kv_cache(k, v, c[0], c[1], slots)),
-        caches)
-    print(f"  one decode token, 7B: fused {fused:.2f} us a layer, rotary + cache write {split:.2f} us")
+    heads, head_dim, width = 32, 128, 3 * 32 * 128
+    print("\nrotary + cache write, 7B (32 heads, fp16), us per layer call")
+    print(f"{'tokens':>6} | {'fused 16B':>9} {'fused elem':>10} {'rotary+store':>12} | launcher runs")
+    angles = torch.rand(4096, head_dim // 2, device=DEVICE) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    caches = [tuple(torch.zeros(64, 16, heads, head_dim, device=DEVICE, dtype=torch.float16) for _ in range(2))
+              for _ in range(32)]
+    for num_tokens in (1, 8, 16, 64, 78, 256):
+        flat = torch.randn(num_tokens * width + 1, device=DEVICE, dtype=torch.float16)
+        packed = flat[:-1].view(num_tokens, 3 * heads, head_dim)
+        offset = flat[1:].view(num_tokens, 3 * heads, head_dim)
+        positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+        slots = torch.randperm(64 * 16, device=DEVICE)[:num_tokens]
+
+        def fused(c, qkv):
+            q, k, v = qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+            torch.ops.asyncgen_C.rotary_store_kv(q, k, v, positions, cos_sin, c[0], c[1], slots)
+
+        def separate(c):
+            q, k, v = packed[:, :heads], packed[:, heads : 2 * heads], packed[:, 2 * heads :]
+            t.rotary_embedding(positions, q, k, cos_sin)
+            cuda_backend.store_kv_cache(k, v, c[0], c[1], slots)
+
+        q, k, v = packed[:, :heads], packed[:, heads : 2 * heads], packed[:, 2 * heads :]
+        assert cuda_backend._rotary_store_vectorized(q, k, v, cos_sin, *caches[0])
+        routed = ("fused" if cuda_backend._rotary_store_fusable(positions, q, k, v, *caches[0], cos_sin, slots)
+                  else "rotary + store")
+        t_vec = 1e3 * cuda_backend.graph_time_ms(lambda c: fused(c, packed), caches)
+        t_elem = 1e3 * cuda_backend.graph_time_ms(lambda c: fused(c, offset), caches)
+        t_two = 1e3 * cuda_backend.graph_time_ms(separate, caches)
+        print(f"{num_tokens:>6} | {t_vec:>9.2f} {t_elem:>10.2f} {t_two:>12.2f} | {routed}", flush=True)
+    del caches
+    torch.cuda.empty_cache()
 
 
 def check_decode(quick: bool) -> None:
@@ -837,6 +870,8 @@ def main() -> int:
     parser.add_argument("--no-bench", action="store_true", help="skip the timing")
     parser.add_argument("--rotary-only", action="store_true",
                         help="only the fused rotary + decode attention: its checks and timing")
+    parser.add_argument("--rotary-store-only", action="store_true",
+                        help="only the fused rotary + cache write: its checks and timing")
     parser.add_argument("--chunk-only", action="store_true",
                         help="only the prompt-chunk attention: its checks and timing")
     parser.add_argument("--gemv-only", action="store_true",
@@ -861,6 +896,9 @@ def main() -> int:
         steps = [check_dense_gemv, check_dense_gemv_gated, bench_dense_gemv_split, bench_gated]
     if args.chunk_only:
         steps = [check_chunk_attention] + ([] if args.no_bench else [bench_chunk_attention])
+    if args.rotary_store_only:
+        steps = [check_rotary_store_kv] + ([] if args.no_bench else [bench_rotary_store_kv])
+    one_op = args.gemv_only or args.chunk_only or args.rotary_store_only
     for step in steps:
         try:
             step()
@@ -869,16 +907,17 @@ def main() -> int:
             failures.append(f"{getattr(step, '__name__', 'check')}: raised")
         torch.cuda.synchronize()
 
-    if not args.no_bench and not args.gemv_only and not args.chunk_only:
+    if not args.no_bench and not one_op:
         try:
             bench_rotary_attention()
         except Exception:
             traceback.print_exc()
             failures.append("bench_rotary_attention: raised")
-    rows = [] if args.no_bench or args.rotary_only or args.gemv_only or args.chunk_only else run_benchmarks()
+    rows = [] if args.no_bench or args.rotary_only or one_op else run_benchmarks()
     if rows:
         print_table(rows)
-    if not args.no_bench and not args.rotary_only and not args.gemv_only and not args.chunk_only:
+    if not args.no_bench and not args.rotary_only and not one_op:
+        bench_rotary_store_kv()
         bench_dense_gemv_split()
         bench_chunk_attention()
         run_gemv_benchmarks()
