@@ -8,10 +8,7 @@ slots are empty).
 
 The general paged-attention kernel runs at each tiling (BLOCK_M, BLOCK_N, warps,
 stages) and context split, split reduction included, against the configuration the
-engine picks. Each configuration is first checked against the engine's. A split context
-is combined as the engine does it, by the last split of each query tile with the model's
-split counters (``--reduce-kernel``: by the second kernel instead); the engine's
-configuration is timed both ways.
+engine picks. Each configuration is first checked against the engine's.
 
 Every timing replays one CUDA graph that cycles through 8 copies of the KV cache (more
 than L2 holds), as a forward pass reads each layer's once. (Its first version also timed
@@ -75,34 +72,22 @@ def sweep_attention(gen, results: dict, grid) -> None:
     scale = HEAD_DIM**-0.5
     original = tpa._general_config
 
-    # As the model runner sizes them: one per (sequence slot, kv head) of a decode batch.
-    counters = torch.zeros(256 * HEADS, dtype=torch.int32, device="cuda")
-    sweep_counters = None if grid.reduce_kernel else counters
-
-    def run(cfg, splits, cache, out, split_counters=sweep_counters):
+    def run(cfg, splits, cache, out):
         if cfg is not None:
             tpa._general_config = lambda *a, **k: cfg
         try:
             return tpa.paged_attention(q, cache[0], cache[1], tables, seq_lens, qsl, scale, out=out,
-                                       max_query_len=GRAPH_TOKENS, max_seq_len=4096, num_splits=splits,
-                                       split_counters=split_counters)
+                                       max_query_len=GRAPH_TOKENS, max_seq_len=4096, num_splits=splits)
         finally:
             tpa._general_config = original
 
     outs = [torch.empty_like(q) for _ in range(COPIES)]
-    ref = run(None, None, caches[0], torch.empty_like(q), None)
+    ref = run(None, None, caches[0], torch.empty_like(q))
     torch.cuda.synchronize()
     default_cfg = original(HEAD_DIM, 1, GRAPH_TOKENS, torch.float16)
-    rows = []
-    for label, ctr in (("the reduction kernel", None), ("in-kernel combine", counters)):
-        got = run(None, None, caches[0], torch.empty_like(q), ctr)
-        err = (got[:NEW].float() - ref[:NEW].float()).abs().max().item()
-        us = graph_us([lambda c=c, o=o, ctr=ctr: run(None, None, c, o, ctr) for c, o in zip(caches, outs)])
-        left = int(counters.abs().sum())
-        print(f"attention default {default_cfg} (splits chosen by the engine), {label}: {us:.2f} us "
-              f"(max difference {err:.2e}, counters left non-zero: {left})", flush=True)
-        rows.append({"config": list(default_cfg), "splits": None, "combine": label, "us": us, "max_err": err})
-    default_us = rows[-1]["us"] if sweep_counters is not None else rows[0]["us"]
+    default_us = graph_us([lambda c=c, o=o: run(None, None, c, o) for c, o in zip(caches, outs)])
+    print(f"attention default {default_cfg} (splits chosen by the engine): {default_us:.2f} us", flush=True)
+    rows = [{"config": list(default_cfg), "splits": None, "us": default_us}]
 
     def measure(cfg, splits):
         try:
@@ -130,9 +115,8 @@ def sweep_attention(gen, results: dict, grid) -> None:
         for warps, stages in itertools.product(grid.warps, grid.stages):
             if (warps, stages) != (8 if bm >= 128 else 4, 2):
                 measure((bm, bn, warps, stages), splits)
-    if len(rows) > 2:
-        best = min(rows[2:], key=lambda r: r["us"])
-        print(f"attention best {best} against default {default_us:.2f} us", flush=True)
+    best = min(rows[1:], key=lambda r: r["us"])
+    print(f"attention best {best} against default {default_us:.2f} us", flush=True)
     results["attention"] = rows
 
 
@@ -142,10 +126,9 @@ def profile_once(gen) -> None:
 
     q, caches, tables, seq_lens, qsl = attention_inputs(gen)
     out = torch.empty_like(q)
-    counters = torch.zeros(256 * HEADS, dtype=torch.int32, device="cuda")
     for i in range(5):
         tpa.paged_attention(q, caches[i % COPIES][0], caches[i % COPIES][1], tables, seq_lens, qsl, HEAD_DIM**-0.5,
-                            out=out, max_query_len=GRAPH_TOKENS, max_seq_len=4096, split_counters=counters)
+                            out=out, max_query_len=GRAPH_TOKENS, max_seq_len=4096)
     torch.cuda.synchronize()
 
 
@@ -161,8 +144,6 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=6, help="tilings of the first pass tried with other warps/stages")
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--reduce-kernel", action="store_true",
-                        help="sweep with the split reduction as a second kernel (the engine combines in the kernel)")
     parser.add_argument("--profile-once", action="store_true",
                         help="run the engine's configuration a few times eagerly and exit (for ncu)")
     args = parser.parse_args()

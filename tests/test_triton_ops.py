@@ -383,64 +383,6 @@ def test_paged_attention_prefill_split_k(dtype, num_splits):
     assert_close(actual, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [2, 3])
-def test_paged_attention_prefill_split_k_combined_in_kernel(dtype, num_splits, monkeypatch):
-    # With split counters the last split of each query tile combines the partials in the
-    # same launch (no reduction kernel runs): the result matches the reference, every
-    # counter is zero again after the call (the next layer reuses them), and a second call
-    # with other inputs is right too. A buffer too small for the grid falls back to the
-    # reduction kernel.
-    from asyncgen._ops import triton_paged_attention as tpa
-
-    reductions = []
-    real_reduce = tpa._reduce_splits
-    monkeypatch.setattr(tpa, "_reduce_splits", lambda *a: (reductions.append(a), real_reduce(*a)))
-    q_lens, seq_lens = [19, 1, 0, 40, 5], [300, 170, 12, 40, 517]
-    batch = make_attention_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, head_dim=64,
-                                 block_size=16, dtype=dtype, seed=23)
-    counters = torch.zeros(256, dtype=torch.int32, device=DEVICE)
-    actual, expected = run_both(batch, max_query_len=max(q_lens), num_splits=num_splits, split_counters=counters)
-    assert_close(actual, expected, dtype)
-    assert int(counters.abs().sum()) == 0
-    batch["q"] = -batch["q"].flip(0)
-    actual, expected = run_both(batch, max_query_len=max(q_lens), num_splits=num_splits, split_counters=counters)
-    assert_close(actual, expected, dtype)
-    assert int(counters.abs().sum()) == 0
-    assert reductions == []
-    small = torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    actual, expected = run_both(batch, max_query_len=max(q_lens), num_splits=num_splits, split_counters=small)
-    assert_close(actual, expected, dtype)
-    assert int(small.abs().sum()) == 0
-    assert len(reductions) == 1
-
-
-def test_split_counters_needed_covers_every_split_launch():
-    # The model runner sizes its counters with split_counters_needed: every launch the
-    # general kernel splits by itself must find a counter per query tile and kv head.
-    from asyncgen._ops.triton_paged_attention import _general_config, _prefill_splits, split_counters_needed
-
-    for sms in (8, 132):
-        for num_heads, num_kv_heads in ((32, 32), (32, 8), (8, 1), (28, 4)):
-            group_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
-            need = split_counters_needed(num_kv_heads, sms)
-            for num_tokens in range(1, 600, 7):
-                for num_seqs in range(1, 10):
-                    block_m, block_n = _general_config(128, group_pad, num_tokens, torch.float16)[:2]
-                    block_q = block_m // group_pad
-                    if _prefill_splits(num_tokens, num_seqs, num_heads, num_kv_heads, 128, block_q, 4096, block_n,
-                                       sms) > 1:
-                        assert (num_tokens // block_q + num_seqs) * num_kv_heads <= need
-
-
-def test_paged_attention_split_counters_checked():
-    batch = make_attention_batch([4], [40], num_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
-                                 dtype=torch.float16)
-    for bad in (torch.zeros(64, dtype=torch.int64, device=DEVICE), torch.zeros(8, 8, dtype=torch.int32, device=DEVICE)):
-        with pytest.raises(ValueError, match="split_counters"):
-            OPS.paged_attention(**batch, scale=0.125, max_query_len=4, num_splits=2, split_counters=bad)
-
-
 def test_paged_attention_prefill_split_k_chosen_automatically():
     from asyncgen._ops.triton_paged_attention import _general_config, _prefill_splits
 

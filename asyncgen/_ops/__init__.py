@@ -56,14 +56,14 @@ def get_ops(backend: str) -> Ops:
 
 def compose_rotary_attention(rotary_store_kv: Callable, paged_attention: Callable) -> Callable:
     """``rotary_attention`` (see the reference) as a backend's ``rotary_store_kv`` followed
-    by its ``paged_attention``, which is given ``split_counters``."""
+    by its ``paged_attention``."""
 
     def rotary_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
                          query_start_loc, scale, sliding_window=None, *, max_query_len=None, max_seq_len=None,
                          split_counters=None):
         rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
         return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters)
+                               max_query_len=max_query_len, max_seq_len=max_seq_len)
 
     return rotary_attention
 

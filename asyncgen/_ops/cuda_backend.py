@@ -350,7 +350,6 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see
     the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
@@ -358,8 +357,7 @@ def paged_attention(
     ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
-    host sync. ``split_counters``: the model's int32 zeros, with which Triton's general
-    kernel combines a split context in the same launch.
+    host sync.
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -430,7 +428,7 @@ def paged_attention(
 
     return triton_backend.ops().paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters,
+        max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
 
 
@@ -532,8 +530,7 @@ def rotary_attention(
     as one kernel: it rotates q and the new k as it reads them, stores the new k and v,
     then attends (``split_counters``: that kernel's split-K combine, else a second
     kernel). q and k are left as they came. Everything else runs the two ops, which check
-    their own arguments (Triton's general kernel combines a split context with
-    ``split_counters`` too)."""
+    their own arguments."""
     if (
         max_query_len == 1
         and isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] <= ROTARY_DECODE_FUSED_MAX_SEQS
@@ -567,7 +564,7 @@ def rotary_attention(
         return out
     return _rotary_store_then_attention(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters,
+        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
 
 

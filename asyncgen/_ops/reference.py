@@ -152,16 +152,13 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values.
 
     The current step's keys and values must already be in the cache
     (``store_kv_cache`` first). Computed in fp32; returns ``out`` (allocated when not
     given) of q's shape and dtype. ``max_query_len`` / ``max_seq_len`` are launch hints
-    for the GPU kernels (the maxima over the batch) and ``split_counters`` a buffer of
-    zeros a GPU kernel may use to combine a split context (see ``rotary_attention``);
-    the reference ignores them.
+    for the GPU kernels (the maxima over the batch); the reference ignores them.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -25,16 +25,14 @@ tile is ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, row ``r`` being query token
 
 Three kernels:
 
-- ``_paged_attention_kernel`` (any batch): grid ``(num_kv_heads, num_splits, T // BLOCK_Q + B)``.
+- ``_paged_attention_kernel`` (any batch): grid ``(T // BLOCK_Q + B, num_kv_heads, num_splits)``.
   Sequence ``b`` owns the program ids from ``query_start_loc[b] // BLOCK_Q + b`` on, which
   leaves room for its ``ceil(q_len / BLOCK_Q)`` query tiles whatever the lengths; a
   program finds its sequence by counting the starts below its id (vector loads of 64
   starts, no host sync) and exits when its tile is past the sequence's queries. Key
   tiles entirely below every query row's position skip the causal mask. When too few
   query tiles would fill the GPU (a short chunk after a long cached prefix), the context
-  is split as in decode: the grid's axis of ``num_splits`` and partials per token, which
-  the last split of each query tile to finish combines when the caller lends it a
-  counter per tile and kv head (``split_counters``), else a second kernel.
+  is split as in decode: a third grid axis of ``num_splits`` and partials per token.
 - ``_paged_decode_kernel`` (every sequence has at most one query, ``max_query_len=1``):
   grid ``(B, num_kv_heads, num_splits)``; the query tile is the head group padded to 16
   rows (masked), so ``tl.dot`` keeps shapes >= 16. With ``num_splits > 1`` (flash-decoding)
@@ -177,7 +175,6 @@ def _paged_attention_kernel(
     part_max_ptr,  # [T, num_heads, NUM_SPLITS] (NUM_SPLITS > 1)
     part_sum_ptr,  # [T, num_heads, NUM_SPLITS]
     part_acc_ptr,  # [T, num_heads, NUM_SPLITS, HEAD_DIM]
-    counters_ptr,  # [grid x * num_kv_heads] int32 zeros (FUSED_COMBINE)
     block_tables_ptr,  # [B, max_blocks_per_seq]
     seq_lens_ptr,  # [B]
     query_start_loc_ptr,  # [B + 1]
@@ -205,24 +202,15 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # The query tiles are the grid's last (slowest) axis, so the GPU starts every kv head
-    # and split of a tile before the next tile. Unsplit, the highest tile ids start first:
-    # a sequence's later query tiles attend to more keys, so the longest programs start
-    # first and the short ones fill the tail. Split (short chunks over a long context, as
-    # in the engine's narrow prompt graphs, whose first slots hold the step's sequences
-    # and the rest nothing), the lowest start first, so the tiles with queries are not
-    # queued behind the empty slots' programs.
-    if NUM_SPLITS == 1:
-        pid = tl.num_programs(2) - 1 - tl.program_id(2)
-    else:
-        pid = tl.program_id(2)
-    kv_head = tl.program_id(0)
-    split = tl.program_id(1)
+    # Highest ids first: a sequence's later query tiles attend to more keys, so the
+    # longest programs start first and the short ones fill the tail.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     # Which sequence owns this program: the last one whose first program id is <= pid,
     # counted over the sequences SEQ_CHUNK at a time (one compiled kernel for any count).
@@ -303,36 +291,6 @@ def _paged_attention_kernel(
         tl.store(part_max_ptr + part, m_i, mask=row_mask)
         tl.store(part_sum_ptr + part, l_i, mask=row_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
-        if FUSED_COMBINE:
-            # The last of the tile's splits to finish combines them (no second kernel):
-            # every thread's partials are stored before one thread counts this split in
-            # (release), and the last one reads the others' after its count (acquire),
-            # from L2 (.cg: this SM's L1 may hold lines of an earlier use of the buffer).
-            tl.debug_barrier()
-            counter = counters_ptr + pid * tl.num_programs(0) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(counter, 0)  # zero again for the next launch
-                for s in tl.static_range(NUM_SPLITS):
-                    other = row_mask & ((offs_m * 0 + split) != s)  # (a vector: the interpreter wants one)
-                    part_s = part - split + s
-                    m_s = tl.load(part_max_ptr + part_s, mask=other, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_sum_ptr + part_s, mask=other, other=0.0, cache_modifier=".cg")
-                    acc_s = tl.load(part_acc_ptr + part_s[:, None] * HEAD_DIM + offs_d[None, :],
-                                    mask=other[:, None], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_i, m_s)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    w_own = tl.exp2(m_i - m_safe)  # a split that saw no key has m = -inf: weight 0
-                    w_s = tl.exp2(m_s - m_safe)
-                    l_i = l_i * w_own + l_s * w_s
-                    acc = acc * w_own[:, None] + acc_s * w_s[:, None]
-                    m_i = m_new
-                l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-                res = acc / l_safe[:, None]
-                tl.store(
-                    out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
-                    res.to(out_ptr.dtype.element_ty),
-                    mask=row_mask[:, None],
-                )
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -589,7 +547,6 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see the
     reference. The step's keys and values must already be in the cache. Returns ``out``
@@ -607,12 +564,6 @@ def paged_attention(
       value gives correct results; a fixed one keeps the launch capturable.
     - ``num_splits``: force the number of context splits (split-K, either kernel);
       ``None`` picks it from the shapes, these hints and the device's SM count.
-
-    ``split_counters``: an int32 buffer of zeros on q's device (the model's, shared by the
-    layers). When the general kernel splits the context and the buffer has a counter for
-    each of its query tiles and kv heads, the last split of a tile to finish combines the
-    tile's partials, and the counter is zero again after the call; otherwise a second
-    kernel combines them. Calls that share a buffer must not run concurrently.
 
     The launch configuration depends only on shapes, dtypes and these hints, so a call
     with fixed hints can be captured in a CUDA graph.
@@ -706,11 +657,9 @@ def paged_attention(
         num_splits = _prefill_splits(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_q, max_context,
                                      block_n, num_sms(device))
     part_max, part_sum, part_acc = _partials(out, num_tokens, num_splits)
-    grid = (num_kv_heads, num_splits, num_tokens // block_q + num_seqs)
-    fused_combine = num_splits > 1 and _counters_fit(split_counters, grid[2] * num_kv_heads, q.device)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_max, part_sum, part_acc, split_counters if fused_combine else part_max,
-        block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, part_max, part_sum, part_acc, block_tables, seq_lens, query_start_loc,
         num_seqs, num_heads, qk_scale, window,
         stride_q[0], stride_q[1], stride_out[0], stride_out[1],
         *cache_strides, block_tables.stride(0),
@@ -723,39 +672,15 @@ def paged_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        FUSED_COMBINE=fused_combine,
         HAS_WINDOW=sliding_window is not None,
         UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1 and not fused_combine:
+    if num_splits > 1:
         _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs, True)
     return out
-
-
-def split_counters_needed(num_kv_heads: int, sms: int) -> int:
-    """Counters the general kernel's in-kernel combine can need on a GPU of ``sms`` SMs:
-    one per query tile (at most ``2 * sms / num_kv_heads`` tiles hold queries when it
-    splits, see :func:`_prefill_splits`, plus one per sequence slot) and kv head."""
-    return _SPLIT_TARGET_WAVES * sms + (_PREFILL_SPLIT_MAX_SEQS + 1) * num_kv_heads
-
-
-def _counters_fit(counters: torch.Tensor | None, needed: int, device: torch.device) -> bool:
-    """Whether ``counters`` can serve as the general kernel's split counters: an int32
-    contiguous vector on ``device`` with at least ``needed`` entries."""
-    if counters is None:
-        return False
-    if not isinstance(counters, torch.Tensor):
-        raise ValueError(f"split_counters must be None or a tensor, got {type(counters).__name__}")
-    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
-        raise ValueError(
-            f"split_counters must be a contiguous 1-D int32 tensor, got {counters.dtype} of shape {tuple(counters.shape)}"
-        )
-    if counters.device != device:
-        raise ValueError(f"split_counters is on {counters.device}, q on {device}")
-    return counters.numel() >= needed
 
 
 def _partials(out: torch.Tensor, rows: int, num_splits: int) -> tuple[torch.Tensor, ...]:

@@ -348,17 +348,11 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.model_cfg
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        # The attention kernels' split-K combine counters: one per (sequence, kv head) of a
-        # decode batch, and as many as Triton's prompt kernel can need for a split context
-        # (so every split prompt step combines in its kernel, one compiled variant); the
-        # layers take turns with them (one stream).
+        # One counter per (sequence, kv head) of a decode batch, for the attention kernel's
+        # split-K combine; the layers take turns with it (one stream).
         counters = None
         if self.device.type == "cuda":
-            from .._ops.triton_paged_attention import split_counters_needed
-
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            size = max(max(self.cfg.max_num_seqs, 1) * c.num_kv_heads, split_counters_needed(c.num_kv_heads, sms))
-            counters = torch.zeros(size, dtype=torch.int32, device=self.device)
+            counters = torch.zeros(max(self.cfg.max_num_seqs, 1) * c.num_kv_heads, dtype=torch.int32, device=self.device)
         for layer in self.model.layers:
             attn = layer.self_attn
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -317,18 +317,6 @@ def check_attention(ops, dtype, quick, sweep):
                              hints=cached_hints, graph=True)
         check_attention_case(ops, dtype, f"78 after 992 cached kvh={kvh} splits=1 (graph)", [78], [1070], kvh,
                              hints=dict(cached_hints, num_splits=1), graph=True)
-        # The same split, combined by the last split of each tile with the model's split
-        # counters (as the engine runs it); the counters must be zero again afterwards.
-        counters = torch.zeros(256 * kvh, dtype=torch.int32, device="cuda")
-        check_attention_case(ops, dtype, f"78 after 992 cached kvh={kvh} in-kernel combine (graph)", [78], [1070],
-                             kvh, hints=dict(cached_hints, split_counters=counters), graph=True)
-        for q_lens, seq_lens in (([78], [1070]), ([19, 1, 0, 40, 5], [300, 170, 12, 40, 517])):
-            check_attention_case(ops, dtype, f"{q_lens} over {seq_lens} kvh={kvh} in-kernel combine, 4 splits",
-                                 q_lens, seq_lens, kvh,
-                                 hints=dict(max_query_len=128, max_seq_len=4096, num_splits=4, split_counters=counters))
-        torch.cuda.synchronize()
-        left = int(counters.abs().sum())
-        record("paged_attention", f"split counters zero after use kvh={kvh}", (float(left), left == 0), 0.0, 0, 0)
         mixed_q = [512] + [1] * 128
         mixed_n = [512] + [2048 - 13 * i for i in range(128)]
         check_attention_case(ops, dtype, f"mixed 512 + 128 decodes kvh={kvh}", mixed_q, mixed_n, kvh,
