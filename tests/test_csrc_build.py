@@ -111,7 +111,6 @@ def test_rotary_attention_rejects_bad_arguments_by_name(monkeypatch):
         cuda_backend.rotary_attention(**_rotary_attention_args(k=torch.randn(2, 2, 32, dtype=torch.float16)))
 
 
-
 @pytest.mark.parametrize(
     "num_tokens, layout, cos_sin_dtype, fused",
     [
@@ -146,6 +145,7 @@ def test_rotary_store_kv_routing(monkeypatch, num_tokens, layout, cos_sin_dtype,
     else:
         cuda_backend.rotary_store_kv(*args)
         assert calls == ["rotary", "store"]
+
 
 def test_store_kv_cache_rejects_bad_arguments_by_name():
     key = torch.randn(5, 2, 64, dtype=torch.float16)
