@@ -234,8 +234,6 @@ AG_DEVICE uint4 pack16(const float (&f)[16 / sizeof(T)]) {
   return raw;
 }
 
-AG_DEVICE void store16(void* ptr, const uint4& raw) { *reinterpret_cast<uint4*>(ptr) = raw; }
-
 template <typename T, typename SlotT, typename PosT>
 __global__ void __launch_bounds__(kRotaryVecThreads) rotary_store_kv_vec_kernel(const RotaryStoreParams p) {
   constexpr int V = 16 / sizeof(T);

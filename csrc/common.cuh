@@ -139,6 +139,12 @@ AG_DEVICE uint4 load16(const T* ptr) {
   return *reinterpret_cast<const uint4*>(ptr);
 }
 
+// A 16-byte store; `ptr` must be 16-byte aligned.
+template <typename T>
+AG_DEVICE void store16(T* ptr, const uint4& raw) {
+  *reinterpret_cast<uint4*>(ptr) = raw;
+}
+
 // ---------------------------------------------------------------------------------------
 // Butterfly reductions over lanes that differ in the bits FIRST_MASK..16; every lane ends
 // with the result. FIRST_MASK = 1 reduces the whole warp.
