@@ -1,6 +1,5 @@
-// Torch glue for the prompt-chunk attention kernels (chunk_attention.cuh and
-// prefix_attention.cuh): argument checks, the split partials and the launch on the current
-// stream.
+// Torch glue for the prompt-chunk attention kernel (chunk_attention.cuh): argument checks,
+// the split partials and the launch on the current stream.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,18 +10,13 @@
 #include "check.h"
 #include "chunk_attention.cuh"
 #include "ops.h"
-#include "prefix_attention.cuh"
 
 namespace asyncgen {
 
 void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits,
-                     int64_t kernel) {
+                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits) {
   AG_CHECK_CUDA(q, q);
-  TORCH_CHECK(kernel == 0 || kernel == 1, "chunk_attention's kernel must be 0 (prompt chunks) or 1 (prefix hits), got ",
-              kernel);
-  const bool prefix = kernel == 1;
   const c10::cuda::CUDAGuard device_guard(q.device());
   check_paged_attention_args(out, q, k_cache, v_cache, block_tables, seq_lens);
   AG_CHECK_CUDA(query_start_loc, q);
@@ -49,8 +43,7 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
   ChunkAttentionParams p{};
   const int group = static_cast<int>(num_heads / num_kv_heads);
-  const int grid_x = prefix ? prefix_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group)
-                            : chunk_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group);
+  const int grid_x = chunk_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group);
   at::Tensor part_out, part_ml;
   if (num_splits > 1) {
     TORCH_CHECK(split_counters.has_value(), "chunk_attention with ", num_splits, " splits needs split_counters");
@@ -87,22 +80,18 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   p.num_heads = static_cast<int>(num_heads);
   p.num_kv_heads = static_cast<int>(num_kv_heads);
   const int64_t block_size = k_cache.size(1);
-  const int tile_keys = prefix ? kPrefixKeys : kChunkKeys;
-  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= tile_keys,
-              "chunk_attention's kernel ", kernel, " needs a power-of-two block_size of at most ", tile_keys, ", got ",
-              block_size);
-  TORCH_CHECK(num_kv_heads * head_dim * tile_keys < (int64_t{1} << 31), "too many kv heads for chunk_attention");
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= kChunkKeys,
+              "chunk_attention needs a power-of-two block_size of at most ", kChunkKeys, ", got ", block_size);
+  TORCH_CHECK(num_kv_heads * head_dim * kChunkKeys < (int64_t{1} << 31), "too many kv heads for chunk_attention");
   int shift = 0;
   while ((int64_t{1} << shift) < block_size) ++shift;
   p.block_shift = shift;
   p.num_splits = static_cast<int>(num_splits);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int hd = static_cast<int>(head_dim);
-  const bool launched = prefix ? (q.scalar_type() == at::kHalf ? launch_prefix_attention<__half>(p, hd, stream)
-                                                               : launch_prefix_attention<__nv_bfloat16>(p, hd, stream))
-                               : (q.scalar_type() == at::kHalf ? launch_chunk_attention<__half>(p, hd, stream)
-                                                               : launch_chunk_attention<__nv_bfloat16>(p, hd, stream));
+  const bool launched = q.scalar_type() == at::kHalf
+                            ? launch_chunk_attention<__half>(p, static_cast<int>(head_dim), stream)
+                            : launch_chunk_attention<__nv_bfloat16>(p, static_cast<int>(head_dim), stream);
   TORCH_CHECK(launched, "no chunk_attention kernel for head_dim ", head_dim);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -61,7 +61,6 @@ constexpr int kChunkMinBlocks = 4;            // blocks an SM (registers <= 128,
 constexpr int kChunkPad = 8;                  // elements of padding per shared-memory row
 constexpr int kChunkMaxGroup = 8;             // query heads per kv head
 constexpr int kChunkMaxSplits = 16;
-static_assert(kChunkThreads == 2 * kChunkRows, "the split combine takes two threads a row");
 
 struct ChunkAttentionParams {
   void* out;                    // [num_tokens, num_heads, head_dim]
@@ -94,102 +93,6 @@ __host__ __device__ inline int chunk_grid_x(int num_tokens, int num_seqs, int gr
 template <int HEAD_DIM>
 constexpr int chunk_smem_bytes() {
   return (kChunkRows + 4 * kChunkKeys) * (HEAD_DIM + kChunkPad) * 2;
-}
-
-// A block's query rows: row r is token first_token + r / group, query head first_head +
-// r % group; rows [0, count) exist.
-struct ChunkRows {
-  int first_token, first_head, group, count;
-  AG_DEVICE int64_t token(int r) const { return first_token + r / group; }
-  AG_DEVICE int head(int r) const { return first_head + r % group; }
-};
-
-// The end of a prompt-chunk block (THREADS threads, rows 16 w .. 16 w + 15 in warp w):
-// with one split, o / l into out; else the split's unnormalised o and its (max, sum) per
-// row into the partials, and the block that takes the last ticket of `counter` combines
-// every split's: out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m) (other
-// blocks' writes, read past L1; two threads a row, every split's loads of a step issued
-// together); `counter` indexes p.split_counters. o[t][r]: row g (r < 2) or g + 8 of the warp, dims 8t + 2c, 8t + 2c + 1; l_lo
-// and l_hi are the rows' whole sums.
-template <typename T, int HEAD_DIM, int THREADS>
-AG_DEVICE void write_chunk_output(const ChunkAttentionParams& p, const ChunkRows& rows, int split, int row0, int g,
-                                  int c, const float (&o)[HEAD_DIM / 8][4], float m_lo, float m_hi, float l_lo,
-                                  float l_hi, int counter) {
-  constexpr int kDimTiles = HEAD_DIM / 8;
-  T* out = static_cast<T*>(p.out);
-  const int splits = p.num_splits;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = row0 + g + 8 * half;
-    if (r >= rows.count) continue;
-    const int64_t token = rows.token(r);
-    const int head = rows.head(r);
-    const float l = half == 0 ? l_lo : l_hi;
-    if (splits == 1) {
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + 2 * c;
-#pragma unroll
-      for (int t = 0; t < kDimTiles; ++t) {
-        *reinterpret_cast<uint32_t*>(dst + 8 * t) = pack2<T>(o[t][2 * half] * inv, o[t][2 * half + 1] * inv);
-      }
-    } else {
-      const int64_t part = (token * p.num_heads + head) * splits + split;
-      float* dst = p.part_out + part * HEAD_DIM + 2 * c;
-#pragma unroll
-      for (int t = 0; t < kDimTiles; ++t) {
-        *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(o[t][2 * half], o[t][2 * half + 1]);
-      }
-      if (c == 0) *reinterpret_cast<float2*>(p.part_ml + 2 * part) = make_float2(half == 0 ? m_lo : m_hi, l);
-    }
-  }
-  if (splits == 1) return;
-  if (!takes_last_ticket(p.split_counters + counter, splits)) return;
-  constexpr int kHalfDim = HEAD_DIM / 2;
-  const int r = threadIdx.x / 2, part_half = threadIdx.x % 2;
-  static_assert(THREADS % 2 == 0, "two threads a row");
-  if (r >= rows.count) return;
-  const int64_t token = rows.token(r);
-  const int head = rows.head(r);
-  const int64_t part0 = (token * p.num_heads + head) * splits;
-  float w[kChunkMaxSplits], l_z[kChunkMaxSplits];
-  float m = -INFINITY;
-#pragma unroll
-  for (int z = 0; z < kChunkMaxSplits; ++z) {
-    if (z < splits) {
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.part_ml) + part0 + z);
-      w[z] = ml.x;
-      l_z[z] = ml.y;
-      m = fmaxf(m, ml.x);
-    }
-  }
-  const float m_ref = m == -INFINITY ? 0.f : m;
-  float total = 0.f;
-#pragma unroll
-  for (int z = 0; z < kChunkMaxSplits; ++z) {
-    if (z < splits) {
-      w[z] = exp2f(w[z] - m_ref);
-      total += w[z] * l_z[z];
-    }
-  }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  const float* src = p.part_out + part0 * HEAD_DIM + part_half * kHalfDim;
-  T* dst = out + token * p.out_stride_token + head * p.out_stride_head + part_half * kHalfDim;
-#pragma unroll 4
-  for (int d = 0; d < kHalfDim; d += 4) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int z = 0; z < kChunkMaxSplits; ++z) {
-      if (z < splits) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + z * HEAD_DIM + d));
-        acc.x += w[z] * v.x;
-        acc.y += w[z] * v.y;
-        acc.z += w[z] * v.z;
-        acc.w += w[z] * v.w;
-      }
-    }
-    *reinterpret_cast<uint32_t*>(dst + d) = pack2<T>(acc.x * inv, acc.y * inv);
-    *reinterpret_cast<uint32_t*>(dst + d + 2) = pack2<T>(acc.z * inv, acc.w * inv);
-  }
 }
 
 template <typename T, int HEAD_DIM>
@@ -403,9 +306,90 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
   l_hi += __shfl_xor_sync(kFullMask, l_hi, 1);
   l_hi += __shfl_xor_sync(kFullMask, l_hi, 2);
 
-  ChunkRows rows_of{q_start + q_tile * tq, kv_head * group, group, rows};
-  write_chunk_output<T, HEAD_DIM, kChunkThreads>(p, rows_of, split, row0, g, c, o, m_lo, m_hi, l_lo, l_hi,
-                                                 kv_head * gridDim.x + pid);
+  // o[t][r]: row g (r < 2) or g + 8 of the warp, dims 8t + 2c, 8t + 2c + 1.
+  auto row_token_head = [&](int r, int64_t& token, int& head) {
+    token = q_start + q_tile * tq + r / group;
+    head = kv_head * group + r % group;
+  };
+  T* out = static_cast<T*>(p.out);
+  const int splits = p.num_splits;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + g + 8 * half;
+    if (r >= rows) continue;
+    int64_t token;
+    int head;
+    row_token_head(r, token, head);
+    const float l = half == 0 ? l_lo : l_hi;
+    if (splits == 1) {
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + 2 * c;
+#pragma unroll
+      for (int t = 0; t < kDimTiles; ++t) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * t) = pack2<T>(o[t][2 * half] * inv, o[t][2 * half + 1] * inv);
+      }
+    } else {
+      const int64_t part = (token * p.num_heads + head) * splits + split;
+      float* dst = p.part_out + part * HEAD_DIM + 2 * c;
+#pragma unroll
+      for (int t = 0; t < kDimTiles; ++t) {
+        *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(o[t][2 * half], o[t][2 * half + 1]);
+      }
+      if (c == 0) *reinterpret_cast<float2*>(p.part_ml + 2 * part) = make_float2(half == 0 ? m_lo : m_hi, l);
+    }
+  }
+  if (splits == 1) return;
+  if (!takes_last_ticket(p.split_counters + static_cast<int64_t>(kv_head) * gridDim.x + pid, splits)) return;
+  // out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m), over the splits'
+  // partials (other blocks' writes, read past L1). Thread t takes half t % 2 of row t / 2,
+  // with every split's loads of a step issued together.
+  constexpr int kHalfDim = HEAD_DIM / 2;
+  static_assert(kChunkThreads == 2 * kChunkRows, "two threads a row");
+  const int r = threadIdx.x / 2, part_half = threadIdx.x % 2;
+  if (r >= rows) return;
+  int64_t token;
+  int head;
+  row_token_head(r, token, head);
+  const int64_t part0 = (token * p.num_heads + head) * splits;
+  float w[kChunkMaxSplits], l_z[kChunkMaxSplits];
+  float m = -INFINITY;
+#pragma unroll
+  for (int z = 0; z < kChunkMaxSplits; ++z) {
+    if (z < splits) {
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.part_ml) + part0 + z);
+      w[z] = ml.x;
+      l_z[z] = ml.y;
+      m = fmaxf(m, ml.x);
+    }
+  }
+  const float m_ref = m == -INFINITY ? 0.f : m;
+  float total = 0.f;
+#pragma unroll
+  for (int z = 0; z < kChunkMaxSplits; ++z) {
+    if (z < splits) {
+      w[z] = exp2f(w[z] - m_ref);
+      total += w[z] * l_z[z];
+    }
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const float* src = p.part_out + part0 * HEAD_DIM + part_half * kHalfDim;
+  T* dst = out + token * p.out_stride_token + head * p.out_stride_head + part_half * kHalfDim;
+#pragma unroll 4
+  for (int d = 0; d < kHalfDim; d += 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int z = 0; z < kChunkMaxSplits; ++z) {
+      if (z < splits) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + z * HEAD_DIM + d));
+        acc.x += w[z] * v.x;
+        acc.y += w[z] * v.y;
+        acc.z += w[z] * v.z;
+        acc.w += w[z] * v.w;
+      }
+    }
+    *reinterpret_cast<uint32_t*>(dst + d) = pack2<T>(acc.x * inv, acc.y * inv);
+    *reinterpret_cast<uint32_t*>(dst + d + 2) = pack2<T>(acc.z * inv, acc.w * inv);
+  }
 }
 
 // Whether the kernel takes these shapes (the glue checks the rest: dtypes, layouts,

@@ -519,11 +519,11 @@ CHUNK_SHAPES = [
 ]
 
 
-def run_chunk(emu, case, num_splits=1, reverse_blocks=False, kernel=0):
+def run_chunk(emu, case, num_splits=1, reverse_blocks=False):
     out = torch.full_like(case.q, float("nan"))
     counters = torch.zeros(4096, dtype=torch.int32) if num_splits > 1 else None
     assert emu.chunk_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks, kernel)
+                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks)
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "the last split must reset its counter"
     ref = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
@@ -560,45 +560,3 @@ def test_chunk_attention_refuses_unsupported_shapes(emu):
     wide = make_chunk_case([(4, 4)], num_heads=16, num_kv_heads=1, head_dim=64, dtype=torch.float16)
     assert not emu.chunk_attention(torch.empty_like(wide.q), wide.q, wide.k_cache, wide.v_cache, wide.block_tables,
                                    wide.seq_lens, wide.query_start_loc, wide.scale)
-
-
-# The prefix-hit kernel (prefix_attention.cuh): 128 rows a block, 64-key tiles in a ring of
-# 6. (seqs as (new, cached), num_heads, num_kv_heads, head_dim, block_size)
-PREFIX_SHAPES = [
-    ([(72, 430), (8, 0), (0, 0)], 2, 2, 128, 16),    # a prefix hit padded as a prompt graph: 7 tiles, ring wraps
-    ([(130, 40), (3, 200)], 2, 2, 64, 64),           # two row blocks for one chunk, block_size 64
-    ([(20, 77), (16, 0)], 8, 2, 64, 32),             # GQA 4: 32 tokens a block
-    ([(23, 9)], 6, 1, 128, 16),                      # GQA 6: 21 tokens, 126 of 128 rows a block
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", PREFIX_SHAPES, ids=lambda s: f"{len(s[0])}seqs-{s[1]}x{s[2]}x{s[3]}-b{s[4]}")
-def test_prefix_attention_matches_reference(emu, shape, dtype):
-    seqs, num_heads, num_kv_heads, head_dim, block_size = shape
-    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, dtype=dtype, seed=7 + len(seqs))
-    out, ref = run_chunk(emu, case, kernel=1)
-    assert not out.isnan().any()
-    assert relative_error(out, ref) < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("num_splits, reverse_blocks", [(2, True), (3, False), (16, True)])
-def test_prefix_attention_split_combined_by_the_last_block(emu, num_splits, reverse_blocks):
-    # 8 key tiles: 3 splits leave the last one 2 tiles; 16 leave half of them none.
-    seqs, num_heads, num_kv_heads, head_dim, block_size = PREFIX_SHAPES[0]
-    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           block_size=block_size, dtype=torch.float16, seed=5)
-    out, ref = run_chunk(emu, case, num_splits, reverse_blocks, kernel=1)
-    assert relative_error(out, ref) < TOLERANCE[torch.float16]
-
-
-def test_prefix_attention_refuses_unsupported_shapes(emu):
-    case = make_chunk_case([(4, 4)], num_heads=2, num_kv_heads=2, head_dim=64, dtype=torch.float16)
-    out = torch.empty_like(case.q)
-    args = (case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.scale)
-    assert not emu.chunk_attention(out, case.q, *args, num_splits=17, split_counters=torch.zeros(64, dtype=torch.int32),
-                                   kernel=1)
-    odd = make_chunk_case([(4, 4)], num_heads=2, num_kv_heads=2, head_dim=96, dtype=torch.float16)
-    assert not emu.chunk_attention(torch.empty_like(odd.q), odd.q, odd.k_cache, odd.v_cache, odd.block_tables,
-                                   odd.seq_lens, odd.query_start_loc, odd.scale, kernel=1)

@@ -51,12 +51,11 @@ the argument on bad input):
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
-from . import Ops
+from . import Ops, compose_rotary_attention
 
 __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
@@ -351,7 +350,6 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see
     the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
@@ -359,8 +357,7 @@ def paged_attention(
     ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
-    host sync. ``split_counters`` (int32 zeros, left at zero; the model's buffer) lets the
-    csrc prefix-hit kernel split a short chunk's keys over blocks.
+    host sync.
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -393,16 +390,9 @@ def paged_attention(
         _check_tensor("out", out, 3, (q.dtype,))
         if tuple(out.shape) != tuple(q.shape):
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
-    if split_counters is not None:
-        _check_tensor("split_counters", split_counters, 1, (torch.int32,))
-        if not split_counters.is_contiguous():
-            raise ValueError("split_counters must be contiguous")
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
                    query_start_loc=query_start_loc)
-    extra = {"out": out} if out is not None else {}
-    if split_counters is not None:
-        extra["split_counters"] = split_counters
-    _check_same_cuda_device(**tensors, **extra)
+    _check_same_cuda_device(**tensors, **({"out": out} if out is not None else {}))
 
     if out is None:
         out = torch.empty_like(q)
@@ -434,53 +424,12 @@ def paged_attention(
                                              None, float(scale), 1)
         return out
 
-    # A few short chunks over cached prefixes (a prefix-cache hit) take the csrc prefix-hit
-    # kernel, with their keys split over blocks when the model's counters are given.
-    if (
-        PREFIX_ATTENTION and num_seqs <= CHUNK_ATTENTION_MIN_SEQS and max_query_len is not None
-        and 1 < max_query_len <= PREFIX_ATTENTION_MAX_QUERY and sliding_window is None
-        and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _PREFIX_KEYS)
-    ):
-        splits = _prefix_splits(num_tokens, num_seqs, num_heads, num_kv_heads, max_seq_len, q.device)
-        columns = num_tokens // (_PREFIX_ROWS // (num_heads // num_kv_heads)) + num_seqs
-        # Without counters for every block column a split launch cannot combine (Triton then).
-        if splits == 1 or (split_counters is not None and split_counters.numel() >= columns * num_kv_heads):
-            torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                 split_counters if splits > 1 else None, float(scale), splits, 1)
-            return out
-
     from . import triton_backend
 
     return triton_backend.ops().paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
-
-
-# The prefix-hit kernel (csrc/prefix_attention.cuh): 128 query rows a block, 8 warps, a
-# ring of 6 tiles of 64 keys.
-_PREFIX_KEYS = 64  # the cache's block_size must divide it
-_PREFIX_ROWS = 128
-# Batches of at most CHUNK_ATTENTION_MIN_SEQS sequences whose longest chunk has at most
-# this many tokens take it (ASYNCGEN_PREFIX_ATTENTION=0: Triton's kernel instead).
-PREFIX_ATTENTION_MAX_QUERY = 256
-PREFIX_ATTENTION = os.environ.get("ASYNCGEN_PREFIX_ATTENTION", "1") != "0"
-
-
-def _prefix_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int | None,
-                   device: torch.device) -> int:
-    """Key splits of the prefix-hit kernel: about one block an SM for the chunk's row
-    blocks (one per kv head for a chunk of up to 128 / group tokens), each split at least
-    two 64-key tiles of ``max_seq_len`` (unknown: the splits of a 4,096-token context)."""
-    from .triton_backend import num_sms
-
-    tokens_per_block = _PREFIX_ROWS // (num_heads // num_kv_heads)
-    blocks = num_kv_heads * max(1, -(-num_tokens // tokens_per_block))
-    by_length = max(1, (max_seq_len if max_seq_len is not None else 4096) // (2 * _PREFIX_KEYS))
-    return max(1, min(num_sms(device) // blocks, by_length, _PREFIX_MAX_SPLITS))
-
-
-_PREFIX_MAX_SPLITS = 16
 
 
 # The prompt-chunk kernel (csrc/chunk_attention.cuh): 64 query rows a block, 4 warps,
@@ -496,12 +445,11 @@ _CHUNK_MAX_GROUP = 8
 CHUNK_ATTENTION_MIN_SEQS = 8
 
 
-def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, tile_keys=None) -> bool:
-    """Whether the csrc prompt-chunk kernels take these (else Triton): fp16/bf16 on sm_80+,
+def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
+    """Whether the csrc prompt-chunk kernel takes these (else Triton): fp16/bf16 on sm_80+,
     head_dim 64/128, at most 8 query heads per kv head, a power-of-two block_size up to
-    the kernel's key tile (32, or ``tile_keys``), int32 tables, lengths and starts, 16-byte
-    aligned rows. The caller has checked the shapes against each other."""
-    tile_keys = tile_keys or _CHUNK_KEYS
+    32, int32 tables, lengths and starts, 16-byte aligned rows. The caller has checked the
+    shapes against each other."""
     head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
     return (
@@ -509,7 +457,7 @@ def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         and q.dtype in _DECODE_DTYPES
         and head_dim in _CHUNK_HEAD_DIMS
         and group <= _CHUNK_MAX_GROUP
-        and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0 and k_cache.shape[1] <= tile_keys
+        and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0 and k_cache.shape[1] <= _CHUNK_KEYS
         and _tensor_cores(q.device)
         and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
         and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
@@ -553,12 +501,7 @@ def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, spli
 
 
 # What rotary_attention runs where the fused decode kernel does not take the call.
-def _rotary_store_then_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                                 seq_lens, query_start_loc, scale, sliding_window=None, *, max_query_len=None,
-                                 max_seq_len=None, split_counters=None):
-    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                           max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters)
+_rotary_store_then_attention = compose_rotary_attention(rotary_store_kv, paged_attention)
 
 
 def rotary_attention(
@@ -621,7 +564,7 @@ def rotary_attention(
         return out
     return _rotary_store_then_attention(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters,
+        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
     )
 
 

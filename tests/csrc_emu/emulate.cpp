@@ -7,7 +7,6 @@
 #include "chunk_attention.cuh"
 #include "gemv.cuh"
 #include "paged_attention.cuh"
-#include "prefix_attention.cuh"
 #include "quant_gemm.cuh"
 
 using asyncgen::ChunkAttentionParams;
@@ -41,16 +40,9 @@ int ag_paged_attention_decode(const DecodeParams* p, int dtype) {
 }
 
 // dtype as above. Returns 0 on success, 1 when no kernel takes the shapes.
-// kernel: 0 = chunk_attention.cuh, 1 = prefix_attention.cuh.
-int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim, int kernel) {
-  bool ok;
-  if (kernel == 1) {
-    ok = dtype == 0 ? asyncgen::launch_prefix_attention<__half>(*p, head_dim, nullptr)
-                    : asyncgen::launch_prefix_attention<__nv_bfloat16>(*p, head_dim, nullptr);
-  } else {
-    ok = dtype == 0 ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr)
-                    : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr);
-  }
+int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim) {
+  const bool ok = dtype == 0 ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr)
+                             : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr);
   return ok ? 0 : 1;
 }
 

@@ -643,100 +643,10 @@ def _chunk_reference(c):
                                      c.scale)
 
 
-def _chunk_op(c, out, splits, counters, kernel=0):
+def _chunk_op(c, out, splits, counters):
     torch.ops.asyncgen_C.chunk_attention(out, c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                         c.query_start_loc, counters, c.scale, splits, kernel)
+                                         c.query_start_loc, counters, c.scale, splits)
     return out
-
-
-# Prefix-cache hits and other short chunks as the engine's prompt graphs give them (the
-# graph's tokens padded by a sequence of their own, 8 slots): (name, seqs, heads, kv heads,
-# head_dim, block_size, graph tokens)
-PREFIX_7B_SHAPES = [
-    ("prefix hit 72/992 (80-token graph)", [(72, 992), (8, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 80),
-    ("prefix hit 40/992 (48-token graph)", [(40, 992), (8, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 48),
-    ("prefix hit 120/992 (128-token graph)", [(120, 992), (8, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 128),
-    ("250/1,000 (256-token graph)", [(250, 1000), (6, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 256),
-    ("128 over 2,048", [(128, 2048)], 32, 32, 128, 16, 128),
-    ("16 over 4,000", [(16, 4000)], 32, 32, 128, 16, 16),
-    ("two hits 64/992 + 64/500", [(64, 992), (64, 500)], 32, 32, 128, 16, 64),
-    ("GQA 4: prefix hit 72/992", [(72, 992), (8, 0)] + [(0, 0)] * 6, 32, 8, 128, 16, 80),
-    ("1,070 from scratch (1280-token graph)", [(1070, 0), (210, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 1280),
-]
-
-
-def check_prefix_attention() -> None:
-    print("chunk_attention kernel 1 (prefix hits)")
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEVICE)
-    small = [
-        ([(72, 430), (8, 0), (0, 0)], 2, 2, 128, 16),
-        ([(130, 40), (3, 200)], 2, 2, 64, 64),
-        ([(20, 77), (16, 0)], 8, 2, 64, 32),
-        ([(23, 9)], 6, 1, 128, 16),
-        ([(300, 700), (129, 0)], 16, 2, 128, 16),
-    ]
-    shapes = small + [(seqs, h, kvh, d, bs) for _, seqs, h, kvh, d, bs, _ in PREFIX_7B_SHAPES]
-    for dtype in (torch.float16, torch.bfloat16):
-        for i, (seqs, h, kvh, d, bs) in enumerate(shapes):
-            c = _chunk_case(seqs, h, kvh, d, bs, dtype, 50 + i)
-            ref = _chunk_reference(c)
-            for splits in (1, 3, 4, 16):
-                out = _chunk_op(c, torch.full_like(c.q, float("nan")), splits, counters, kernel=1)
-                err = relative_error(out, ref)
-                check(f"prefix {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} splits={splits}",
-                      err < TOLERANCE[dtype], f"rel err {err:.2e}")
-            mql = max(q for q, _ in seqs)
-            out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                               c.query_start_loc, c.scale, max_query_len=mql,
-                                               max_seq_len=max(q + k for q, k in seqs), split_counters=counters)
-            err = relative_error(out, ref)
-            check(f"prefix routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d} max_query_len={mql}",
-                  err < TOLERANCE[dtype], f"rel err {err:.2e}")
-    check("prefix counters left at zero", int(counters.abs().sum()) == 0)
-
-    # Captured once, replayed with other lengths and new queries (as a prompt graph is).
-    c = _chunk_case([(72, 992), (8, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, torch.float16, 12)
-    out = torch.empty_like(c.q)
-    _chunk_op(c, out, 4, counters, kernel=1)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _chunk_op(c, out, 4, counters, kernel=1)
-    for step, shrink in enumerate((0, 13, 600)):
-        c.seq_lens[0] = 1064 - shrink
-        c.q.normal_()
-        graph.replay()
-        torch.cuda.synchronize()
-        err = relative_error(out, _chunk_reference(c))
-        check(f"prefix graph replay {step}", err < 2e-3, f"rel err {err:.2e}")
-    check("prefix counters zero after replays", int(counters.abs().sum()) == 0)
-
-
-def bench_prefix_attention(copies: int = 8) -> None:
-    """Per call in a CUDA graph over `copies` caches: Triton's general kernel with the
-    engine's hints, the prefix-hit kernel at fixed splits and as routed."""
-    from asyncgen._ops import triton_backend
-
-    print("\nprefix-hit attention, fp16, us per call (CUDA graph over 8 caches)")
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEVICE)
-    tri = triton_backend.ops().paged_attention
-    for name, seqs, h, kvh, d, bs, graph_tokens in PREFIX_7B_SHAPES:
-        cases = [_chunk_case(seqs, h, kvh, d, bs, torch.float16, 100 + i) for i in range(copies)]
-        outs = [torch.empty_like(c.q) for c in cases]
-        hints = dict(max_query_len=graph_tokens, max_seq_len=4096)
-        row = {}
-        row["triton"] = 1e3 * cuda_backend.graph_time_ms(
-            lambda co: tri(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables, co[0].seq_lens,
-                           co[0].query_start_loc, co[0].scale, None, co[1], **hints), list(zip(cases, outs)), passes=5)
-        row["routed"] = 1e3 * cuda_backend.graph_time_ms(
-            lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
-                                                    co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
-                                                    split_counters=counters, **hints),
-            list(zip(cases, outs)), passes=5)
-        for splits in (1, 2, 4, 6, 8, 16):
-            row[f"k1 s{splits}"] = 1e3 * cuda_backend.graph_time_ms(
-                lambda co, s=splits: _chunk_op(co[0], co[1], s, counters, kernel=1), list(zip(cases, outs)), passes=5)
-        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
 
 
 def check_chunk_attention() -> None:
@@ -964,8 +874,6 @@ def main() -> int:
                         help="only the fused rotary + cache write: its checks and timing")
     parser.add_argument("--chunk-only", action="store_true",
                         help="only the prompt-chunk attention: its checks and timing")
-    parser.add_argument("--prefix-only", action="store_true",
-                        help="only the prefix-hit attention (chunk_attention kernel 1): its checks and timing")
     parser.add_argument("--gemv-only", action="store_true",
                         help="only the dense GEMV: its checks and its timing by warps per row")
     args = parser.parse_args()
@@ -980,7 +888,7 @@ def main() -> int:
 
     steps = [check_store_kv_cache, check_rotary_store_kv, lambda: check_rotary_attention(args.quick),
              lambda: check_decode(args.quick), check_cuda_graph, check_launcher, check_dense_gemv, check_dense_gemv_gated,
-             check_quant_gemv, check_chunk_attention, check_prefix_attention,
+             check_quant_gemv, check_chunk_attention,
              check_errors]
     if args.rotary_only:
         steps = [lambda: check_rotary_attention(args.quick)]
@@ -990,9 +898,7 @@ def main() -> int:
         steps = [check_chunk_attention] + ([] if args.no_bench else [bench_chunk_attention])
     if args.rotary_store_only:
         steps = [check_rotary_store_kv] + ([] if args.no_bench else [bench_rotary_store_kv])
-    if args.prefix_only:
-        steps = [check_prefix_attention] + ([] if args.no_bench else [bench_prefix_attention])
-    one_op = args.gemv_only or args.chunk_only or args.rotary_store_only or args.prefix_only
+    one_op = args.gemv_only or args.chunk_only or args.rotary_store_only
     for step in steps:
         try:
             step()
@@ -1014,7 +920,6 @@ def main() -> int:
         bench_rotary_store_kv()
         bench_dense_gemv_split()
         bench_chunk_attention()
-        bench_prefix_attention()
         run_gemv_benchmarks()
     print(f"\n{num_checks} checks, {len(failures)} failed")
     for f in failures:
