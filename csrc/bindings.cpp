@@ -30,7 +30,7 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "bool gated=False) -> ()");
   m.def(
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
-      "int group_size, Tensor? bias, int kernel=0) -> ()");
+      "int group_size, Tensor? bias, int kernel=0, bool gated=False) -> ()");
   m.def(
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1) -> ()");

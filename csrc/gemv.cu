@@ -90,17 +90,21 @@ void launch_dense(const DenseGemvParams& p, const at::Tensor& x) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The 4-bit products' checks and parameters (both ops take the same tensors).
+// The 4-bit products' checks and parameters (both ops take the same tensors); out has N
+// columns, or N / 2 gated.
 QuantGemvParams quant_params(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                              const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                             const c10::optional<at::Tensor>& bias) {
+                             const c10::optional<at::Tensor>& bias, bool gated = false) {
   AG_CHECK_DIM(qweight, 2);
   AG_CHECK_CUDA(x, qweight);
   AG_CHECK_CUDA(out, qweight);
   AG_CHECK_CUDA(scales, qweight);
   AG_CHECK_CUDA(zeros, qweight);
   const int64_t n = qweight.size(1), k = qweight.size(0) * 8;
-  check_rows(out, x, n, k, kMmaMaxRows);
+  TORCH_CHECK(!gated || (n % 8 == 0 && x.dim() == 2 && x.size(0) == 1),
+              "gated takes one row of x and a multiple of 8 columns (gate | up), got x ", x.sizes(), " and ", n,
+              " columns");
+  check_rows(out, x, gated ? n / 2 : n, k, kMmaMaxRows);
   AG_CHECK_DTYPE(x, at::kHalf);
   AG_CHECK_DTYPE(out, at::kHalf);
   AG_CHECK_DTYPE(qweight, at::kInt);
@@ -135,6 +139,7 @@ QuantGemvParams quant_params(const at::Tensor& out, const at::Tensor& x, const a
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   p.group_size = static_cast<int>(group_size);
+  p.gated = gated ? 1 : 0;
   return p;
 }
 
@@ -147,10 +152,11 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel) {
+                     const c10::optional<at::Tensor>& bias, int64_t kernel, bool gated) {
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
               kernel);
-  const QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias);
+  TORCH_CHECK(!gated || kernel != 2, "gated runs on the one-row CUDA-core kernel, not the tensor-core one");
+  const QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias, gated);
   const int64_t k = p.k;
   if (p.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -160,6 +166,8 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                 "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
                 " groups; got K=", k, ", group_size=", group_size);
   }
+  TORCH_CHECK(!gated || quant_gemv1_ok(p), "gated needs the one-row kernel: K and group_size multiples of 16, "
+              "8-byte aligned scales and zeros and K within its shared memory; got K=", k, ", group_size=", group_size);
   TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1,
                                      dependent_launch(x.get_device())), "x has ",
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "

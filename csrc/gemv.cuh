@@ -75,6 +75,9 @@ struct QuantGemvParams {
   const void* bias;       // [N] fp16 or null
   int64_t out_stride, x_stride, qweight_stride, scales_stride, zeros_stride;
   int m, n, k, group_size;
+  // Gate | up of an MLP (columns gate | up, N / 2 each): out [M, N / 2] = silu(y[:, j]) *
+  // y[:, N / 2 + j], rounded as the separate ops round it. One row, the one-row kernel only.
+  int gated;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -572,9 +575,10 @@ inline bool quant_gemv1_ok(const QuantGemvParams& p) {
          aligned8(p.zeros, p.zeros_stride);
 }
 
-template <int COL_THREADS, int THREADS, int DEPTH>
+template <int COL_THREADS, int THREADS, int DEPTH, bool GATED>
 __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGemvParams p) {
   static_assert(COL_THREADS >= 1 && COL_THREADS <= kWarpSize && kWarpSize % COL_THREADS == 0);
+  static_assert(!GATED || COL_THREADS % 2 == 0, "a gated block's column threads pair gate and up");
   static_assert(THREADS % kWarpSize == 0 && DEPTH >= 1);
   constexpr int kCols = 4 * COL_THREADS;
   constexpr int kLanes = THREADS / COL_THREADS;  // K lanes
@@ -589,8 +593,13 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   const int tid = threadIdx.x;
   const int col_thread = tid % COL_THREADS;
   const int k_lane = tid / COL_THREADS;
-  const int col0 = blockIdx.x * kCols + 4 * col_thread;
-  const bool active = col0 < p.n;  // n % 4 == 0 (checked by the glue)
+  // Gated, the block's first COL_THREADS / 2 column threads take gate columns and the rest
+  // the up columns N / 2 further on (n % 8 == 0 then), so that partial[.][i] and
+  // partial[.][kCols / 2 + i] below are one output's gate and up.
+  constexpr int kHalfCols = GATED ? COL_THREADS / 2 : COL_THREADS;
+  const int within = blockIdx.x * 4 * kHalfCols + 4 * (col_thread % kHalfCols);
+  const int col0 = (GATED && col_thread >= kHalfCols ? p.n / 2 : 0) + within;
+  const bool active = within < (GATED ? p.n / 2 : p.n);  // n % 4 == 0 (checked by the glue)
   const int rows = p.k / 8;        // packed rows, even
   const int per_lane = 2 * ceil_div(ceil_div(rows, kLanes), 2);
   const int begin = imin(k_lane * per_lane, rows);
@@ -695,22 +704,45 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
     if (lane < COL_THREADS) partial[warp][4 * lane + c] = v;
   }
   __syncthreads();
-  if (tid < kCols) {
-    const int n = blockIdx.x * kCols + tid;
-    if (n < p.n) {
-      float v = 0.f;
+  const __half* bias = static_cast<const __half*>(p.bias);
+  if constexpr (!GATED) {
+    if (tid < kCols) {
+      const int n = blockIdx.x * kCols + tid;
+      if (n < p.n) {
+        float v = 0.f;
 #pragma unroll
-      for (int k = 0; k < kWarps; ++k) v += partial[k][tid];
-      if (p.bias != nullptr) v += __half2float(static_cast<const __half*>(p.bias)[n]);
-      static_cast<__half*>(p.out)[n] = __float2half_rn(v);
+        for (int k = 0; k < kWarps; ++k) v += partial[k][tid];
+        if (bias != nullptr) v += __half2float(bias[n]);
+        static_cast<__half*>(p.out)[n] = __float2half_rn(v);
+      }
+    }
+  } else {
+    constexpr int kOut = kCols / 2;
+    const int j = blockIdx.x * kOut + tid;
+    if (tid < kOut && j < p.n / 2) {
+      float gate = 0.f, up = 0.f;
+#pragma unroll
+      for (int k = 0; k < kWarps; ++k) {
+        gate += partial[k][tid];
+        up += partial[k][kOut + tid];
+      }
+      if (bias != nullptr) {
+        gate += __half2float(bias[j]);
+        up += __half2float(bias[p.n / 2 + j]);
+      }
+      gate = round_to<__half>(gate);  // each product rounded as its output is
+      up = round_to<__half>(up);
+      const float act = round_to<__half>(gate / (1.f + __expf(-gate)));  // silu, rounded as the op rounds it
+      static_cast<__half*>(p.out)[j] = __float2half_rn(act * up);
     }
   }
 }
 
 template <int COL_THREADS, int THREADS, int DEPTH>
 void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
-  void (*kernel)(const QuantGemvParams) = quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH>;
-  const dim3 grid(ceil_div(p.n, 4 * COL_THREADS)), block(THREADS);
+  void (*kernel)(const QuantGemvParams) = p.gated ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, true>
+                                                  : quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, false>;
+  const dim3 grid(p.gated ? ceil_div(p.n / 2, 2 * COL_THREADS) : ceil_div(p.n, 4 * COL_THREADS)), block(THREADS);
   const int smem = quant_gemv1_smem(p.k, THREADS, DEPTH);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
@@ -1004,8 +1036,15 @@ void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
 
 // tensor_cores: the device has mma.sync for fp16 (sm_80+). dependent: the one-row kernel
 // may be launched as a dependent of the kernel ahead (sm_90+; see launch_quant_gemv1).
+// Gated (p.gated) only the one-row kernel runs: false where it does not take p or N is
+// not a multiple of 8.
 inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores,
                                    bool dependent = false) {
+  if (p.gated) {
+    if (!quant_gemv1_ok(p) || p.n % 8 != 0) return false;
+    launch_quant_gemv1(p, stream, dependent);
+    return true;
+  }
   if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {
 #ifdef AG_QGEMV_MMA_WARPS
     constexpr int kNarrowWarps = AG_QGEMV_MMA_WARPS, kWideWarps = AG_QGEMV_MMA_WARPS;

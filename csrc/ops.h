@@ -60,10 +60,12 @@ void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 // out = x @ W (+ bias) for 1 to 64 rows of fp16 x, W given as 4-bit codes packed along K
 // (qweight [K / 8, N] int32) with fp16 scales and zero points [ceil(K / group_size), N].
 // kernel: 0 the tensor-core kernel where it takes the call, else the CUDA-core one (up to
-// 8 rows); 1 the CUDA-core kernel; 2 the tensor-core kernel.
+// 8 rows); 1 the CUDA-core kernel; 2 the tensor-core kernel. gated (one row, kernel 0 or
+// 1, N a multiple of 8): W is gate | up (N / 2 columns each) and out [1, N / 2] =
+// silu(x W_gate) * (x W_up), from the one-row kernel.
 void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
-                     const c10::optional<at::Tensor>& bias, int64_t kernel);
+                     const c10::optional<at::Tensor>& bias, int64_t kernel, bool gated);
 
 // quant_gemv_4bit's product for 1 to 64 rows by the tiled tensor-core GEMM (quant_gemm.cuh):
 // blocks of `warps` (4 or 8) warps own 32 * warps columns; splits > 1 divides K over that

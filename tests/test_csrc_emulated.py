@@ -415,6 +415,50 @@ def test_quant_gemv_4bit_one_row(emu, n, k, group_size, bias, kernel):
 
 
 @pytest.mark.parametrize(
+    "n, k, group_size, bias",
+    [
+        (3136, 2048, 128, True),  # wide: 8 column threads; 1568 outputs, a partial last block
+        (200, 1024, 64, False),   # narrow: 4 column threads; 100 outputs in blocks of 8
+        (40, 16384, 128, True),   # the 128-thread block for long K
+    ],
+)
+def test_quant_gemv_4bit_gated_gives_silu_and_mul(emu, n, k, group_size, bias):
+    """The one-row kernel's gated form: gate | up columns in, silu(gate) * up out, rounded as
+    the product and the separate op round them."""
+    from asyncgen._ops import quant_reference as qref
+
+    g = torch.Generator().manual_seed(n * 3 + k)
+    groups = k // group_size
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
+    x = torch.randn(1, k, generator=g).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    padded = torch.full((1, n // 2 + 5), float("nan"), dtype=torch.float16)
+    out = padded[:, : n // 2]
+    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, b, tensor_cores=False, gated=True)
+    assert emu.last_quant_kernel == "stream"
+    assert torch.isnan(padded[:, n // 2:]).all()  # nothing written past the last output
+    y = torch.full((1, n), float("nan"), dtype=torch.float16)
+    emu.quant_gemv_4bit(y, x, qweight, scales, zeros, group_size, b, tensor_cores=False)
+    ref = reference.silu_and_mul(y)  # the ungated kernel's output, then the op
+    assert relative_error(out, ref.float()) < TOLERANCE[torch.float16]
+    wrong = reference.silu_and_mul(torch.cat([y[:, : n // 2], y[:, n // 2:].roll(1, dims=1)], dim=1))
+    assert relative_error(out, wrong.float()) > 0.1
+
+
+def test_quant_gemv_4bit_gated_refuses_what_the_one_row_kernel_does_not_take(emu):
+    from asyncgen._ops import quant_reference as qref
+
+    k, n = 264, 64  # K % 16 != 0: no one-row kernel, and the gated form has no other
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n)), 4)
+    scales, zeros = torch.full((1, n), 0.01).half(), torch.full((1, n), 8.0).half()
+    with pytest.raises(AssertionError, match="too many rows"):
+        emu.quant_gemv_4bit(torch.empty(1, n // 2).half(), torch.randn(1, k).half(), qweight, scales, zeros, k,
+                            tensor_cores=False, gated=True)
+
+
+@pytest.mark.parametrize(
     "m, n, k, group_size",
     [
         (9, 40, 512, 64),    # 2 tiles of x rows, the second with one row

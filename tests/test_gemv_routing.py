@@ -40,9 +40,11 @@ def fake_csrc(monkeypatch):
     def input_ok(x, dtype, k, max_rows=cuda_backend.GEMV_MAX_ROWS):
         return x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.shape[1] == k
 
-    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0):
-        calls.append(("quant", x.shape[0], kernel))
+    def launch_quant(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, kernel=0, gated=False):
+        calls.append(("quant", x.shape[0], kernel, "gated") if gated else ("quant", x.shape[0], kernel))
         y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
+        if gated:
+            y = torch.nn.functional.silu(y[:, : y.shape[1] // 2]) * y[:, y.shape[1] // 2:]
         if out is None:
             return y
         out.copy_(y)
@@ -202,6 +204,32 @@ def test_mlp_takes_silu_and_mul_from_the_gated_gemv_where_set(fake_csrc):
     assert close(mlp(x), want) and fake_csrc == [("dense", 2, 4, "gated")]  # at most 4 warps a row gated
     fake_csrc.clear()
     assert close(mlp(torch.cat([x, x])), torch.cat([want, want])) and fake_csrc == []  # past its rows: cuBLAS
+
+
+@pytest.mark.parametrize("variant, gated", [("awq-g64", True), ("gptq-4b-g32-act-per-part", False)])
+def test_quantized_mlp_takes_silu_and_mul_from_the_one_row_kernel_where_it_may(tmp_path, fake_csrc, variant, gated):
+    """A 4-bit gate|up without act order, routed to the one-row kernel, gives one row's
+    silu(gate) * up from its gated form once the runner sets gemv_gated; act order (a
+    permutation per fused part) keeps the two-step path."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton fallback runs on the CPU only under TRITON_INTERPRET=1")
+    from test_quant_formats import VARIANTS, load_model, write_checkpoint
+
+    fake_csrc.quant_rows = cuda_backend.GEMV_MAX_ROWS  # the CUDA-core kernels, one-row kernel at 1 row
+    write_checkpoint(tmp_path / variant, VARIANTS[variant])
+    dense = load_model(tmp_path / variant, "dense").layers[0].mlp
+    mlp = load_model(tmp_path / variant, "cuda").layers[0].mlp
+    gate_up = mlp.gate_up_proj
+    assert gate_up.method.gated_ok(gate_up) == gated
+    gate_up.gemv_gated = gate_up.method.gated_ok(gate_up)
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 3):
+        fake_csrc.clear()
+        x = torch.randn(rows, gate_up.in_features, generator=gen)
+        torch.testing.assert_close(mlp(x), dense(x), atol=1e-4, rtol=1e-4)
+        first = fake_csrc[0] if fake_csrc else None
+        assert (first == ("quant", 1, 1, "gated")) == (gated and rows == 1), fake_csrc
 
 
 def test_dense_gemv_names_a_bad_warps_per_row():

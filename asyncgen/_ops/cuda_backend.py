@@ -814,18 +814,42 @@ def launch_quant_gemv_4bit(
     *,
     out: torch.Tensor | None = None,
     kernel: int = 0,
+    gated: bool = False,
 ) -> torch.Tensor:
     """:func:`quant_gemv_4bit` without the Python checks, for callers that checked the
     weight once (:func:`quant_gemv_4bit_max_rows`) and each input (:func:`gemv_input_ok`).
     Gathers ``x[:, perm]`` first when given. ``kernel`` (a value of
     :data:`QUANT_KERNELS`) picks the CUDA-core or the tensor-core kernel; 0 takes tensor
-    cores where they apply. The op still validates its arguments in C++."""
+    cores where they apply. ``gated`` (one row, a weight :func:`quant_gemv1_gated_ok`
+    takes): the weight's columns are gate | up and the result [1, N / 2] is
+    ``silu(gate) * up``, from the one-row kernel. The op still validates its arguments in
+    C++."""
+    if gated and out is None:
+        out = torch.empty(x.shape[0], qweight.shape[1] // 2, dtype=x.dtype, device=x.device)
     x, out = _quant_io(x, qweight, perm, out)
     k = qweight.shape[0] * 8
     torch.ops.asyncgen_C.quant_gemv_4bit(
-        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel, gated
     )
     return out
+
+
+# The one-row kernel's x and weight ring must fit the default 48 KiB of shared memory with
+# its smallest block (128 threads, 2 pairs of packed rows deep): csrc/gemv.cuh.
+_GEMV1_MAX_SMEM = 48 * 1024
+
+
+def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether the one-row 4-bit kernel takes this gate | up weight in its gated form (a
+    weight :func:`quant_gemv_4bit_weight_ok` takes): N a multiple of 8, K and the group
+    size multiples of 16, 8-byte aligned scales and zeros, K within its shared memory."""
+    k = qweight.shape[0] * 8
+    size = group_size if group_size > 0 else k
+    smem = 2 * 2 * 128 * 16 + 16 * (k // 8 + k // 64 + 1)
+    return (
+        qweight.shape[1] % 8 == 0 and k % 16 == 0 and size % 16 == 0 and k % size == 0 and smem <= _GEMV1_MAX_SMEM
+        and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
+    )
 
 
 # The tiled 4-bit GEMM's launch shapes, (warps a block, K splits), that the engine times per

@@ -428,6 +428,36 @@ class QuantLinearMethod(LinearMethod):
             self._matmul(layer, x2, qweight, scales, zeros, seg, bias, out[:, seg.start : seg.end])
         return out.view(*lead, n)
 
+    def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` of a gate|up layer from the csrc one-row 4-bit kernel, for one
+        row where the model runner set ``gemv_gated`` (the layer is one segment without act
+        order, routed to that kernel at one row, and takes its gated form); else None."""
+        if not layer.gemv_gated or x.numel() != x.shape[-1]:
+            return None
+        from .._ops import cuda_backend
+
+        x2 = x.reshape(1, x.shape[-1])
+        if not cuda_backend.gemv_input_ok(x2, torch.float16, layer.in_features, 1):
+            return None
+        y = cuda_backend.launch_quant_gemv_4bit(
+            x2, layer.qweight, layer.scales, layer.zeros, layer.quant_group_size, None, layer.bias,
+            kernel=CUDA_CORES, gated=True,
+        )
+        return y.view(*x.shape[:-1], layer.out_features // 2)
+
+    def gated_ok(self, layer: LinearBase) -> bool:
+        """Whether :meth:`apply_gated` may serve this gate|up layer at one row."""
+        if layer.quant_kernel != "cuda" or len(layer.quant_segments) != 1:
+            return False
+        seg = layer.quant_segments[0]
+        from .._ops import cuda_backend
+
+        return (
+            seg.perm is None and seg.g_idx is None and len(seg.route) > 1 and seg.route[1] == CUDA_CORES
+            and layer.out_features % 2 == 0
+            and cuda_backend.quant_gemv1_gated_ok(layer.qweight, layer.scales, layer.zeros, layer.quant_group_size)
+        )
+
     def _matmul(self, layer, x, qweight, scales, zeros, seg: _Segment, bias, out):
         bits, size = self.scheme.bits, layer.quant_group_size
         if layer.quant_kernel == "reference":

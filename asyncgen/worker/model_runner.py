@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from itertools import chain
 from pathlib import Path
@@ -203,6 +204,14 @@ class ModelRunner:
                 for (k, n, g, act), picks in chosen.items()
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
+            gated = 0
+            for layer in self.model.layers if os.environ.get("ASYNCGEN_GATED_4BIT", "1") != "0" else ():
+                gate_up = layer.mlp.gate_up_proj
+                if getattr(gate_up, "quant_kernel", None) == "cuda" and gate_up.method.gated_ok(gate_up):
+                    gate_up.gemv_gated = True  # SiLU-and-multiply inside the one-row 4-bit kernel
+                    gated += 1
+            if gated:
+                log.info("gate|up of %d layers gives silu(gate) * up from the one-row 4-bit kernel", gated)
 
     def _dense_layers(self) -> list:
         """The model's linear layers with an unquantized weight [N, K] in the model's dtype."""

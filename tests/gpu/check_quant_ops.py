@@ -116,6 +116,69 @@ def check_kernels(shapes, batches) -> None:
             torch.cuda.empty_cache()
 
 
+def check_gated(copies: int = 8) -> None:
+    """The one-row kernel's gated form (gate | up in, silu(gate) * up out) against the
+    ungated kernel followed by ``silu_and_mul``, at the 7B gate|up shape and two small
+    ones, eagerly and replayed in a CUDA graph with new x; then both ways timed in CUDA
+    graphs over ``copies`` weights (past L2), as in a decode step."""
+    from asyncgen._ops import cuda_backend, reference
+    from asyncgen._ops.triton_activation import silu_and_mul
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for k, n, group in ((4096, 22016, 128), (4096, 22016, 64), (2048, 3136, 128), (11008, 8192, 128)):
+        qweight, scales, zeros, _ = make_weights(k, n, 4, group, False, gen)
+        bias = torch.randn(n, generator=gen, device="cuda").half() if n == 3136 else None
+        if not cuda_backend.quant_gemv1_gated_ok(qweight, scales, zeros, group):
+            ROWS.append(Row("gated", f"{k}x{n} g{group} refused", float("nan"), False, 0.0, 0.0, 0))
+            print(f"  gated {k}x{n} g{group}: quant_gemv1_gated_ok is False: FAIL")
+            continue
+        x = torch.randn(1, k, generator=gen, device="cuda").half()
+
+        def gated(x=x, qweight=qweight, scales=scales, zeros=zeros, group=group, bias=bias, out=None):
+            return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, group, None, bias, out=out,
+                                                       kernel=1, gated=True)
+
+        def ungated():
+            return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, group, None, bias, kernel=1)
+
+        want = reference.silu_and_mul(ungated())  # the product rounded to fp16, then the op
+        got = gated()
+        rel = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+        ok = bool(torch.isfinite(got).all()) and rel < 2e-3
+        # A CUDA graph of the gated call, replayed with new x each time.
+        out = torch.empty_like(got)
+        gated(out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gated(out=out)
+        worst = 0.0
+        for _ in range(3):
+            x.normal_()
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = reference.silu_and_mul(ungated())
+            worst = max(worst, ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item())
+        ok = ok and worst < 2e-3
+        us_gated = us_separate = float("nan")
+        if n == 22016:
+            weights = [make_weights(k, n, 4, group, False, gen)[:3] for _ in range(copies)]
+            us_gated = 1e3 * cuda_backend.graph_time_ms(
+                lambda w: cuda_backend.launch_quant_gemv_4bit(x, *w, group, None, None, kernel=1, gated=True),
+                weights, passes=5)
+            us_separate = 1e3 * cuda_backend.graph_time_ms(
+                lambda w: silu_and_mul(cuda_backend.launch_quant_gemv_4bit(x, *w, group, None, None, kernel=1)),
+                weights, passes=5)
+            del weights
+        ROWS.append(Row("gated", f"{k}x{n} g{group} M=1", max(rel, worst), ok, us_gated, us_separate,
+                        qweight.numel() * 4))
+        print(f"  gated {k}x{n} g{group}: {'ok ' if ok else 'FAIL'} rel_err {rel:.1e}, after graph replays "
+              f"{worst:.1e}; us per call in CUDA graphs: gated {us_gated:.1f}, GEMV + silu_and_mul "
+              f"{us_separate:.1f}", flush=True)
+        del qweight, scales, zeros
+        torch.cuda.empty_cache()
+
+
 def check_graph_capture() -> None:
     """The decode-shaped calls never synchronise: they capture in a CUDA graph and replay."""
     from asyncgen._ops import quant_reference as qref
@@ -471,6 +534,7 @@ def main() -> int:
                     help="only time the GEMM's configurations at 48 and 64 rows in CUDA graphs")
     ap.add_argument("--dependent-only", action="store_true", help="only the dependent-launch chain check")
     ap.add_argument("--tiled-only", action="store_true", help="only the tiled csrc GEMM's checks and timings")
+    ap.add_argument("--gated-only", action="store_true", help="only the one-row kernel's gated form: checks, timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -490,8 +554,8 @@ def main() -> int:
     if args.sweep_graph:
         sweep_graph()
         return 0
-    if args.tiled_only:
-        check_tiled()
+    if args.gated_only or args.tiled_only:
+        check_gated() if args.gated_only else check_tiled()
         failed = [r for r in ROWS if not r.ok]
         print(f"\n{len(ROWS) - len(failed)} / {len(ROWS)} checks passed")
         return 1 if failed else 0
@@ -500,6 +564,7 @@ def main() -> int:
     if not args.dependent_only:
         check_kernels(shapes, batches)
         check_graph_capture()
+        check_gated()
     check_dependent_launch()
     if args.sweep:
         sweep()
