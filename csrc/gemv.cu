@@ -166,8 +166,9 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                 "group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
                 " groups; got K=", k, ", group_size=", group_size);
   }
-  TORCH_CHECK(!gated || quant_gemv1_ok(p), "gated needs the one-row kernel: K and group_size multiples of 16, "
-              "8-byte aligned scales and zeros and K within its shared memory; got K=", k, ", group_size=", group_size);
+  TORCH_CHECK(!gated || quant_gemv1_gated_ok(p), "gated needs the one-row kernel: K and group_size multiples of "
+              "16, 8-byte aligned scales and zeros and K within its shared memory; got K=", k, ", group_size=",
+              group_size);
   TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1,
                                      dependent_launch(x.get_device())), "x has ",
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "

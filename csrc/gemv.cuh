@@ -738,11 +738,10 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   }
 }
 
-template <int COL_THREADS, int THREADS, int DEPTH>
+template <int COL_THREADS, int THREADS, int DEPTH, bool GATED = false>
 void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
-  void (*kernel)(const QuantGemvParams) = p.gated ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, true>
-                                                  : quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, false>;
-  const dim3 grid(p.gated ? ceil_div(p.n / 2, 2 * COL_THREADS) : ceil_div(p.n, 4 * COL_THREADS)), block(THREADS);
+  void (*kernel)(const QuantGemvParams) = quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, GATED>;
+  const dim3 grid(GATED ? ceil_div(p.n / 2, 2 * COL_THREADS) : ceil_div(p.n, 4 * COL_THREADS)), block(THREADS);
   const int smem = quant_gemv1_smem(p.k, THREADS, DEPTH);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
@@ -757,6 +756,28 @@ void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bo
 // Where K is too long for the ring and x to fit the default 48 KiB, the long-K block.
 // `dependent` (sm_90+): launched so that it may start while the kernel ahead of it runs
 // (programmatic dependent launch); it requests its first weights, then waits for x.
+//
+// Gated, a block takes the columns and threads of two: the same count for gate and for up,
+// each half's column threads reading whole 128-byte lines of a packed row as the plain
+// kernel's do (with the plain shapes' threads halved between gate and up, each half read
+// half lines, and gate|up at one row took 5 % longer a decode step on an H200).
+inline bool quant_gemv1_gated_ok(const QuantGemvParams& p) {
+  return quant_gemv1_ok(p) && p.n % 8 == 0 &&
+         quant_gemv1_smem(p.k, 2 * kQgemv1LongKThreads, kQgemv1LongKDepth) <= kQgemv1MaxSmem;
+}
+
+inline void launch_quant_gemv1_gated(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
+  const bool wide = p.n >= kQuantWideN;
+  if (quant_gemv1_smem(p.k, wide ? 256 : 512, wide ? 4 : 2) <= kQgemv1MaxSmem) {
+    wide ? launch_quant_gemv1_shaped<16, 256, 4, true>(p, stream, dependent)
+         : launch_quant_gemv1_shaped<8, 512, 2, true>(p, stream, dependent);
+  } else {
+    constexpr int T = 2 * kQgemv1LongKThreads, D = kQgemv1LongKDepth;
+    wide ? launch_quant_gemv1_shaped<16, T, D, true>(p, stream, dependent)
+         : launch_quant_gemv1_shaped<8, T, D, true>(p, stream, dependent);
+  }
+}
+
 inline void launch_quant_gemv1(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
 #if defined(AG_QGEMV1_COLS) && defined(AG_QGEMV1_THREADS) && defined(AG_QGEMV1_DEPTH)
   launch_quant_gemv1_shaped<AG_QGEMV1_COLS, AG_QGEMV1_THREADS, AG_QGEMV1_DEPTH>(p, stream, dependent);
@@ -1036,13 +1057,12 @@ void launch_quant_gemv_4bit_mma(const QuantGemvParams& p, cudaStream_t stream) {
 
 // tensor_cores: the device has mma.sync for fp16 (sm_80+). dependent: the one-row kernel
 // may be launched as a dependent of the kernel ahead (sm_90+; see launch_quant_gemv1).
-// Gated (p.gated) only the one-row kernel runs: false where it does not take p or N is
-// not a multiple of 8.
+// Gated (p.gated) only the one-row kernel runs: false where quant_gemv1_gated_ok is not.
 inline bool launch_quant_gemv_4bit(const QuantGemvParams& p, cudaStream_t stream, bool tensor_cores,
                                    bool dependent = false) {
   if (p.gated) {
-    if (!quant_gemv1_ok(p) || p.n % 8 != 0) return false;
-    launch_quant_gemv1(p, stream, dependent);
+    if (!quant_gemv1_gated_ok(p)) return false;
+    launch_quant_gemv1_gated(p, stream, dependent);
     return true;
   }
   if (AG_QGEMV_MMA && tensor_cores && quant_gemv_4bit_mma_ok(p)) {

@@ -419,7 +419,7 @@ def test_quant_gemv_4bit_one_row(emu, n, k, group_size, bias, kernel):
     [
         (3136, 2048, 128, True),  # wide: 8 column threads; 1568 outputs, a partial last block
         (200, 1024, 64, False),   # narrow: 4 column threads; 100 outputs in blocks of 8
-        (40, 16384, 128, True),   # the 128-thread block for long K
+        (40, 12288, 128, True),   # the 256-thread block for long K
     ],
 )
 def test_quant_gemv_4bit_gated_gives_silu_and_mul(emu, n, k, group_size, bias):
@@ -453,6 +453,15 @@ def test_quant_gemv_4bit_gated_refuses_what_the_one_row_kernel_does_not_take(emu
     k, n = 264, 64  # K % 16 != 0: no one-row kernel, and the gated form has no other
     qweight = qref.pack_rows(torch.randint(0, 16, (k, n)), 4)
     scales, zeros = torch.full((1, n), 0.01).half(), torch.full((1, n), 8.0).half()
+    with pytest.raises(AssertionError, match="too many rows"):
+        emu.quant_gemv_4bit(torch.empty(1, n // 2).half(), torch.randn(1, k).half(), qweight, scales, zeros, k,
+                            tensor_cores=False, gated=True)
+    k = 16384  # the one-row kernel's 128-thread block takes it ungated; the gated block (256) does not fit
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n)), 4)
+    scales, zeros = torch.full((1, n), 0.01).half(), torch.full((1, n), 8.0).half()
+    emu.quant_gemv_4bit(torch.empty(1, n).half(), torch.randn(1, k).half(), qweight, scales, zeros, k,
+                        tensor_cores=False)
+    assert emu.last_quant_kernel == "stream"
     with pytest.raises(AssertionError, match="too many rows"):
         emu.quant_gemv_4bit(torch.empty(1, n // 2).half(), torch.randn(1, k).half(), qweight, scales, zeros, k,
                             tensor_cores=False, gated=True)

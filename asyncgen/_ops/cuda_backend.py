@@ -835,7 +835,7 @@ def launch_quant_gemv_4bit(
 
 
 # The one-row kernel's x and weight ring must fit the default 48 KiB of shared memory with
-# its smallest block (128 threads, 2 pairs of packed rows deep): csrc/gemv.cuh.
+# its smallest gated block (256 threads, 2 pairs of packed rows deep): csrc/gemv.cuh.
 _GEMV1_MAX_SMEM = 48 * 1024
 
 
@@ -845,7 +845,7 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     size multiples of 16, 8-byte aligned scales and zeros, K within its shared memory."""
     k = qweight.shape[0] * 8
     size = group_size if group_size > 0 else k
-    smem = 2 * 2 * 128 * 16 + 16 * (k // 8 + k // 64 + 1)
+    smem = 2 * 2 * 256 * 16 + 16 * (k // 8 + k // 64 + 1)
     return (
         qweight.shape[1] % 8 == 0 and k % 16 == 0 and size % 16 == 0 and k % size == 0 and smem <= _GEMV1_MAX_SMEM
         and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
