@@ -396,19 +396,11 @@ def test_quant_gemv_4bit_matches_reference(emu, m, n, k, group_size, tensor_core
 )
 def test_quant_gemv_4bit_one_row(emu, n, k, group_size, bias, kernel):
     """One row without tensor cores takes the streaming kernel where its conditions hold."""
-    from asyncgen._ops import quant_reference as qref
-
-    g = torch.Generator().manual_seed(n + k + group_size)
-    groups = k // group_size
-    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
-    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
-    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
-    x = torch.randn(1, k, generator=g).half()
-    b = torch.randn(n, generator=g).half() if bias else None
+    x, qweight, scales, zeros, b, exact = _quant_case(1, n, k, group_size, n + k + group_size)
+    b = b if bias else None
     out = torch.full((1, n), float("nan"), dtype=torch.float16)
     emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, b, tensor_cores=False)
     assert emu.last_quant_kernel == kernel
-    exact = x.float() @ qref.dequantize(qweight, scales, zeros, 4, group_size).float()
     if b is not None:
         exact += b.float()
     assert relative_error(out, exact) < 2e-3
@@ -417,23 +409,16 @@ def test_quant_gemv_4bit_one_row(emu, n, k, group_size, bias, kernel):
 @pytest.mark.parametrize(
     "n, k, group_size, bias",
     [
-        (3136, 2048, 128, True),  # wide: 8 column threads; 1568 outputs, a partial last block
-        (200, 1024, 64, False),   # narrow: 4 column threads; 100 outputs in blocks of 8
+        (8208, 256, 128, True),   # wide: 16 column threads; 4104 outputs, a partial last block of 32
+        (200, 1024, 64, False),   # narrow: 8 column threads in 512; 100 outputs in blocks of 16
         (40, 12288, 128, True),   # the 256-thread block for long K
     ],
 )
 def test_quant_gemv_4bit_gated_gives_silu_and_mul(emu, n, k, group_size, bias):
     """The one-row kernel's gated form: gate | up columns in, silu(gate) * up out, rounded as
     the product and the separate op round them."""
-    from asyncgen._ops import quant_reference as qref
-
-    g = torch.Generator().manual_seed(n * 3 + k)
-    groups = k // group_size
-    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
-    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.005).half()
-    zeros = torch.randint(0, 16, (groups, n), generator=g).half()
-    x = torch.randn(1, k, generator=g).half()
-    b = torch.randn(n, generator=g).half() if bias else None
+    x, qweight, scales, zeros, b, _ = _quant_case(1, n, k, group_size, n * 3 + k)
+    b = b if bias else None
     padded = torch.full((1, n // 2 + 5), float("nan"), dtype=torch.float16)
     out = padded[:, : n // 2]
     emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, b, tensor_cores=False, gated=True)
