@@ -646,7 +646,10 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   // Everything above reads only the weights and their constants, so a dependent launch
   // (see launch_quant_gemv1) runs it while the kernel ahead is still computing x.
   grid_dependency_wait();
-  launch_dependents();  // the kernel after this one may start and wait for its output
+  // The kernel after this one may start and wait for its output. Gated, its successor is
+  // the down product, which would take SMs that this kernel's later blocks need: it is
+  // let in only once this block's weights are read (below).
+  if constexpr (!GATED) launch_dependents();
   const __half* x = static_cast<const __half*>(p.x);
   for (int r = tid; r < rows; r += THREADS) {
     const uint4 raw = load16(x + 8 * r);
@@ -693,6 +696,7 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
     }
   }
   cp_async_wait<0>();
+  if constexpr (GATED) launch_dependents();
 
   // Sum over the K lanes: those of a warp (lanes that differ above the column thread's
   // bits) with shuffles, then the warps in shared memory.
