@@ -764,7 +764,7 @@ void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bo
 // Gated, a block takes the columns and threads of two: the same count for gate and for up,
 // each half's column threads reading whole 128-byte lines of a packed row as the plain
 // kernel's do (with the plain shapes' threads halved between gate and up, each half read
-// half lines, and gate|up at one row took 5 % longer a decode step on an H200).
+// half lines, and a one-row decode step took 5 % longer on an H200).
 inline bool quant_gemv1_gated_ok(const QuantGemvParams& p) {
   return quant_gemv1_ok(p) && p.n % 8 == 0 &&
          quant_gemv1_smem(p.k, 2 * kQgemv1LongKThreads, kQgemv1LongKDepth) <= kQgemv1MaxSmem;

@@ -209,7 +209,7 @@ def test_mlp_takes_silu_and_mul_from_the_gated_gemv_where_set(fake_csrc):
 @pytest.mark.parametrize("variant, gated", [("awq-g64", True), ("gptq-4b-g32-act-per-part", False)])
 def test_quantized_mlp_takes_silu_and_mul_from_the_one_row_kernel_where_it_may(tmp_path, fake_csrc, variant, gated):
     """A 4-bit gate|up without act order, routed to the one-row kernel, gives one row's
-    silu(gate) * up from its gated form once the runner sets gemv_gated; act order (a
+    silu(gate) * up from its gated form once the runner sets quant_gated; act order (a
     permutation per fused part) keeps the two-step path."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -221,8 +221,13 @@ def test_quantized_mlp_takes_silu_and_mul_from_the_one_row_kernel_where_it_may(t
     dense = load_model(tmp_path / variant, "dense").layers[0].mlp
     mlp = load_model(tmp_path / variant, "cuda").layers[0].mlp
     gate_up = mlp.gate_up_proj
+    gate_up.gemv_gated = True  # the dense GEMV's flag: not the 4-bit kernel's
+    fake_csrc.clear()
+    x = torch.randn(1, gate_up.in_features)
+    torch.testing.assert_close(mlp(x), dense(x), atol=1e-4, rtol=1e-4)
+    assert all(len(call) == 3 for call in fake_csrc), fake_csrc  # nothing gated
     assert gate_up.method.gated_ok(gate_up) == gated
-    gate_up.gemv_gated = gate_up.method.gated_ok(gate_up)
+    gate_up.quant_gated = gate_up.method.gated_ok(gate_up)
     gen = torch.Generator().manual_seed(4)
     for rows in (1, 3):
         fake_csrc.clear()

@@ -148,6 +148,9 @@ class LinearBase(nn.Module):
         # gate|up layers: whether those rows also go to the GEMV that writes silu(gate) * up
         # (set by the model runner with the cuda backend).
         self.gemv_gated = False
+        # 4-bit gate|up layers: whether one row gives silu(gate) * up from the one-row 4-bit
+        # kernel (set by the model runner, after QuantLinearMethod.gated_ok).
+        self.quant_gated = False
         # Row counts whose product runs a chosen cuBLASLt algorithm instead of F.linear
         # ({rows: cublaslt.LtRoute}; set by asyncgen._ops.cuda_backend.choose_dense_algos).
         self.lt_routes: dict = {}

@@ -430,9 +430,10 @@ class QuantLinearMethod(LinearMethod):
 
     def apply_gated(self, layer: LinearBase, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` of a gate|up layer from the csrc one-row 4-bit kernel, for one
-        row where the model runner set ``gemv_gated`` (the layer is one segment without act
-        order, routed to that kernel at one row, and takes its gated form); else None."""
-        if not layer.gemv_gated or x.numel() != x.shape[-1]:
+        row where the model runner set ``quant_gated`` (after :meth:`gated_ok`: the layer is
+        one segment without act order, routed to that kernel at one row, and takes its gated
+        form); else None."""
+        if not layer.quant_gated or x.numel() != x.shape[-1]:
             return None
         from .._ops import cuda_backend
 

@@ -188,8 +188,10 @@ class ModelRunner:
                               for (n, k, _), (rows, warps) in chosen.items())
             log.info("csrc GEMV up to this many rows per weight shape (else cuBLAS): %s (timed in %.2f s)",
                      table, time.perf_counter() - t0)
+            dense = {id(layer) for layer in layers}
             for layer in self.model.layers:
-                layer.mlp.gate_up_proj.gemv_gated = True  # SiLU-and-multiply inside the GEMV
+                if id(layer.mlp.gate_up_proj) in dense:
+                    layer.mlp.gate_up_proj.gemv_gated = True  # SiLU-and-multiply inside the GEMV
         quantized = [m for m in linear if getattr(m, "quant_kernel", None) == "cuda"]
         if quantized:
             scratch = cuda_backend.GemmScratch(self.device)  # this model's split workspace
@@ -204,14 +206,20 @@ class ModelRunner:
                 for (k, n, g, act), picks in chosen.items()
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
-            gated = 0
-            for layer in self.model.layers if os.environ.get("ASYNCGEN_GATED_4BIT", "1") != "0" else ():
-                gate_up = layer.mlp.gate_up_proj
-                if getattr(gate_up, "quant_kernel", None) == "cuda" and gate_up.method.gated_ok(gate_up):
-                    gate_up.gemv_gated = True  # SiLU-and-multiply inside the one-row 4-bit kernel
-                    gated += 1
-            if gated:
-                log.info("gate|up of %d layers gives silu(gate) * up from the one-row 4-bit kernel", gated)
+            if os.environ.get("ASYNCGEN_GATED_4BIT", "1") != "0":
+                self._gate_quantized_mlps()
+
+    def _gate_quantized_mlps(self) -> None:
+        """Lets each 4-bit gate|up that the one-row kernel serves at one row give
+        silu(gate) * up itself there (no SiLU-and-multiply kernel in a single stream's step)."""
+        gated = 0
+        for layer in self.model.layers:
+            gate_up = layer.mlp.gate_up_proj
+            if getattr(gate_up, "quant_kernel", None) == "cuda" and gate_up.method.gated_ok(gate_up):
+                gate_up.quant_gated = True
+                gated += 1
+        if gated:
+            log.info("gate|up of %d layers gives silu(gate) * up from the one-row 4-bit kernel", gated)
 
     def _dense_layers(self) -> list:
         """The model's linear layers with an unquantized weight [N, K] in the model's dtype."""
