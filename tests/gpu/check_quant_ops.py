@@ -118,14 +118,15 @@ def check_kernels(shapes, batches) -> None:
 
 def check_gated(copies: int = 8) -> None:
     """The one-row kernel's gated form (gate | up in, silu(gate) * up out) against the
-    ungated kernel followed by ``silu_and_mul``, at the 7B gate|up shape and two small
-    ones, eagerly and replayed in a CUDA graph with new x; then both ways timed in CUDA
-    graphs over ``copies`` weights (past L2), as in a decode step."""
+    ungated kernel followed by ``silu_and_mul``, at the 7B gate|up shape (groups 128 and
+    64) and two others (one with a bias), eagerly and replayed in a CUDA graph with new x;
+    then, at the 7B shape, both ways and the GEMV alone timed in CUDA graphs over
+    ``copies`` weights (past L2), as in a decode step."""
     from asyncgen._ops import cuda_backend, reference
     from asyncgen._ops.triton_activation import silu_and_mul
 
     if not cuda_backend.is_available():
-        ROWS.append(Row("gated", "csrc extension not built", float("nan"), False, 0.0, 0.0, 0))
+        ROWS.append(Row("gated", "csrc extension not built", float("nan"), False, float("nan"), float("nan"), 0))
         print("  gated: the csrc extension does not load: FAIL")
         return
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -133,7 +134,7 @@ def check_gated(copies: int = 8) -> None:
         qweight, scales, zeros, _ = make_weights(k, n, 4, group, False, gen)
         bias = torch.randn(n, generator=gen, device="cuda").half() if n == 3136 else None
         if not cuda_backend.quant_gemv1_gated_ok(qweight, scales, zeros, group):
-            ROWS.append(Row("gated", f"{k}x{n} g{group} refused", float("nan"), False, 0.0, 0.0, 0))
+            ROWS.append(Row("gated", f"{k}x{n} g{group} refused", float("nan"), False, float("nan"), float("nan"), 0))
             print(f"  gated {k}x{n} g{group}: quant_gemv1_gated_ok is False: FAIL")
             continue
         x = torch.randn(1, k, generator=gen, device="cuda").half()
