@@ -600,7 +600,15 @@ def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
 GEMV_MAX_ROWS = 8  # the most rows of x the csrc GEMV kernels take
 GEMV_WARPS_PER_ROW = (1, 2, 4, 8)  # warps the dense GEMV may give each output feature
 QUANT_MMA_MAX_ROWS = 64  # the most rows of x the csrc 4-bit kernel takes on tensor cores
-_MMA_SMEM_LIMIT = 48 * 1024  # bytes: its staged scales and zeros, 128 per group
+# The default shared-memory limit (bytes) within which the 4-bit kernels' staged data must
+# fit: the tensor-core kernel's scales and zeros (128 bytes per group), the one-row
+# kernel's x and weight ring.
+_SMEM_LIMIT = 48 * 1024
+
+
+def _groups_aligned8(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Scales and zeros as the csrc 4-bit kernels load them: 4 columns (8 bytes) at a time."""
+    return all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
 
 
 def _aligned_rows(t: torch.Tensor) -> bool:
@@ -734,8 +742,8 @@ def quant_gemv_4bit_max_rows(
         and k % 32 == 0
         and size % 32 == 0
         and k % size == 0
-        and (k // size) * 128 <= _MMA_SMEM_LIMIT
-        and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
+        and (k // size) * 128 <= _SMEM_LIMIT
+        and _groups_aligned8(scales, zeros)
     )
     return QUANT_MMA_MAX_ROWS if mma else GEMV_MAX_ROWS
 
@@ -793,13 +801,14 @@ QUANT_KERNELS = {"either": 0, "cuda_cores": 1, "tensor_cores": 2}  # the op's ``
 
 
 def _quant_io(x: torch.Tensor, qweight: torch.Tensor, perm: torch.Tensor | None,
-              out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              out: torch.Tensor | None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-bit launchers' x (its columns gathered by ``perm`` where given) and output
-    (a new [M, N] tensor of x's dtype where none is given)."""
+    (a new [M, N] tensor of x's dtype where none is given; [M, N / 2] ``gated``)."""
     if perm is not None:
         x = x.index_select(1, perm)
     if out is None:
-        out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
+        n = qweight.shape[1] // 2 if gated else qweight.shape[1]
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     return x, out
 
 
@@ -824,19 +833,12 @@ def launch_quant_gemv_4bit(
     takes): the weight's columns are gate | up and the result [1, N / 2] is
     ``silu(gate) * up``, from the one-row kernel. The op still validates its arguments in
     C++."""
-    if gated and out is None:
-        out = torch.empty(x.shape[0], qweight.shape[1] // 2, dtype=x.dtype, device=x.device)
-    x, out = _quant_io(x, qweight, perm, out)
+    x, out = _quant_io(x, qweight, perm, out, gated)
     k = qweight.shape[0] * 8
     torch.ops.asyncgen_C.quant_gemv_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel, gated
     )
     return out
-
-
-# The one-row kernel's x and weight ring must fit the default 48 KiB of shared memory with
-# its smallest gated block (256 threads, 2 pairs of packed rows deep): csrc/gemv.cuh.
-_GEMV1_MAX_SMEM = 48 * 1024
 
 
 def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> bool:
@@ -845,10 +847,11 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     size multiples of 16, 8-byte aligned scales and zeros, K within its shared memory."""
     k = qweight.shape[0] * 8
     size = group_size if group_size > 0 else k
+    # Its smallest gated block: 256 threads, 2 pairs of packed rows deep, then x (gemv.cuh).
     smem = 2 * 2 * 256 * 16 + 16 * (k // 8 + k // 64 + 1)
     return (
-        qweight.shape[1] % 8 == 0 and k % 16 == 0 and size % 16 == 0 and k % size == 0 and smem <= _GEMV1_MAX_SMEM
-        and all(t.data_ptr() % 8 == 0 and t.stride(0) % 4 == 0 for t in (scales, zeros))
+        qweight.shape[1] % 8 == 0 and k % 16 == 0 and size % 16 == 0 and k % size == 0 and smem <= _SMEM_LIMIT
+        and _groups_aligned8(scales, zeros)
     )
 
 

@@ -455,7 +455,6 @@ class QuantLinearMethod(LinearMethod):
 
         return (
             seg.perm is None and seg.g_idx is None and len(seg.route) > 1 and seg.route[1] == CUDA_CORES
-            and layer.out_features % 2 == 0
             and cuda_backend.quant_gemv1_gated_ok(layer.qweight, layer.scales, layer.zeros, layer.quant_group_size)
         )
 
