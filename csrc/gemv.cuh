@@ -844,16 +844,20 @@ constexpr int kMmaMaxRows = 64;     // rows of x the tensor-core kernel takes
 constexpr int kMmaMaxSmem = 48 * 1024;  // the staged scales and zeros must fit the default limit
 
 // The codes minus z of one packed word (times the scale with SCALED), as half2 pairs of
-// codes (0, 4), (1, 5), (2, 6), (3, 7).
-template <bool SCALED>
+// codes (0, 4), (1, 5), (2, 6), (3, 7). LOP3: each mask-and-OR as one instruction, the
+// constants held in registers (and_or), instead of an AND and an OR.
+template <bool SCALED, bool LOP3 = false>
 AG_DEVICE void dequant_word(uint32_t (&d)[4], uint32_t word, const QuantGroup& grp, int j) {
   const __half2 sixteenth = bits_to_half2(0x2C002C00u);  // (1/16, 1/16)
   const uint32_t shifted = word >> 8;
+  const auto field = [](uint32_t w, uint32_t mask) {
+    return LOP3 ? and_or(w, mask, 0x64006400u) : (w & mask) | 0x64006400u;
+  };
   __half2 h[4];
-  h[0] = __hsub2(bits_to_half2((word & 0x000F000Fu) | 0x64006400u), grp.low[j]);
-  h[1] = hfma2(bits_to_half2((word & 0x00F000F0u) | 0x64006400u), sixteenth, grp.high[j]);
-  h[2] = __hsub2(bits_to_half2((shifted & 0x000F000Fu) | 0x64006400u), grp.low[j]);
-  h[3] = hfma2(bits_to_half2((shifted & 0x00F000F0u) | 0x64006400u), sixteenth, grp.high[j]);
+  h[0] = __hsub2(bits_to_half2(field(word, 0x000F000Fu)), grp.low[j]);
+  h[1] = hfma2(bits_to_half2(field(word, 0x00F000F0u)), sixteenth, grp.high[j]);
+  h[2] = __hsub2(bits_to_half2(field(shifted, 0x000F000Fu)), grp.low[j]);
+  h[3] = hfma2(bits_to_half2(field(shifted, 0x00F000F0u)), sixteenth, grp.high[j]);
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] = half2_to_bits(SCALED ? __hmul2(h[i], grp.scale2[j]) : h[i]);
 }

@@ -90,9 +90,22 @@ inline bool quant_gemm_4bit_ok(const QuantGemmParams& gp) {
          reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride % 2 == 0;
 }
 
-// The low (high) halves of two registers as one register: (lo.low, hi.low) ((lo.high, hi.high)).
-AG_DEVICE uint32_t pair_lo(uint32_t lo, uint32_t hi) { return (lo & 0xFFFFu) | (hi << 16); }
-AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) { return (lo >> 16) | (hi & 0xFFFF0000u); }
+// The low (high) halves of two registers as one register: (lo.low, hi.low) ((lo.high, hi.high)),
+// one PRMT each (the shifts and masks compile to two instructions).
+AG_DEVICE uint32_t pair_lo(uint32_t lo, uint32_t hi) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(lo, hi, 0x5410);
+#else
+  return (lo & 0xFFFFu) | (hi << 16);
+#endif
+}
+AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(lo, hi, 0x7632);
+#else
+  return (lo >> 16) | (hi & 0xFFFF0000u);
+#endif
+}
 
 template <int M_TILES, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() / WARPS) quant_gemm_4bit_tiled_kernel(const QuantGemmParams gp) {
@@ -124,52 +137,67 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
     return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kWeightBytes + L::kXBytes);
   };
 
-  // The copies of stage s (of the whole K) into ring slot `slot`: the weights and the group's
-  // constants (which no kernel ahead writes), then x. Each thread's pieces are the same in
-  // every stage, so their addresses are worked out once here and a stage only adds its
-  // offset: computed per copy, the address arithmetic took more issue slots than the
-  // products at 16 rows (about 700 instructions a stage a thread, read in the sm_90 SASS).
+  // The copies into the ring, one stage after another from s_begin: per stage a thread
+  // copies kWLoads 16-byte pieces of packed weights, perhaps one of the group's zero points
+  // or scales, and kXLoads pieces of x. Its pieces sit at the same place in every stage, so
+  // the source pointers are set up once and advanced by one stage per copy (the group's by
+  // one group every stages_per_group copies), and the destinations are offsets within a
+  // slot: computed per copy with the stage index, the 64-bit address arithmetic and a
+  // division by stages_per_group took 135 instructions a stage a thread for 6 copies (sm_90
+  // SASS, gate|up at 64 rows), a third of the stage's.
   constexpr int kWLoads = kTiledPackedRows * (BN / 4) / kThreads;  // 2: packed rows w0 and w0 + 4
   static_assert(kTiledPackedRows * (BN / 4) == kWLoads * kThreads, "whole weight pieces a thread");
   constexpr int kXRowsPerPass = kThreads / 8;
   constexpr int kXLoads = (kRows + kXRowsPerPass - 1) / kXRowsPerPass;
+  constexpr bool kXWhole = kXLoads * kXRowsPerPass == kRows;  // every thread copies kXLoads rows
   const int w_row = threadIdx.x / (BN / 4), w_col = col_base + 4 * (threadIdx.x % (BN / 4));
   const bool w_ok = w_col < p.n;
-  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0);
   const int64_t w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
   const int64_t w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kWLoads) * p.qweight_stride : 0;
+  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0) +
+                         s_begin * w_stage;
   const int w_dst = w_row * L::kWordsPerRow + 4 * (threadIdx.x % (BN / 4));
   const bool g_load = threadIdx.x < BN / 4;
   const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
   const bool g_ok = g_load && g_col < p.n;
-  const __half* g_src = g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros;
   const int64_t g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
-  const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
   const int stages_per_group = p.group_size / kTiledK;
+  const __half* g_src = (g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros) + (s_begin / stages_per_group) * g_stride;
+  int g_left = stages_per_group - s_begin % stages_per_group;  // stages until the next group
+  const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
   const int x_row = threadIdx.x / 8, x_piece = threadIdx.x % 8;
-  const __half* x_src = x + static_cast<int64_t>(x_row) * p.x_stride + 8 * x_piece;
+  const int64_t x_pass = static_cast<int64_t>(kXRowsPerPass) * p.x_stride;
+  const __half* x_src = x + static_cast<int64_t>(x_row) * p.x_stride + 8 * x_piece + s_begin * kTiledK;
   const int x_dst = x_row * kTiledK + 8 * (x_piece ^ ((x_row & 1) << 2));  // rows x_row + 4 W j: same parity
+  uint32_t x_ok = 0;  // bit j: row x_row + j * kXRowsPerPass is a row of x
+#pragma unroll
+  for (int j = 0; j < kXLoads; ++j) x_ok |= static_cast<uint32_t>(x_row + j * kXRowsPerPass < p.m) << j;
 
-  auto load_weights = [&](int slot, int s) {
+  // The next stage's weights and group constants (which no kernel ahead writes) into `slot`.
+  auto load_weights = [&](int slot) {
     uint32_t* w = weights_at(slot);
-    const int32_t* src = w_src + s * w_stage;
 #pragma unroll
     for (int j = 0; j < kWLoads; ++j) {
-      cp_async16(w + w_dst + j * (kTiledPackedRows / kWLoads) * L::kWordsPerRow, src + j * w_next, w_ok);
+      cp_async16(w + w_dst + j * (kTiledPackedRows / kWLoads) * L::kWordsPerRow, w_src + j * w_next, w_ok);
     }
-    if (g_load) cp_async16(groups_at(slot) + g_dst, g_src + (s / stages_per_group) * g_stride, g_ok);
+    w_src += w_stage;
+    if (g_load) cp_async16(groups_at(slot) + g_dst, g_src, g_ok);
+    if (--g_left == 0) {
+      g_left = stages_per_group;
+      g_src += g_stride;
+    }
   };
-  auto load_x = [&](int slot, int s) {
+  // The next stage's x into `slot` (rows past x's are zero-filled from x's first row).
+  auto load_x = [&](int slot) {
     __half* xs = x_at(slot);
 #pragma unroll
     for (int j = 0; j < kXLoads; ++j) {
-      const int r = x_row + j * kXRowsPerPass;
-      if (r < kRows) {
-        const bool ok = r < p.m;
-        cp_async16(xs + x_dst + j * kXRowsPerPass * kTiledK,
-                   ok ? x_src + static_cast<int64_t>(j * kXRowsPerPass) * p.x_stride + s * kTiledK : x, ok);
+      if (kXWhole || x_row + j * kXRowsPerPass < kRows) {
+        const bool ok = (x_ok >> j) & 1;
+        cp_async16(xs + x_dst + j * kXRowsPerPass * kTiledK, ok ? x_src + j * x_pass : x, ok);
       }
     }
+    x_src += kTiledK;
   };
 
   // Prologue: the weights of the first STAGES - 1 stages are requested before the wait for
@@ -178,14 +206,14 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   // landed (cp_async_wait<STAGES - 2> once 2 (STAGES - 1) + i are committed) stage i is in.
 #pragma unroll
   for (int i = 0; i < kTiledStages - 1; ++i) {
-    if (i < count) load_weights(i, s_begin + i);
+    if (i < count) load_weights(i);
     cp_async_commit();
   }
   grid_dependency_wait();
   launch_dependents();
 #pragma unroll
   for (int i = 0; i < kTiledStages - 1; ++i) {
-    if (i < count) load_x(i, s_begin + i);
+    if (i < count) load_x(i);
     cp_async_commit();
   }
 
@@ -207,7 +235,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
       __half* xs = x_at(i % kTiledStages);
 #pragma unroll
       for (int j = 0; j < kXLoads; ++j) {
-        if (x_row + j * kXRowsPerPass < kRows) {
+        if (kXWhole || x_row + j * kXRowsPerPass < kRows) {
           uint4* v = reinterpret_cast<uint4*>(xs + x_dst + j * kXRowsPerPass * kTiledK);
           const uint4 e = *v;
           *v = make_uint4(pair_lo(e.x, e.z), pair_hi(e.x, e.z), pair_lo(e.y, e.w), pair_hi(e.y, e.w));
@@ -217,8 +245,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
     __syncthreads();  // stage i is in for every thread, and every warp is done with slot (i - 1) % STAGES
     const int next = i + kTiledStages - 1;
     if (next < count) {
-      load_weights(next % kTiledStages, s_begin + next);
-      load_x(next % kTiledStages, s_begin + next);
+      load_weights(next % kTiledStages);
+      load_x(next % kTiledStages);
     }
     cp_async_commit();
 
@@ -234,7 +262,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
       const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
       uint32_t d[4][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) dequant_word<true>(d[j], words[j], grp, j);
+      for (int j = 0; j < 4; ++j) dequant_word<true, true>(d[j], words[j], grp, j);
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
         const int r = 8 * mt + g;
@@ -286,29 +314,30 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   if (whole) return;
   if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
   // The last block of this column range: the splits' sums in split order (other blocks'
-  // writes, read past L1), plus the bias.
-  for (int i = threadIdx.x; i < p.m * (BN / 2); i += kThreads) {
-    const int row = i / (BN / 2);
-    const int col = col_base + 2 * (i % (BN / 2));
+  // writes, read past L1), plus the bias, 4 columns a thread (N is a multiple of 8).
+  for (int i = threadIdx.x; i < p.m * (BN / 4); i += kThreads) {
+    const int row = i / (BN / 4);
+    const int col = col_base + 4 * (i % (BN / 4));
     if (col >= p.n) continue;
     const float* src = gp.workspace + static_cast<int64_t>(row) * p.n + col;
-    float2 pv[kTiledMaxSplits];  // requested together, then added in split order
-#pragma unroll
-    for (int s = 0; s < kTiledMaxSplits; ++s) {
-      pv[s] = s < gp.splits ? __ldcg(reinterpret_cast<const float2*>(src + static_cast<int64_t>(s) * p.m * p.n))
-                            : make_float2(0.f, 0.f);
-    }
-    float2 v = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int s = 0; s < kTiledMaxSplits; ++s) {
-      v.x += pv[s].x;
-      v.y += pv[s].y;
+    const int64_t split_stride = static_cast<int64_t>(p.m) * p.n;
+    float4 v = __ldcg(reinterpret_cast<const float4*>(src));
+    for (int s = 1; s < gp.splits; ++s) {
+      const float4 pv = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride));
+      v.x += pv.x;
+      v.y += pv.y;
+      v.z += pv.z;
+      v.w += pv.w;
     }
     if (bias != nullptr) {
       v.x += __half2float(bias[col]);
       v.y += __half2float(bias[col + 1]);
+      v.z += __half2float(bias[col + 2]);
+      v.w += __half2float(bias[col + 3]);
     }
-    *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v.x, v.y);
+    __half2* dst = reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col);
+    dst[0] = __floats2half2_rn(v.x, v.y);
+    dst[1] = __floats2half2_rn(v.z, v.w);
   }
 }
 
