@@ -1,14 +1,15 @@
 """Times the 4-bit products of decode batches (16-64 rows) at Llama-2-7B layer shapes on a
 GPU: fp16 cuBLAS, the Triton GEMM (``quant_gemm``), the csrc tensor-core GEMV and the
 csrc tiled GEMM in each launch shape (``cuda_backend.QUANT_GEMM_CONFIGS``), the last also
-rebuilt with other ring depths (``--stages``: ``AG_QGEMM_STAGES``, compiled side by side
-with ``torch.utils.cpp_extension``).
+rebuilt with other ring depths and occupancy targets (``--variants sSwW``:
+``AG_QGEMM_STAGES`` = S, ``AG_QGEMM_MIN_WARPS`` = W warps an SM, 0 for the default;
+compiled side by side with ``torch.utils.cpp_extension``).
 
 Every kernel is first checked against dequantize-then-matmul, then timed inside a CUDA
 graph that cycles through enough copies of the weight to keep it out of L2 (as a forward
 pass reads each layer's weight once per step).
 
-    PYTHONPATH=. python3 benchmarks/quant_gemm_sweep.py [--rows 16,32,64] [--stages 3,6] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/quant_gemm_sweep.py [--rows 16,32,64] [--variants s3w20,s6w0] [--json out.json]
 
 ``--profile`` instead runs the built extension's tiled GEMM twice eagerly at 64 rows for
 each shape (in launch shape ``--tiled 4x2``), for ``ncu``::
@@ -43,19 +44,21 @@ void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at
 """
 
 
-def build(stages: int):
+def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
+    stages, warps = (int(v) for v in variant[1:].split("w"))
     return load_inline(
-        name=f"ag_qgemm_stages{stages}", cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
+        name=f"ag_qgemm_{variant}", cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
         functions=["run"], extra_include_paths=[str(CSRC)],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-DAG_QGEMM_STAGES={stages}"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-DAG_QGEMM_STAGES={stages}",
+                           f"-DAG_QGEMM_MIN_WARPS={warps}"],
     )
 
 
-def _build_in_child(stages: int) -> int:
-    build(stages)
-    return stages
+def _build_in_child(variant: str) -> str:
+    build(variant)
+    return variant
 
 
 def profile(tiled: str) -> int:
@@ -86,7 +89,7 @@ def graph_us(calls) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="16,32,64")
-    ap.add_argument("--stages", default="", help="other ring depths of the tiled GEMM to build and time, comma-separated")
+    ap.add_argument("--variants", default="", help="tiled GEMM builds to time beside the default, sSwW, comma-separated")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="run the tiled csrc GEMM eagerly, for ncu")
     ap.add_argument("--tiled", default="4x2", help="with --profile: the tiled GEMM's warps x splits")
@@ -94,11 +97,11 @@ def main() -> int:
     if args.profile:
         return profile(args.tiled)
     rows = [int(v) for v in args.rows.split(",")]
-    stages = [int(v) for v in args.stages.split(",") if v]
-    if stages:
-        with ProcessPoolExecutor(max_workers=min(len(stages), os.cpu_count() or 1)) as pool:
-            list(pool.map(_build_in_child, stages))  # compile in parallel, before CUDA starts here
-    variants = {f"tiled_s{s}": build(s) for s in stages}
+    names = [v for v in args.variants.split(",") if v]
+    if names:
+        with ProcessPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1)) as pool:
+            list(pool.map(_build_in_child, names))  # compile in parallel, before CUDA starts here
+    variants = {f"tiled_{v}": build(v) for v in names}
 
     from asyncgen._ops import cuda_backend
     from asyncgen._ops import quant_reference as qref

@@ -49,9 +49,12 @@ constexpr int kTiledMaxSplits = 8;
 constexpr int kTiledStages = AG_QGEMM_STAGES;
 // Warps an SM should hold at once (bounding the registers a thread): 16 (128 registers)
 // up to 32 rows; 12 (168) for 64 rows, whose 64 accumulators a thread spill at 128.
+#ifndef AG_QGEMM_MIN_WARPS
+#define AG_QGEMM_MIN_WARPS 0  // 0: by M_TILES, as below
+#endif
 template <int M_TILES>
 constexpr int tiled_min_warps() {
-  return M_TILES >= 8 ? 12 : 16;
+  return AG_QGEMM_MIN_WARPS > 0 ? AG_QGEMM_MIN_WARPS : (M_TILES >= 8 ? 12 : 16);
 }
 
 struct QuantGemmParams {
