@@ -327,8 +327,9 @@ def decode_step_times(engine, batches, ctx: int) -> tuple[dict, dict]:
 
 
 def profile_steps(engine) -> dict:
-    """(d): per-kernel device time of one eager decode step at batch 1 (context 384), and
-    a prompt step over a cached prefix against the same prompt from scratch."""
+    """(d): per-kernel device time of one eager decode step at batch 1 (context 384) and at
+    batch 64 (context 128, with the step's time as the engine runs it), and a prompt step
+    over a cached prefix against the same prompt from scratch."""
     from torch.profiler import ProfilerActivity, profile
 
     from asyncgen import SamplingParams
@@ -372,6 +373,37 @@ def profile_steps(engine) -> dict:
     for name, count, us in rows[:16]:
         print(f"    {us:9.1f} us  x{count:<4d} {name}")
     result["decode_b1_kernels"] = [{"kernel": n, "per_step": c, "us": t} for n, c, t in rows]
+
+    # Decode at batch 64 (context 128 each): the step as the engine runs it (its CUDA graph,
+    # timed on the host around execute()), then eager so each kernel shows.
+    batch, ctx = 64, 128
+    per_seq = -(-(ctx + 1) // bs)
+    ids = [f"prof-b64-{i}" for i in range(batch)]
+    news = [NewRequestData(rid, [1] * ctx, greedy, None, frozenset()) for rid in ids]
+    first = runner.num_blocks - batch * per_seq  # the pool's last blocks
+    seqs = [ScheduledSeq(rid, [5], ctx, list(range(first + i * per_seq, first + (i + 1) * per_seq)), True)
+            for i, rid in enumerate(ids)]
+    runner.execute(SchedulerOutput(seqs, news, [], batch, []))
+    step = SchedulerOutput(seqs, [], [], batch, [])
+    for _ in range(3):
+        runner.execute(step)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        runner.execute(step)
+    sync()
+    graph_ms = (time.perf_counter() - t0) / 10 * 1000
+    graphs, runner._graphs = runner._graphs, {}
+    rows = kernels(step)
+    runner._graphs = graphs
+    runner.execute(SchedulerOutput([], [], ids, 0, []))
+    total = sum(r[2] for r in rows)
+    print(f"(d) decode step, batch {batch}, ctx {ctx}: {graph_ms:.2f} ms a step as run (graph, host-timed); "
+          f"eager {total / 1000:.2f} ms of kernels, {sum(r[1] for r in rows)} launches")
+    for name, count, us in rows[:16]:
+        print(f"    {us:9.1f} us  x{count:<4d} {name}")
+    result["decode_b64_step_ms"] = graph_ms
+    result["decode_b64_kernels"] = [{"kernel": n, "per_step": c, "us": t} for n, c, t in rows]
 
     # A 1,070-token prompt: all of it, then 78 tokens over 992 cached ones.
     prompt, cached = 1070, 992

@@ -16,7 +16,7 @@ Usage (a CUDA machine; no network)::
 
     PYTHONPATH=. python benchmarks/quant_decode.py --tokenizer DIR [--quick] [--layers N]
 
-``--profile`` also prints each model's kernel times in one eager decode step at batch 1
+``--profile`` also prints each model's kernel times in one eager decode step at batch 1 and 64
 (and a prompt step over a cached prefix), as ``h200_llama7b.py --profile`` does for fp16;
 ``--only awq`` (or ``fp16``) serves one of the two models.
 
