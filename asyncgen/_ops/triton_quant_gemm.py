@@ -271,6 +271,90 @@ def _quant_gemm_kernel(
         tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _quant_gemm_t_kernel(
+    x_ptr,  # [M, K]
+    qweight_ptr,  # [K // 8, N] int32, 4-bit codes
+    scales_ptr,  # [G, N]
+    zeros_ptr,  # [G, N]
+    bias_ptr,  # [N] (unused unless HAS_BIAS)
+    out_ptr,  # [M, N]: out's dtype, or fp32 added to atomically when ATOMIC
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_om,
+    group_size,
+    split_k,  # programs along K per output tile (grid axis 1)
+    HAS_BIAS: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    MATH_FP32: tl.constexpr,  # the dequantization in fp32 (the interpreter's bf16 is wrong)
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out^T = W^T x^T`` by tiles: the weight tile is the dot's first operand, [BLOCK_N,
+    BLOCK_K] with K along each row, so every packed word's 8 codes land side by side in
+    one row (joins, then a reshape that keeps the order: no permutation), and the rows of
+    x are the dot's narrow side (BLOCK_M, 16 to 64). Every K tile lies in one group
+    (BLOCK_K divides the group size, which divides K)."""
+    IS_FP16: tl.constexpr = scales_ptr.dtype.element_ty == tl.float16
+    MAGIC: tl.constexpr = 0x6400 if IS_FP16 else 0x4300
+    MAGIC_VALUE: tl.constexpr = 1024.0 if IS_FP16 else 128.0
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = rn < N
+    m_mask = rm < M
+    rn_safe = tl.where(n_mask, rn, 0)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, split_k * BLOCK_K):
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(qweight_ptr + kw.to(tl.int64)[None, :] * stride_qk + rn_safe[:, None])  # [BN, BK / 8]
+        g = k0 // group_size
+        s = tl.load(scales_ptr + g * stride_sg + rn_safe)[:, None]
+        z = tl.load(zeros_ptr + g * stride_zg + rn_safe)[:, None]
+        c0 = ((words & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c1 = (((words >> 4) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c2 = (((words >> 8) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c3 = (((words >> 12) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c4 = (((words >> 16) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c5 = (((words >> 20) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c6 = (((words >> 24) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        c7 = (((words >> 28) & 0xF) | MAGIC).to(tl.int16).to(s.dtype, bitcast=True)
+        # join() appends a minor axis, so the leaf at nesting position (b0, b1, b2) lands at
+        # row-major offset 4 b0 + 2 b1 + b2: listing the codes in bit-reversed order puts code
+        # j at offset j, and the reshape to [BN, BK] keeps word w's codes at columns 8 w + j.
+        t = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        codes = tl.reshape(t, (BLOCK_N, BLOCK_K))
+        if MATH_FP32:
+            w = ((codes.to(tl.float32) - (z.to(tl.float32) + MAGIC_VALUE)) * s.to(tl.float32)).to(s.dtype)
+        else:
+            w = (codes - (z + MAGIC_VALUE).to(s.dtype)) * s
+        w = w.to(x_ptr.dtype.element_ty)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + rm.to(tl.int64)[None, :] * stride_xm + rk[:, None], mask=m_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + rn_safe).to(tl.float32)
+        acc += b[:, None] * (pid_k == 0).to(tl.float32)
+    out_ptrs = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # --- launcher -------------------------------------------------------------------------------------
 def check_quant_args(x, qweight, scales, zeros, bits, group_size, g_idx, perm, bias, out, kernel) -> tuple[int, int, int]:
     """Checks the arguments shared by the quantized GEMM and GEMV launchers; returns (M, N, K)."""
@@ -556,3 +640,58 @@ def quant_gemm(
     if split > 1:
         out.copy_(target)
     return out
+
+
+def quant_gemm_t_ok(bits: int, k: int, group_size: int, g_idx, block_k: int = 64) -> bool:
+    """Whether :func:`quant_gemm_t` takes a weight: 4-bit codes, no per-row groups, and K
+    tiles of ``block_k`` rows that each lie in one group."""
+    size = group_size if group_size > 0 else k
+    return bits == 4 and g_idx is None and k % size == 0 and size % block_k == 0
+
+
+def quant_gemm_t(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ W + bias`` for a 4-bit weight (:func:`quant_gemm_t_ok`) by the transposed-tile
+    kernel (``_quant_gemm_t_kernel``). ``config``: (BLOCK_N, BLOCK_K, warps, stages,
+    K split); by default one from the row count. Never synchronises with the device."""
+    m, n, k = check_quant_args(x, qweight, scales, zeros, 4, group_size, None, None, bias, out, _quant_gemm_t_kernel)
+    block_n, block_k, warps, stages, split = config or _config_t(m, n, k)
+    if not quant_gemm_t_ok(4, k, group_size, None, block_k):
+        raise ValueError(f"quant_gemm_t takes K ({k}) and group_size ({group_size}) in whole tiles of {block_k} rows")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    split = max(1, min(split, k // block_k))
+    target = out if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    interpreted = is_interpreted(_quant_gemm_t_kernel)
+    _quant_gemm_t_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else scales, target,
+        m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), target.stride(0),
+        group_size, split,
+        HAS_BIAS=bias is not None,
+        ATOMIC=split > 1,
+        MATH_FP32=scales.dtype == torch.bfloat16 and interpreted,
+        DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreted),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+    if split > 1:
+        out.copy_(target)
+    return out
+
+
+def _config_t(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, K split) of :func:`quant_gemm_t` by shape."""
+    return 128, 64, 4, 4, 1
