@@ -245,7 +245,8 @@ def test_dense_gemv_names_a_bad_warps_per_row():
 def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc, monkeypatch):
     """QuantLinearMethod.choose_kernels with the timer and kernels faked: each row count up
     to a timed one goes to the kernel timed fastest there, and rows past the csrc limit
-    stay on Triton."""
+    stay on Triton (in one piece: two pieces through the route, Triton at 64 rows, were
+    timed slower)."""
     from test_quant_formats import VARIANTS, load_model, write_checkpoint
 
     from asyncgen.model.quantization import CUDA_CORES, ROUTE_ROWS, TENSOR_CORES, TRITON, QuantLinearMethod
@@ -255,12 +256,11 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
         return out
 
     # Made-up timings: the CUDA-core kernel wins at 1 row, tensor cores at 2-32, Triton at 48+.
-    def fake_time(fn, items):
+    def fake_time(fn, items):  # each call's time, summed over the calls one item makes
         fake_csrc.clear()
         fn(items[0])
-        (_, m, kernel), = fake_csrc
-        return {TRITON: 5.0 if m >= 48 else 9.0, CUDA_CORES: 1.0 if m == 1 else 8.0,
-                TENSOR_CORES: 6.0 if m >= 48 else 2.0}[kernel]
+        return sum({TRITON: 5.0 if m >= 48 else 9.0, CUDA_CORES: 1.0 if m == 1 else 8.0,
+                    TENSOR_CORES: 6.0 if m >= 48 else 2.0}[kernel] for _, m, kernel in fake_csrc)
 
     monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
     monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
@@ -275,12 +275,14 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
             assert seg.route[1] == CUDA_CORES
             assert set(seg.route[2:33]) == {TENSOR_CORES}
             assert set(seg.route[33:65]) == {TRITON} and len(seg.route) == 65
+            assert seg.chunk_rows == 0
 
 
 def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake_csrc, monkeypatch):
     """Where the tiled GEMM takes the weights it is timed from TILED_MIN_ROWS rows in every
     launch shape; the fastest shape's route value sends those rows to it with that shape,
-    and the layer's output stays the reference's."""
+    and the layer's output stays the reference's. Past 64 rows, x goes to it in pieces of
+    64 (timed faster than the Triton GEMM at 128 rows), up to 128 rows."""
     from test_quant_formats import VARIANTS, load_model, write_checkpoint
 
     from asyncgen.model.quantization import TENSOR_CORES, TILED, TILED_MIN_ROWS, TRITON, QuantLinearMethod
@@ -289,18 +291,20 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
     best = configs.index((8, 3))
     timed = []
 
-    def fake_time(fn, items):
-        fake_csrc.clear()
-        fn(items[0])
-        (call,) = fake_csrc
-        timed.append(call)
+    def call_time(call):
         if call[0] == "tiled":  # (8 warps, 3 splits) fastest from 32 rows
             return 1.0 if call[1] >= 32 and call[2:] == (8, 3) else 4.0
         return {TRITON: 9.0, TENSOR_CORES: 3.0}.get(call[2], 8.0)
 
+    def fake_time(fn, items):  # each call's time, summed over the calls one item makes
+        fake_csrc.clear()
+        fn(items[0])
+        timed.extend(fake_csrc)
+        return sum(call_time(call) for call in fake_csrc)
+
     def fake_triton(self, x, qweight, scales, zeros, seg, bias, out, size):
         fake_csrc.append(("triton", x.shape[0], TRITON))
-        return out
+        return out if out is not None else torch.zeros(x.shape[0], qweight.shape[1])
 
     fake_csrc.tiled = True
     monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
@@ -328,6 +332,17 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
         x = torch.randn(40, ld.in_features, generator=gen)
         torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
         assert fake_csrc and all(call == ("tiled", 40, 8, 3) for call in fake_csrc)
+        assert all(seg.chunk_rows == 128 for seg in lt.quant_segments)
+        for rows, pieces in ((100, [64, 36]), (128, [64, 64])):
+            fake_csrc.clear()
+            x = torch.randn(rows, ld.in_features, generator=gen)
+            torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
+            per_segment = len(lt.quant_segments)
+            assert fake_csrc == [("tiled", r, 8, 3) for r in pieces] * per_segment
+        fake_csrc.clear()
+        x = torch.randn(129, ld.in_features, generator=gen)
+        lt(x)  # past chunk_rows: Triton, in one piece
+        assert fake_csrc == [("triton", 129, TRITON)] * len(lt.quant_segments)
     assert QuantLinearMethod.kernel_name(TILED + best) == "csrc-tiled-8w-split3"
     assert fake_csrc.scratches and all(sc is scratch for sc in fake_csrc.scratches)
 

@@ -82,6 +82,9 @@ TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
 TILED = 16
 TILED_MIN_ROWS = 8
 ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+# Where a route covers CUDA_GEMV_MAX_ROWS rows, choose_kernels times up to this many times
+# as many rows in pieces through it against the Triton GEMM (_Segment.chunk_rows).
+CHUNK_FACTOR = 2
 # Prompt-sized row counts at which the Triton 4-bit GEMM is timed against
 # dequantize-then-cuBLAS (QuantLinearMethod.choose_dequant_rows).
 DEQUANT_ROWS = (64, 128, 256, 512, 1024)
@@ -231,6 +234,9 @@ class _Segment:
     # x of at least this many rows (0: never) is multiplied by the weight dequantized to a
     # dense buffer, through cuBLAS; see QuantLinearMethod.choose_dequant_rows.
     dequant_rows: int = 0
+    # x of more rows than the route covers, up to this many (0: none), goes through the
+    # route's kernels in pieces of at most len(route) - 1 rows; see choose_kernels.
+    chunk_rows: int = 0
     # The tiled csrc GEMM's split workspace (cuda_backend.GemmScratch), one per model: set by
     # the model runner before choose_kernels; None uses the device's default one.
     gemm_scratch: Optional[Any] = None
@@ -477,7 +483,27 @@ class QuantLinearMethod(LinearMethod):
 
             if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, len(seg.route) - 1):
                 return self._csrc(x, qweight, scales, zeros, seg, bias, out, size, kernel)
+        elif len(seg.route) <= m <= seg.chunk_rows:
+            from .._ops import cuda_backend
+
+            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, seg.chunk_rows):
+                return self._chunked(x, qweight, scales, zeros, seg, bias, out, size)
         return self._triton(x, qweight, scales, zeros, seg, bias, out, layer.quant_group_size)
+
+    def _chunked(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
+        """``x @ W`` in pieces of the route's most rows, each piece by its row count's kernel
+        (for x of more rows than the csrc kernels take; x checked by the caller)."""
+        step = len(seg.route) - 1
+        if out is None:
+            out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
+        for start in range(0, x.shape[0], step):
+            piece, piece_out = x[start : start + step], out[start : start + step]
+            kernel = seg.route[piece.shape[0]]
+            if kernel == TRITON:
+                self._triton(piece, qweight, scales, zeros, seg, bias, piece_out, size)
+            else:
+                self._csrc(piece, qweight, scales, zeros, seg, bias, piece_out, size, kernel)
+        return out
 
     @staticmethod
     def _csrc(x, qweight, scales, zeros, seg: _Segment, bias, out, size, kernel: int):
@@ -545,9 +571,13 @@ class QuantLinearMethod(LinearMethod):
         (kernel "cuda") at each row count of :data:`ROUTE_ROWS`: the Triton kernels, the
         csrc CUDA-core kernel (up to 8 rows), the csrc tensor-core kernel where it
         applies, and from :data:`TILED_MIN_ROWS` rows the tiled csrc GEMM in each launch
-        shape of ``cuda_backend.QUANT_GEMM_CONFIGS`` where it takes the weight. Each segment then routes the rows up to a timed count (and past the
-        previous one) to that count's fastest kernel. Timings replay one CUDA graph through
-        every segment of the shape, so weights come from memory as in a forward pass.
+        shape of ``cuda_backend.QUANT_GEMM_CONFIGS`` where it takes the weight. Each segment
+        then routes the rows up to a timed count (and past the previous one) to that count's
+        fastest kernel. Where the route reaches :data:`CUDA_GEMV_MAX_ROWS` rows on tensor
+        cores, :data:`CHUNK_FACTOR` times as many rows are timed in pieces through the route
+        against the Triton GEMM, and the segment's ``chunk_rows`` set to that count where the
+        pieces won. Timings replay one CUDA graph through every segment of the shape, so
+        weights come from memory as in a forward pass.
         Returns {(K, N, group size, act order): kernel per row count of ROUTE_ROWS}. Run
         before the model's CUDA graphs are captured; it changes which kernel computes, not
         what (to rounding)."""
@@ -583,6 +613,22 @@ class QuantLinearMethod(LinearMethod):
                 done = m
             for _, seg, *_ in items:
                 seg.route = tuple(route[: done + 1])
+            if tensor_cores and done == CUDA_GEMV_MAX_ROWS:
+                # Twice the route's rows: in two pieces through it, or the Triton GEMM.
+                m = CHUNK_FACTOR * done
+                x, out = QuantLinearMethod._timing_buffers(items, m)
+
+                def run_chunked(item):
+                    method, seg, (qweight, scales, zeros), bias, size = item
+                    return method._chunked(x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
+
+                def run_triton(item):
+                    method, seg, (qweight, scales, zeros), bias, size = item
+                    return method._triton(x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
+
+                chunked = cuda_backend.graph_time_ms(run_chunked, items) < cuda_backend.graph_time_ms(run_triton, items)
+                for _, seg, *_ in items:
+                    seg.chunk_rows = m if chunked else 0
             chosen[key[:-1]] = tuple(picks)
         return chosen
 

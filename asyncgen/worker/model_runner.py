@@ -206,6 +206,13 @@ class ModelRunner:
                 for (k, n, g, act), picks in chosen.items()
             )
             log.info("4-bit kernels by rows (K x N: rows:kernel): %s (timed in %.2f s)", table, time.perf_counter() - t0)
+            segments = [seg for layer in quantized for seg in layer.quant_segments]
+            chunked = [seg for seg in segments if seg.chunk_rows]
+            if chunked:
+                step = len(chunked[0].route) - 1
+                log.info("4-bit products of %d-%d rows in pieces of %d through those kernels (faster than Triton "
+                         "when timed): %d of %d segments", step + 1, chunked[0].chunk_rows, step, len(chunked),
+                         len(segments))
             if os.environ.get("ASYNCGEN_GATED_4BIT", "1") != "0":
                 self._gate_quantized_mlps()
 

@@ -417,7 +417,8 @@ TILED_SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # 7B
 def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies: int = 8) -> None:
     """The tiled csrc 4-bit GEMM (csrc/quant_gemm.cuh) in every launch shape of
     ``cuda_backend.QUANT_GEMM_CONFIGS``, at the 7B shapes, against dequantize-then-matmul
-    (with a bias, and with act-order's permuted x for one shape); then a CUDA-graph replay
+    (with a bias, and with act-order's permuted x for one shape), and past 64 rows in pieces
+    of 64 into a column slice of a wider output; then a CUDA-graph replay
     of split launches with new inputs (the split counters must be left at 0), and a timing
     table in CUDA graphs over ``copies`` weight copies next to fp16 cuBLAS, the csrc
     tensor-core GEMV and the Triton GEMM, as the engine's start-up routing times them."""
@@ -453,6 +454,26 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
             case = f"{k}x{n} M={m}{' act-order' if perm is not None else ''} bias, {len(configs)} shapes"
             ROWS.append(Row("graph", f"tiled {case}", worst, ok, 0.0, 0.0, 0))
             print(f"  tiled {case}: {'ok' if ok else 'FAIL ' + str(bad)} worst rel_err {worst:.1e}", flush=True)
+        del qweight, scales, zeros, dense
+
+    # More rows than it takes, in pieces of 64 into a column slice of a wider output (as
+    # QuantLinearMethod._chunked sends them): nothing written outside the slice.
+    for k, n in ((4096, 12288), (11008, 4096)):
+        qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
+        dense = qref.dequantize(qweight, scales, zeros, 4, 128).float()
+        for m in (78, 100, 128):
+            x = torch.randn(m, k, generator=gen, device="cuda").half()
+            want = x.float() @ dense
+            wide = torch.full((m, n + 64), float("nan"), dtype=torch.half, device="cuda")
+            out = wide[:, 32 : 32 + n]
+            for start in range(0, m, 64):
+                cuda_backend.launch_quant_gemm_4bit(x[start : start + 64], qweight, scales, zeros, 128,
+                                                    out=out[start : start + 64], warps=4, splits=2)
+            rel = ((out.float() - want).abs().max() / want.abs().max()).item()
+            ok = bool(rel < 2e-3 and torch.isnan(wide[:, :32]).all() and torch.isnan(wide[:, 32 + n :]).all())
+            case = f"tiled {k}x{n} M={m} in pieces of 64 into a column slice"
+            ROWS.append(Row("graph", case, rel, ok, 0.0, 0.0, 0))
+            print(f"  {case}: {'ok' if ok else 'FAIL'} rel_err {rel:.1e}", flush=True)
         del qweight, scales, zeros, dense
 
     # Split launches captured in a CUDA graph, replayed with new x: the counters reset.
