@@ -257,7 +257,7 @@ def main() -> int:
                 print(f"{name}: the measuring process failed (exit {proc.returncode})", file=sys.stderr)
                 return 1
             for line in proc.stderr.splitlines():  # the engine's choices at start
-                if any(s in line for s in ("csrc GEMV", "4-bit kernels", "4-bit prompt", "KV cache", "CUDA graphs")):
+                if any(s in line for s in ("csrc GEMV", "4-bit kernels", "4-bit prompt", "in pieces", "KV cache", "CUDA graphs")):
                     print(f"{name}: {line}", flush=True)
             if args.profile:
                 for line in proc.stdout.splitlines():
