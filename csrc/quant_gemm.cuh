@@ -78,13 +78,15 @@ struct TiledLayout {
 
 // Whether the tiled kernel takes `p`: 1-64 rows, K a multiple of 64, groups of whole stages,
 // N a multiple of 8 (a 16-byte copy holds 8 scales), 16-byte aligned scales, zeros and x
-// rows, and an even output stride (the results are stored as pairs).
+// rows, an even output stride (the results are stored as pairs), and with splits a 16-byte
+// aligned workspace (the last block reads it 4 floats at a time).
 inline bool quant_gemm_4bit_ok(const QuantGemmParams& gp) {
   const QuantGemvParams& p = gp.q;
   const auto aligned16 = [](const void* ptr, int64_t stride_elems, int elem_bytes) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (stride_elems * elem_bytes) % 16 == 0;
   };
   const bool split_ok = gp.splits == 1 || (gp.splits > 1 && gp.splits <= kTiledMaxSplits && gp.workspace != nullptr &&
+                                           reinterpret_cast<uintptr_t>(gp.workspace) % 16 == 0 &&
                                            gp.counters != nullptr);
   return p.m >= 1 && p.m <= kTiledMaxRows && p.k % kTiledK == 0 && p.group_size % kTiledK == 0 &&
          p.k % p.group_size == 0 && p.n % 8 == 0 && (gp.warps == 4 || gp.warps == 8) && split_ok &&

@@ -547,6 +547,19 @@ def test_quant_gemm_4bit_tiled_refuses(emu, m, n, k, group_size, splits, why):
     assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, splits=splits), why
 
 
+def test_quant_gemm_4bit_tiled_refuses_a_misaligned_workspace(emu):
+    m, n, k = 8, 64, 256
+    x, qweight, scales, zeros, _, exact = _quant_case(m, n, k, 64, 4)
+    out = torch.empty(m, n, dtype=torch.float16)
+    counters = torch.zeros(8, dtype=torch.int32)
+    workspace = torch.zeros(2 * m * n + 4)
+    assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, 64, splits=2, workspace=workspace[1:],
+                                   counters=counters)  # 4 bytes past a 16-byte boundary
+    assert emu.quant_gemm_4bit(out, x, qweight, scales, zeros, 64, splits=2, workspace=workspace[4:],
+                               counters=counters)
+    assert relative_error(out, exact) < 2e-3
+
+
 # Prompt-chunk attention (chunk_attention.cuh): (seqs as (new, cached) tokens, num_heads,
 # num_kv_heads, head_dim, block_size).
 CHUNK_SHAPES = [
