@@ -398,3 +398,36 @@ def test_choose_dequant_rows_switches_where_dequantizing_wins_from_there_on(tmp_
     for layer in layers:
         for seg in layer.quant_segments:
             assert seg.dequant_rows == (0 if seg.end - seg.start == widest else 256)
+
+
+def test_choose_dequant_rows_times_dequantizing_against_the_route(tmp_path, fake_csrc, monkeypatch):
+    """After choose_kernels, dequantizing is timed against what the layer would run
+    without it: at 64 rows the csrc route, at 128 its pieces (both faster here), past
+    that the Triton GEMM (slower): the switch is where the Triton GEMM takes over, not
+    where dequantizing first beat it."""
+    from test_quant_formats import VARIANTS, load_model, write_checkpoint
+
+    from asyncgen._ops import triton_quant_gemm
+    from asyncgen.model.quantization import DEQUANT_ROWS, TENSOR_CORES, TRITON, QuantLinearMethod
+
+    def fake_triton(self, x, qweight, scales, zeros, seg, bias, out, size):
+        fake_csrc.append(("triton", x.shape[0], TRITON))
+        return out
+
+    monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
+    monkeypatch.setattr(triton_quant_gemm, "dequant_matmul", lambda x, *a, out: fake_csrc.append(("deq", x.shape[0], -1)))
+    def fake_time(fn, items):  # per call: the tensor-core kernel 1, Triton 9, dequantizing 5
+        fake_csrc.clear()
+        fn(items[0])
+        return sum({TENSOR_CORES: 1.0, TRITON: 9.0, -1: 5.0}.get(call[2], 8.0) for call in fake_csrc)
+
+    monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
+    write_checkpoint(tmp_path / "awq", VARIANTS["awq-g64"])
+    model = load_model(tmp_path / "awq", "cuda")
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "quant_kernel", None)]
+    QuantLinearMethod.choose_kernels(layers)
+    assert all(seg.chunk_rows == 128 for layer in layers for seg in layer.quant_segments)
+    chosen = QuantLinearMethod.choose_dequant_rows(layers)
+    assert DEQUANT_ROWS[:3] == (64, 128, 256)
+    assert chosen and set(chosen.values()) == {256}
+    assert all(seg.dequant_rows == 256 for layer in layers for seg in layer.quant_segments)

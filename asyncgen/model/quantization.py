@@ -477,6 +477,12 @@ class QuantLinearMethod(LinearMethod):
             from .._ops.triton_quant_gemm import dequant_matmul
 
             return dequant_matmul(x, qweight, scales, zeros, bits, size, seg.g_idx, seg.perm, bias, out=out)
+        return self._quantized(x, qweight, scales, zeros, seg, bias, out, size)
+
+    def _quantized(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
+        """``x @ W`` by the 4-bit kernels, without dequantizing: the csrc kernel the route
+        names for x's rows, pieces through the route (``chunk_rows``), or the Triton kernels."""
+        m = x.shape[0]
         kernel = seg.route[m] if m < len(seg.route) else TRITON
         if kernel != TRITON:
             from .._ops import cuda_backend
@@ -488,7 +494,7 @@ class QuantLinearMethod(LinearMethod):
 
             if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, seg.chunk_rows):
                 return self._chunked(x, qweight, scales, zeros, seg, bias, out, size)
-        return self._triton(x, qweight, scales, zeros, seg, bias, out, layer.quant_group_size)
+        return self._triton(x, qweight, scales, zeros, seg, bias, out, size)
 
     def _chunked(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
         """``x @ W`` in pieces of the route's most rows, each piece by its row count's kernel
@@ -636,13 +642,15 @@ class QuantLinearMethod(LinearMethod):
     @torch.inference_mode()
     def choose_dequant_rows(layers, rows=DEQUANT_ROWS) -> dict[tuple, int]:
         """Times, per weight shape among ``layers`` (kernel "triton" or "cuda" on a GPU),
-        the Triton 4-bit GEMM against dequantize-then-cuBLAS at each count in ``rows``
+        the 4-bit product the layer would otherwise run (``_quantized``: the Triton GEMM, or
+        with kernel "cuda" after :meth:`choose_kernels` the csrc route or its pieces where
+        they take the rows) against dequantize-then-cuBLAS at each count in ``rows``
         (prompt-sized), and sets each segment's ``dequant_rows`` to the smallest count from
         which dequantizing won at every larger count timed (0: it never won at the
         largest). Timed as ``choose_kernels`` times, through one CUDA graph over every
         segment of the shape. Returns {(K, N, group size, act order): dequant_rows}."""
         from .._ops import cuda_backend
-        from .._ops.triton_quant_gemm import dequant_matmul, quant_gemm
+        from .._ops.triton_quant_gemm import dequant_matmul
 
         chosen = {}
         for key, items in QuantLinearMethod._segments_by_shape(layers).items():
@@ -650,13 +658,16 @@ class QuantLinearMethod(LinearMethod):
             for m in rows:
                 x, out = QuantLinearMethod._timing_buffers(items, m)
 
-                def run(item, kernel):
+                def quantized(item):
                     method, seg, (qweight, scales, zeros), bias, size = item
-                    return kernel(x, qweight, scales, zeros, method.scheme.bits, size, seg.g_idx, seg.perm, bias,
-                                  out=out[:, : qweight.shape[1]])
+                    return method._quantized(x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
 
-                times = [cuda_backend.graph_time_ms(lambda item, f=f: run(item, f), items)
-                         for f in (quant_gemm, dequant_matmul)]
+                def dequantized(item):
+                    method, seg, (qweight, scales, zeros), bias, size = item
+                    return dequant_matmul(x, qweight, scales, zeros, method.scheme.bits, size, seg.g_idx, seg.perm,
+                                          bias, out=out[:, : qweight.shape[1]])
+
+                times = [cuda_backend.graph_time_ms(f, items) for f in (quantized, dequantized)]
                 wins.append(times[1] < times[0])
             start = 0
             for m, won in zip(reversed(rows), reversed(wins)):
