@@ -92,6 +92,25 @@ def make_weights(k: int, n: int, copies: int, gen) -> list[tuple[torch.Tensor, t
     return out
 
 
+def shape_weights(k: int, n: int, gen) -> tuple[list, list[torch.Tensor]]:
+    """The 4-bit weights (``make_weights``) and dense fp16 weights [N, K] of one shape, as
+    many copies of each as take 3x L2's bytes (at least 2), to cycle through in a graph."""
+    qbytes = k * n // 2 + (k // 128) * n * 4
+    weights = make_weights(k, n, max(2, -(-3 * L2_BYTES // qbytes)), gen)
+    dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
+    dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
+    return weights, dense
+
+
+def row_case(m: int, k: int, n: int, weights, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [m, K] fp16, an output [m, N], x @ the first weight dequantized in fp32)."""
+    from asyncgen._ops import quant_reference as qref
+
+    x = torch.randn(m, k, generator=gen, device="cuda").half()
+    q, s, z = weights[0]
+    return x, torch.empty(m, n, dtype=torch.float16, device="cuda"), x.float() @ qref.dequantize(q, s, z, 4, 128).float()
+
+
 def graph_us(calls) -> float:
     """Per-call time of ``calls`` (a list of thunks) replayed as one CUDA graph."""
     from asyncgen._ops.cuda_backend import graph_time_ms
@@ -111,7 +130,6 @@ def main() -> int:
         list(pool.map(_build_in_child, variants))  # compile in parallel, before CUDA starts here
     modules = {v: build(v) for v in variants}
 
-    from asyncgen._ops import quant_reference as qref
     from asyncgen._ops.triton_quant_gemm import quant_gemm as triton_gemm
     from asyncgen._ops.triton_quant_gemv import quant_gemv as triton_gemv
 
@@ -122,17 +140,10 @@ def main() -> int:
     failures = 0
     results: dict[str, float] = {v: 0.0 for v in variants}
     for k, n in SHAPES:
-        groups = k // 128
-        qbytes = k * n // 2 + groups * n * 4
-        copies = max(2, -(-3 * L2_BYTES // qbytes))
-        weights = make_weights(k, n, copies, gen)
-        dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
-        dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
+        weights, dense = shape_weights(k, n, gen)
         for m in rows:
-            x = torch.randn(m, k, generator=gen, device="cuda").half()
-            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+            x, out, want = row_case(m, k, n, weights, gen)
             q, s, z = weights[0]
-            want = x.float() @ qref.dequantize(q, s, z, 4, 128).float()
             row = []
             t = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
             row.append(f"{t:>11.1f}")

@@ -341,6 +341,17 @@ def profile_steps(engine) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=10)
     result = {}
 
+    def step_ms(step, warm: int, reps: int) -> float:
+        """Host-timed ms of ``step`` as the runner runs it, after ``warm`` runs."""
+        for _ in range(warm):
+            runner.execute(step)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            runner.execute(step)
+        sync()
+        return (time.perf_counter() - t0) / reps * 1000
+
     def kernels(step, reps=3) -> list:
         for _ in range(2):
             runner.execute(step)
@@ -385,14 +396,7 @@ def profile_steps(engine) -> dict:
             for i, rid in enumerate(ids)]
     runner.execute(SchedulerOutput(seqs, news, [], batch, []))
     step = SchedulerOutput(seqs, [], [], batch, [])
-    for _ in range(3):
-        runner.execute(step)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        runner.execute(step)
-    sync()
-    graph_ms = (time.perf_counter() - t0) / 10 * 1000
+    graph_ms = step_ms(step, warm=3, reps=10)
     graphs, runner._graphs = runner._graphs, {}
     rows = kernels(step)
     runner._graphs = graphs
@@ -415,14 +419,7 @@ def profile_steps(engine) -> dict:
         step = SchedulerOutput([ScheduledSeq(rid, [7] * (prompt - start), start, table, True)], [new], [], prompt - start, [])
         runner.execute(step)
         again = SchedulerOutput([ScheduledSeq(rid, [7] * (prompt - start), start, table, True)], [], [], prompt - start, [])
-        for _ in range(2):
-            runner.execute(again)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            runner.execute(again)
-        sync()
-        timings[name] = (time.perf_counter() - t0) / 5 * 1000
+        timings[name] = step_ms(again, warm=2, reps=5)
         if name == "over_cached_prefix":
             rows = kernels(again)
             result["cached_prefill_kernels"] = [{"kernel": n, "per_step": c, "us": t} for n, c, t in rows]

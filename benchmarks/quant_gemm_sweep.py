@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_variants import make_weights, row_case, shape_weights  # noqa: E402  (random 4-bit weights, group 128)
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SHAPES = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]  # (K, N): qkv, o, gate|up, down
-L2_BYTES = 50 * 2**20
-GROUP = 128
+GROUP = 128  # make_weights' group size
 
 BINDING = r"""
 #include "ops.h"
@@ -63,16 +65,13 @@ def _build_in_child(variant: str) -> str:
 
 def profile(tiled: str) -> int:
     from asyncgen._ops import cuda_backend
-    from asyncgen._ops import quant_reference as qref
 
     if not cuda_backend.is_available():
         raise SystemExit("the csrc extension is not built")
     warps, splits = (int(v) for v in tiled.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in SHAPES:
-        q = qref.pack_rows(torch.randint(0, 16, (k, n), generator=gen, device="cuda"), 4)
-        s = (torch.rand(k // GROUP, n, generator=gen, device="cuda") * 0.002 + 0.0005).half()
-        z = torch.randint(0, 16, (k // GROUP, n), generator=gen, device="cuda").half()
+        ((q, s, z),) = make_weights(k, n, 1, gen)
         x = torch.randn(64, k, generator=gen, device="cuda").half()
         for _ in range(2):
             cuda_backend.launch_quant_gemm_4bit(x, q, s, z, GROUP, warps=warps, splits=splits)
@@ -104,7 +103,6 @@ def main() -> int:
     variants = {f"tiled_{v}": build(v) for v in names}
 
     from asyncgen._ops import cuda_backend
-    from asyncgen._ops import quant_reference as qref
     from asyncgen._ops.triton_quant_gemm import quant_gemm
 
     if not cuda_backend.is_available():
@@ -115,22 +113,10 @@ def main() -> int:
     results = []
     failures = 0
     for k, n in SHAPES:
-        groups = k // GROUP
-        qbytes = k * n // 2 + groups * n * 4
-        copies = max(2, -(-3 * L2_BYTES // qbytes))
-        weights = []
-        for _ in range(copies):
-            codes = torch.randint(0, 16, (k, n), generator=gen, device="cuda")
-            weights.append((qref.pack_rows(codes, 4),
-                            (torch.rand(groups, n, generator=gen, device="cuda") * 0.002 + 0.0005).half(),
-                            torch.randint(0, 16, (groups, n), generator=gen, device="cuda").half()))
-        dense_copies = max(2, -(-3 * L2_BYTES // (k * n * 2)))
-        dense = [torch.randn(n, k, generator=gen, device="cuda").half() * 0.02 for _ in range(dense_copies)]
+        weights, dense = shape_weights(k, n, gen)
         for m in rows:
-            x = torch.randn(m, k, generator=gen, device="cuda").half()
-            out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+            x, out, want = row_case(m, k, n, weights, gen)
             q, s, z = weights[0]
-            want = x.float() @ qref.dequantize(q, s, z, 4, GROUP).float()
             row: dict[str, object] = {"k": k, "n": n, "m": m}
 
             def timed(name, fn):

@@ -561,6 +561,21 @@ class QuantLinearMethod(LinearMethod):
         return x, out
 
     @staticmethod
+    def _time_product(items, m: int, product) -> float:
+        """Device time (ms a segment) of ``product(method, x, qweight, scales, zeros, seg,
+        bias, out, size)`` (a method's signature, as ``QuantLinearMethod._triton``) for x of
+        ``m`` rows, through one CUDA graph over the shape's segments ``items``."""
+        from .._ops import cuda_backend
+
+        x, out = QuantLinearMethod._timing_buffers(items, m)
+
+        def call(item):
+            method, seg, (qweight, scales, zeros), bias, size = item
+            return product(method, x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
+
+        return cuda_backend.graph_time_ms(call, items)
+
+    @staticmethod
     def kernel_name(kernel: int) -> str:
         """A route value's kernel, as the start-up log names it."""
         if kernel >= TILED:
@@ -622,17 +637,8 @@ class QuantLinearMethod(LinearMethod):
             if tensor_cores and done == CUDA_GEMV_MAX_ROWS:
                 # Twice the route's rows: in two pieces through it, or the Triton GEMM.
                 m = CHUNK_FACTOR * done
-                x, out = QuantLinearMethod._timing_buffers(items, m)
-
-                def run_chunked(item):
-                    method, seg, (qweight, scales, zeros), bias, size = item
-                    return method._chunked(x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
-
-                def run_triton(item):
-                    method, seg, (qweight, scales, zeros), bias, size = item
-                    return method._triton(x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
-
-                chunked = cuda_backend.graph_time_ms(run_chunked, items) < cuda_backend.graph_time_ms(run_triton, items)
+                timed = QuantLinearMethod._time_product
+                chunked = timed(items, m, QuantLinearMethod._chunked) < timed(items, m, QuantLinearMethod._triton)
                 for _, seg, *_ in items:
                     seg.chunk_rows = m if chunked else 0
             chosen[key[:-1]] = tuple(picks)
@@ -649,26 +655,18 @@ class QuantLinearMethod(LinearMethod):
         which dequantizing won at every larger count timed (0: it never won at the
         largest). Timed as ``choose_kernels`` times, through one CUDA graph over every
         segment of the shape. Returns {(K, N, group size, act order): dequant_rows}."""
-        from .._ops import cuda_backend
         from .._ops.triton_quant_gemm import dequant_matmul
+
+        def dequantized(method, x, qweight, scales, zeros, seg, bias, out, size):
+            return dequant_matmul(x, qweight, scales, zeros, method.scheme.bits, size, seg.g_idx, seg.perm, bias,
+                                  out=out)
 
         chosen = {}
         for key, items in QuantLinearMethod._segments_by_shape(layers).items():
             wins = []
+            timed = QuantLinearMethod._time_product
             for m in rows:
-                x, out = QuantLinearMethod._timing_buffers(items, m)
-
-                def quantized(item):
-                    method, seg, (qweight, scales, zeros), bias, size = item
-                    return method._quantized(x, qweight, scales, zeros, seg, bias, out[:, : qweight.shape[1]], size)
-
-                def dequantized(item):
-                    method, seg, (qweight, scales, zeros), bias, size = item
-                    return dequant_matmul(x, qweight, scales, zeros, method.scheme.bits, size, seg.g_idx, seg.perm,
-                                          bias, out=out[:, : qweight.shape[1]])
-
-                times = [cuda_backend.graph_time_ms(f, items) for f in (quantized, dequantized)]
-                wins.append(times[1] < times[0])
+                wins.append(timed(items, m, dequantized) < timed(items, m, QuantLinearMethod._quantized))
             start = 0
             for m, won in zip(reversed(rows), reversed(wins)):
                 if not won:
