@@ -101,6 +101,13 @@ AG_DEVICE float round_to(float x) {
   return to_float(from_float<T>(x));
 }
 
+// silu(gate) * up as the separate SiLU-and-multiply op computes it from gate and up stored
+// in T: silu rounded to T, then the product (to be rounded to T by the caller's store).
+template <typename T>
+AG_DEVICE float silu_times(float gate, float up) {
+  return round_to<T>(gate / (1.f + __expf(-gate))) * up;
+}
+
 // ---------------------------------------------------------------------------------------
 // 8 elements of a 2-byte float type travel as one 16-byte uint4.
 

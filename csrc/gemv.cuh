@@ -211,9 +211,7 @@ __global__ void __launch_bounds__(kGemvThreads) dense_gemv_kernel(const DenseGem
     const int pair = threadIdx.x / ROWS, m = threadIdx.x % ROWS;
     const int j = blockIdx.x * kPairs + pair;
     if (pair < kPairs && m < p.m && j < p.n / 2) {
-      const float gate = result[pair][m], up = result[kPairs + pair][m];
-      const float act = round_to<T>(gate / (1.f + __expf(-gate)));  // silu, rounded as the op rounds it
-      out[m * p.out_stride + j] = from_float<T>(act * up);
+      out[m * p.out_stride + j] = from_float<T>(silu_times<T>(result[pair][m], result[kPairs + pair][m]));
     }
   }
 }
@@ -734,10 +732,8 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
         gate += __half2float(bias[j]);
         up += __half2float(bias[p.n / 2 + j]);
       }
-      gate = round_to<__half>(gate);  // each product rounded as its output is
-      up = round_to<__half>(up);
-      const float act = round_to<__half>(gate / (1.f + __expf(-gate)));  // silu, rounded as the op rounds it
-      static_cast<__half*>(p.out)[j] = __float2half_rn(act * up);
+      // Each product rounded as its output is.
+      static_cast<__half*>(p.out)[j] = __float2half_rn(silu_times<__half>(round_to<__half>(gate), round_to<__half>(up)));
     }
   }
 }

@@ -480,25 +480,20 @@ class QuantLinearMethod(LinearMethod):
         return self._quantized(x, qweight, scales, zeros, seg, bias, out, size)
 
     def _quantized(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
-        """``x @ W`` by the 4-bit kernels, without dequantizing: the csrc kernel the route
-        names for x's rows, pieces through the route (``chunk_rows``), or the Triton kernels."""
+        """``x @ W`` by the 4-bit kernels, without dequantizing: through the route where it
+        covers x's rows (in pieces up to ``chunk_rows``), else the Triton kernels."""
         m = x.shape[0]
-        kernel = seg.route[m] if m < len(seg.route) else TRITON
-        if kernel != TRITON:
+        if m < len(seg.route) or m <= seg.chunk_rows:
             from .._ops import cuda_backend
 
-            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, len(seg.route) - 1):
-                return self._csrc(x, qweight, scales, zeros, seg, bias, out, size, kernel)
-        elif len(seg.route) <= m <= seg.chunk_rows:
-            from .._ops import cuda_backend
-
-            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, seg.chunk_rows):
+            rows = max(len(seg.route) - 1, seg.chunk_rows)
+            if cuda_backend.gemv_input_ok(x, torch.float16, qweight.shape[0] * 8, rows):
                 return self._chunked(x, qweight, scales, zeros, seg, bias, out, size)
         return self._triton(x, qweight, scales, zeros, seg, bias, out, size)
 
     def _chunked(self, x, qweight, scales, zeros, seg: _Segment, bias, out, size):
-        """``x @ W`` in pieces of the route's most rows, each piece by its row count's kernel
-        (for x of more rows than the csrc kernels take; x checked by the caller)."""
+        """``x @ W`` through the route: in pieces of its most rows (one piece where it covers
+        x's rows), each piece by its row count's kernel (x checked by the caller)."""
         step = len(seg.route) - 1
         if out is None:
             out = torch.empty(x.shape[0], qweight.shape[1], dtype=x.dtype, device=x.device)
@@ -661,10 +656,10 @@ class QuantLinearMethod(LinearMethod):
             return dequant_matmul(x, qweight, scales, zeros, method.scheme.bits, size, seg.g_idx, seg.perm, bias,
                                   out=out)
 
+        timed = QuantLinearMethod._time_product
         chosen = {}
         for key, items in QuantLinearMethod._segments_by_shape(layers).items():
             wins = []
-            timed = QuantLinearMethod._time_product
             for m in rows:
                 wins.append(timed(items, m, dequantized) < timed(items, m, QuantLinearMethod._quantized))
             start = 0
