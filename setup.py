@@ -14,8 +14,10 @@ Typical commands on a GPU host (no network needed)::
 
 (pip's default isolated build has no torch, so it installs without the extension.)
 
-Target architectures: ``TORCH_CUDA_ARCH_LIST`` (torch's variable, e.g. ``"9.0"``) when set;
-else ``ASYNCGEN_CUDA_ARCHS`` (e.g. ``"90"``, ``"80;90"``, ``"90+PTX"``); else sm_90.
+Target architectures: ``TORCH_CUDA_ARCH_LIST`` (torch's variable, e.g. ``"9.0a"``) when set;
+else ``ASYNCGEN_CUDA_ARCHS`` (e.g. ``"90a"``, ``"80;90a"``, ``"90+PTX"``); else sm_90a. A build
+with sm_90a code (Hopper's arch-specific instructions) also has the warpgroup (wgmma)
+4-bit GEMM; ``90`` without the ``a`` leaves it out.
 ``MAX_JOBS`` bounds parallel compiles as usual for torch extensions.
 """
 
@@ -57,6 +59,12 @@ def _gencode_flags(archs: str) -> list[str]:
     return flags
 
 
+def _has_sm90a(archs: str) -> bool:
+    """Whether an arch list (``"80;90a"``, ``"8.0 9.0a+PTX"``) has sm_90a code."""
+    items = archs.replace(",", ";").replace(" ", ";").split(";")
+    return any(item.strip().removesuffix("+PTX").replace(".", "") == "90a" for item in items)
+
+
 def _cuda_extension():
     """(extension or None, reason it was skipped)."""
     if _env_flag("ASYNCGEN_SKIP_CUDA"):
@@ -72,14 +80,20 @@ def _cuda_extension():
         return None, "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
 
     nvcc_flags = ["-O3", "-lineinfo"]
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+    cxx_flags = ["-O3"]
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if not archs:
         # torch adds no arch flags of its own once one is given here.
-        nvcc_flags += _gencode_flags(os.environ.get("ASYNCGEN_CUDA_ARCHS", "90"))
+        archs = os.environ.get("ASYNCGEN_CUDA_ARCHS", "90a")
+        nvcc_flags += _gencode_flags(archs)
+    if _has_sm90a(archs):
+        nvcc_flags.append("-DAG_WGMMA")
+        cxx_flags.append("-DAG_WGMMA")
     extension = cpp_extension.CUDAExtension(
         name="asyncgen._C",
         sources=CSRC_SOURCES,
         depends=sorted(glob.glob("csrc/*.cuh") + glob.glob("csrc/*.h")),  # rebuild on header edits
-        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
     return extension, ""
 

@@ -1,9 +1,11 @@
 """Times the 4-bit products of decode batches (16-64 rows) at Llama-2-7B layer shapes on a
 GPU: fp16 cuBLAS, the Triton GEMM (``quant_gemm``), the csrc tensor-core GEMV and the
-csrc tiled GEMM in each launch shape (``cuda_backend.QUANT_GEMM_CONFIGS``), the last also
-rebuilt with other ring depths and occupancy targets (``--variants sSwW``:
-``AG_QGEMM_STAGES`` = S, ``AG_QGEMM_MIN_WARPS`` = W warps an SM, 0 for the default;
-compiled side by side with ``torch.utils.cpp_extension``).
+csrc tiled GEMM in each launch shape (``cuda_backend.QUANT_GEMM_CONFIGS``; its mma.sync
+kernel as "tiled", its warpgroup kernel as "wgmma" where the GPU runs it), the tiled
+kernel also rebuilt with other ring depths and occupancy targets (``--variants sSwW``:
+``AG_QGEMM_STAGES`` = S, ``AG_QGEMM_MIN_WARPS`` = W warps an SM, 0 for the default) and the
+warpgroup kernel with other ring depths (``--variants gS``: ``AG_QWGMMA_STAGES`` = S);
+variants are compiled side by side with ``torch.utils.cpp_extension``.
 
 Every kernel is first checked against dequantize-then-matmul, then timed inside a CUDA
 graph that cycles through enough copies of the weight to keep it out of L2 (as a forward
@@ -39,9 +41,10 @@ BINDING = r"""
 #include "ops.h"
 
 void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size,
-         c10::optional<at::Tensor> workspace, c10::optional<at::Tensor> counters, int64_t warps, int64_t splits) {
+         c10::optional<at::Tensor> workspace, c10::optional<at::Tensor> counters, int64_t warps, int64_t splits,
+         bool wgmma) {
   asyncgen::quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, c10::nullopt, workspace, counters, warps,
-                            splits);
+                            splits, wgmma);
 }
 """
 
@@ -49,12 +52,15 @@ void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at
 def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
-    stages, warps = (int(v) for v in variant[1:].split("w"))
+    if variant.startswith("g"):
+        macros = [f"-DAG_QWGMMA_STAGES={int(variant[1:])}"]
+    else:
+        stages, warps = (int(v) for v in variant[1:].split("w"))
+        macros = [f"-DAG_QGEMM_STAGES={stages}", f"-DAG_QGEMM_MIN_WARPS={warps}"]
     return load_inline(
         name=f"ag_qgemm_{variant}", cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
         functions=["run"], extra_include_paths=[str(CSRC)],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-DAG_QGEMM_STAGES={stages}",
-                           f"-DAG_QGEMM_MIN_WARPS={warps}"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DAG_WGMMA", *macros],
     )
 
 
@@ -68,13 +74,14 @@ def profile(tiled: str) -> int:
 
     if not cuda_backend.is_available():
         raise SystemExit("the csrc extension is not built")
-    warps, splits = (int(v) for v in tiled.split("x"))
+    wgmma = tiled.startswith("g")
+    warps, splits = (int(v) for v in tiled.removeprefix("g").split("x"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in SHAPES:
         ((q, s, z),) = make_weights(k, n, 1, gen)
         x = torch.randn(64, k, generator=gen, device="cuda").half()
         for _ in range(2):
-            cuda_backend.launch_quant_gemm_4bit(x, q, s, z, GROUP, warps=warps, splits=splits)
+            cuda_backend.launch_quant_gemm_4bit(x, q, s, z, GROUP, warps=warps, splits=splits, wgmma=wgmma)
         torch.cuda.synchronize()
     return 0
 
@@ -88,10 +95,12 @@ def graph_us(calls) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="16,32,64")
-    ap.add_argument("--variants", default="", help="tiled GEMM builds to time beside the default, sSwW, comma-separated")
+    ap.add_argument("--variants", default="", help="tiled GEMM builds to time beside the default, sSwW or gS, "
+                    "comma-separated")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="run the tiled csrc GEMM eagerly, for ncu")
-    ap.add_argument("--tiled", default="4x2", help="with --profile: the tiled GEMM's warps x splits")
+    ap.add_argument("--tiled", default="4x2", help="with --profile: the tiled GEMM's warps x splits (g4x2: the "
+                    "warpgroup kernel's)")
     args = ap.parse_args()
     if args.profile:
         return profile(args.tiled)
@@ -100,13 +109,15 @@ def main() -> int:
     if names:
         with ProcessPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1)) as pool:
             list(pool.map(_build_in_child, names))  # compile in parallel, before CUDA starts here
-    variants = {f"tiled_{v}": build(v) for v in names}
+    variants = {f"{'wgmma' if v.startswith('g') else 'tiled'}_{v}": (build(v), v.startswith("g")) for v in names}
 
     from asyncgen._ops import cuda_backend
     from asyncgen._ops.triton_quant_gemm import quant_gemm
 
     if not cuda_backend.is_available():
         raise SystemExit("the csrc extension is not built")
+    tiled_runs = {"tiled": (None, False), **({"wgmma": (None, True)} if cuda_backend.has_wgmma("cuda") else {}),
+                  **variants}
     scratch = cuda_backend.GemmScratch("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2; tiled: best launch shape (warps x splits)")
@@ -140,17 +151,17 @@ def main() -> int:
             row["triton"] = timed("triton", lambda o, x, q, s, z: quant_gemm(x, q, s, z, 4, GROUP, out=o))
             row["csrc_mma"] = timed("csrc_mma", lambda o, x, q, s, z: cuda_backend.launch_quant_gemv_4bit(
                 x, q, s, z, GROUP, out=o, kernel=2))
-            tiled_runs = {"tiled": None, **variants}
-            for name, mod in tiled_runs.items():
+            for name, (mod, wgmma) in tiled_runs.items():
                 times = {}
-                for warps, splits in cuda_backend.QUANT_GEMM_CONFIGS:
+                for warps, splits, _ in (c for c in cuda_backend.QUANT_GEMM_CONFIGS if c[2] == wgmma):
                     if mod is None:
-                        fn = lambda o, x, q, s, z, a=warps, b=splits: cuda_backend.launch_quant_gemm_4bit(  # noqa: E731
-                            x, q, s, z, GROUP, out=o, warps=a, splits=b, scratch=scratch)
+                        fn = lambda o, x, q, s, z, a=warps, b=splits, g=wgmma: (  # noqa: E731
+                            cuda_backend.launch_quant_gemm_4bit(x, q, s, z, GROUP, out=o, warps=a, splits=b, wgmma=g,
+                                                                scratch=scratch))
                     else:
-                        def fn(o, x, q, s, z, a=warps, b=splits, mod=mod):
+                        def fn(o, x, q, s, z, a=warps, b=splits, mod=mod, g=wgmma):
                             ws, ct = scratch.buffers(b * x.shape[0] * q.shape[1], -(-q.shape[1] // (32 * a)))
-                            mod.run(o, x, q, s, z, GROUP, ws if b > 1 else None, ct if b > 1 else None, a, b)
+                            mod.run(o, x, q, s, z, GROUP, ws if b > 1 else None, ct if b > 1 else None, a, b, g)
                     t = timed(f"{name}{warps}x{splits}", fn)
                     if t is not None:
                         times[f"{warps}x{splits}"] = t
@@ -167,11 +178,11 @@ def main() -> int:
         torch.cuda.empty_cache()
     for m in rows:
         sums = {}
-        for key in ("cublas_fp16", "triton", "csrc_mma", *["tiled", *variants]):
+        for key in ("cublas_fp16", "triton", "csrc_mma", *tiled_runs):
             vals = [r[key] for r in results if r["m"] == m and r.get(key) is not None]
             if len(vals) == len(SHAPES):
                 sums[key] = sum(vals)
-        best4 = [min(r[key] for key in ("triton", "csrc_mma", "tiled", *variants) if r.get(key) is not None)
+        best4 = [min(r[key] for key in ("triton", "csrc_mma", *tiled_runs) if r.get(key) is not None)
                  for r in results if r["m"] == m]
         print(f"M={m}: a layer's four products, us: " + ", ".join(f"{k} {v:.1f}" for k, v in sums.items())
               + f", fastest 4-bit kernel per product {sum(best4):.1f}")

@@ -33,7 +33,7 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "int group_size, Tensor? bias, int kernel=0, bool gated=False) -> ()");
   m.def(
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
-      "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1) -> ()");
+      "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, bool wgmma=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -49,4 +49,10 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "asyncgen CUDA kernels; the ops are registered under torch.ops.asyncgen_C";
+  // Whether quant_gemm_4bit takes wgmma=True: the build has sm_90a code (setup.py).
+#ifdef AG_WGMMA
+  module.attr("has_wgmma") = true;
+#else
+  module.attr("has_wgmma") = false;
+#endif
 }

@@ -73,6 +73,18 @@ inline void allow_dynamic_smem(int bytes) {
 #endif
 }
 
+// The shared-memory address (offset in the block's shared window) of a pointer into shared
+// memory; in the CPU emulation, its offset in the emulated dynamic shared memory.
+AG_DEVICE uint32_t smem_address(const void* ptr) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+#elif defined(AG_EMU_SMEM_ADDRESS)
+  return AG_EMU_SMEM_ADDRESS(ptr);
+#else
+  return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(ptr));
+#endif
+}
+
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 

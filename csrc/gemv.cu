@@ -10,6 +10,7 @@
 #include "check.h"
 #include "gemv.cuh"
 #include "quant_gemm.cuh"
+#include "quant_wgmma.cuh"
 #include "launch_policy.h"
 #include "ops.h"
 
@@ -180,13 +181,16 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
 void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
-                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits) {
+                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, bool wgmma) {
   QuantGemmParams p{};
   p.q = quant_params(out, x, qweight, scales, zeros, group_size, bias);
   TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8, got ", warps);
   TORCH_CHECK(splits >= 1 && splits <= kTiledMaxSplits, "splits must be 1 to ", kTiledMaxSplits, ", got ", splits);
   p.warps = static_cast<int>(warps);
   p.splits = static_cast<int>(splits);
+  p.wgmma = wgmma ? 1 : 0;
+  TORCH_CHECK(!wgmma || kWgmmaBuilt, "wgmma: this build of asyncgen._C has no sm_90a code (build with "
+              "ASYNCGEN_CUDA_ARCHS=90a)");
   if (splits > 1) {
     TORCH_CHECK(workspace.has_value() && counters.has_value(), "splits > 1 needs a workspace and counters");
     AG_CHECK_CUDA((*workspace), qweight);
@@ -208,7 +212,14 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   if (p.q.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   TORCH_CHECK(has_tensor_cores(x.get_device()), "the tiled 4-bit GEMM needs an sm_80+ GPU");
-  launch_quant_gemm_4bit(p, c10::cuda::getCurrentCUDAStream(), dependent_launch(x.get_device()));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (wgmma) {
+    TORCH_CHECK(compute_major(x.get_device()) == 9, "wgmma: the warpgroup 4-bit GEMM needs an sm_90 GPU, got "
+                "compute capability ", compute_major(x.get_device()), ".x");
+    launch_quant_gemm_4bit_wgmma(p, stream, dependent_launch(x.get_device()));
+  } else {
+    launch_quant_gemm_4bit(p, stream, dependent_launch(x.get_device()));
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -63,6 +63,7 @@ struct QuantGemmParams {
   int* counters;     // [ceil(n / (32 * warps))] int32, all 0 (left all 0) when splits > 1
   int splits;        // 1 .. kTiledMaxSplits
   int warps;         // 4 or 8
+  int wgmma;         // 1: the warpgroup kernel of quant_wgmma.cuh (sm_90a), else the tiled one
 };
 
 template <int M_TILES, int WARPS>
@@ -110,6 +111,40 @@ AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) {
 #else
   return (lo >> 16) | (hi & 0xFFFF0000u);
 #endif
+}
+
+// The last block of a split column range (after takes_last_ticket): the splits' fp32
+// partials in split order (other blocks' writes, read past L1), plus the bias, stored to
+// out, 4 columns a thread (N is a multiple of 8).
+template <int THREADS, int BN>
+AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base) {
+  const QuantGemvParams& p = gp.q;
+  __half* out = static_cast<__half*>(p.out);
+  const __half* bias = static_cast<const __half*>(p.bias);
+  for (int i = threadIdx.x; i < p.m * (BN / 4); i += THREADS) {
+    const int row = i / (BN / 4);
+    const int col = col_base + 4 * (i % (BN / 4));
+    if (col >= p.n) continue;
+    const float* src = gp.workspace + static_cast<int64_t>(row) * p.n + col;
+    const int64_t split_stride = static_cast<int64_t>(p.m) * p.n;
+    float4 v = __ldcg(reinterpret_cast<const float4*>(src));
+    for (int s = 1; s < gp.splits; ++s) {
+      const float4 pv = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride));
+      v.x += pv.x;
+      v.y += pv.y;
+      v.z += pv.z;
+      v.w += pv.w;
+    }
+    if (bias != nullptr) {
+      v.x += __half2float(bias[col]);
+      v.y += __half2float(bias[col + 1]);
+      v.z += __half2float(bias[col + 2]);
+      v.w += __half2float(bias[col + 3]);
+    }
+    __half2* dst = reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col);
+    dst[0] = __floats2half2_rn(v.x, v.y);
+    dst[1] = __floats2half2_rn(v.z, v.w);
+  }
 }
 
 template <int M_TILES, int WARPS>
@@ -318,32 +353,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
       }
   if (whole) return;
   if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
-  // The last block of this column range: the splits' sums in split order (other blocks'
-  // writes, read past L1), plus the bias, 4 columns a thread (N is a multiple of 8).
-  for (int i = threadIdx.x; i < p.m * (BN / 4); i += kThreads) {
-    const int row = i / (BN / 4);
-    const int col = col_base + 4 * (i % (BN / 4));
-    if (col >= p.n) continue;
-    const float* src = gp.workspace + static_cast<int64_t>(row) * p.n + col;
-    const int64_t split_stride = static_cast<int64_t>(p.m) * p.n;
-    float4 v = __ldcg(reinterpret_cast<const float4*>(src));
-    for (int s = 1; s < gp.splits; ++s) {
-      const float4 pv = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride));
-      v.x += pv.x;
-      v.y += pv.y;
-      v.z += pv.z;
-      v.w += pv.w;
-    }
-    if (bias != nullptr) {
-      v.x += __half2float(bias[col]);
-      v.y += __half2float(bias[col + 1]);
-      v.z += __half2float(bias[col + 2]);
-      v.w += __half2float(bias[col + 3]);
-    }
-    __half2* dst = reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col);
-    dst[0] = __floats2half2_rn(v.x, v.y);
-    dst[1] = __floats2half2_rn(v.z, v.w);
-  }
+  add_split_partials<kThreads, BN>(gp, col_base);
 }
 
 template <int M_TILES, int WARPS>

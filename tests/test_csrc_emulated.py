@@ -501,7 +501,8 @@ def _quant_case(m, n, k, group_size, seed):
         (33, 96, 128, 128, 8, 4),    # 2 stages over 4 splits: two splits without stages
     ],
 )
-def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps, splits):
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps, splits, wgmma):
     x, qweight, scales, zeros, bias, exact = _quant_case(m, n, k, group_size, m * n + k + splits)
     runs = []
     for reverse in (False, True):  # the split that finishes last combines: either order
@@ -511,7 +512,7 @@ def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps
         emu.lib.ag_set_reverse_blocks(int(reverse))
         try:
             assert emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, bias, warps, splits,
-                                       workspace, counters)
+                                       workspace, counters, wgmma)
         finally:
             emu.lib.ag_set_reverse_blocks(0)
         assert relative_error(out, exact + bias.float()) < 2e-3
@@ -520,13 +521,14 @@ def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps
     assert torch.equal(runs[0], runs[1])  # the splits are added in the same order
 
 
-def test_quant_gemm_4bit_tiled_without_bias_and_strided_x(emu):
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_quant_gemm_4bit_tiled_without_bias_and_strided_x(emu, wgmma):
     m, n, k = 24, 128, 256
     x, qweight, scales, zeros, _, exact = _quant_case(m, n, k, 64, 7)
     wide = torch.zeros(m, k + 64, dtype=torch.float16)
     wide[:, :k] = x
     out = torch.full((m, n + 8), float("nan"), dtype=torch.float16)
-    assert emu.quant_gemm_4bit(out[:, :n], wide[:, :k], qweight, scales, zeros, 64)
+    assert emu.quant_gemm_4bit(out[:, :n], wide[:, :k], qweight, scales, zeros, 64, wgmma=wgmma)
     assert relative_error(out[:, :n], exact) < 2e-3
     assert torch.isnan(out[:, n:]).all()  # nothing written past the output's columns
 
@@ -541,10 +543,11 @@ def test_quant_gemm_4bit_tiled_without_bias_and_strided_x(emu):
         (4, 64, 256, 64, 2, "splits without a workspace"),
     ],
 )
-def test_quant_gemm_4bit_tiled_refuses(emu, m, n, k, group_size, splits, why):
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_quant_gemm_4bit_tiled_refuses(emu, m, n, k, group_size, splits, why, wgmma):
     x, qweight, scales, zeros, _, _ = _quant_case(m, n, k, group_size, 3)
     out = torch.empty(m, n, dtype=torch.float16)
-    assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, splits=splits), why
+    assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, splits=splits, wgmma=wgmma), why
 
 
 def test_quant_gemm_4bit_tiled_refuses_a_misaligned_workspace(emu):

@@ -24,6 +24,7 @@ from asyncgen.model.linear import LinearBase, RowLinear  # noqa: E402
 class Calls(list):
     quant_rows = cuda_backend.QUANT_MMA_MAX_ROWS  # what the fake 4-bit kernel takes
     tiled = False  # whether the fake tiled GEMM takes the weights
+    wgmma = False  # whether the device runs its warpgroup kernel
 
     def __init__(self):
         super().__init__()
@@ -51,8 +52,8 @@ def fake_csrc(monkeypatch):
         return out
 
     def launch_tiled(x, qweight, scales, zeros, group_size, perm=None, bias=None, *, out=None, warps=4, splits=1,
-                     scratch=None):
-        calls.append(("tiled", x.shape[0], warps, splits))
+                     wgmma=False, scratch=None):
+        calls.append(("tiled", x.shape[0], warps, splits, wgmma))
         calls.scratches.append(scratch)
         y = qref.quant_matmul(x, qweight, scales, zeros, 4, group_size, None, perm, bias)
         return y if out is None else out.copy_(y)
@@ -71,6 +72,7 @@ def fake_csrc(monkeypatch):
     monkeypatch.setattr(cuda_backend, "launch_quant_gemv_4bit", launch_quant)
     monkeypatch.setattr(cuda_backend, "launch_quant_gemm_4bit", launch_tiled)
     monkeypatch.setattr(cuda_backend, "quant_gemm_4bit_weight_ok", lambda *args: calls.tiled)
+    monkeypatch.setattr(cuda_backend, "has_wgmma", lambda device: calls.wgmma)
     monkeypatch.setattr(cuda_backend, "dense_gemv_supported", dense_supported)
     monkeypatch.setattr(cuda_backend, "launch_dense_gemv", launch_dense)
     return calls
@@ -278,22 +280,24 @@ def test_choose_kernels_routes_each_row_count_to_the_fastest(tmp_path, fake_csrc
             assert seg.chunk_rows == 0
 
 
-def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake_csrc, monkeypatch):
+@pytest.mark.parametrize("wgmma", [True, False], ids=["with-wgmma", "without-wgmma"])
+def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake_csrc, monkeypatch, wgmma):
     """Where the tiled GEMM takes the weights it is timed from TILED_MIN_ROWS rows in every
-    launch shape; the fastest shape's route value sends those rows to it with that shape,
-    and the layer's output stays the reference's. Past 64 rows, x goes to it in pieces of
-    64 (timed faster than the Triton GEMM at 128 rows), up to 128 rows."""
+    launch shape the device runs (the warpgroup kernel's only where it has them); the
+    fastest shape's route value sends those rows to it with that shape, and the layer's
+    output stays the reference's. Past 64 rows, x goes to it in pieces of 64 (timed faster
+    than the Triton GEMM at 128 rows), up to 128 rows."""
     from test_quant_formats import VARIANTS, load_model, write_checkpoint
 
     from asyncgen.model.quantization import TENSOR_CORES, TILED, TILED_MIN_ROWS, TRITON, QuantLinearMethod
 
     configs = cuda_backend.QUANT_GEMM_CONFIGS
-    best = configs.index((8, 3))
+    best = configs.index((8, 3, wgmma))
     timed = []
 
     def call_time(call):
-        if call[0] == "tiled":  # (8 warps, 3 splits) fastest from 32 rows
-            return 1.0 if call[1] >= 32 and call[2:] == (8, 3) else 4.0
+        if call[0] == "tiled":  # 8 warps, 3 splits (the warpgroup kernel where timed) fastest from 32 rows
+            return 1.0 if call[1] >= 32 and call[2:] == (8, 3, wgmma) else 4.0
         return {TRITON: 9.0, TENSOR_CORES: 3.0}.get(call[2], 8.0)
 
     def fake_time(fn, items):  # each call's time, summed over the calls one item makes
@@ -306,7 +310,7 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
         fake_csrc.append(("triton", x.shape[0], TRITON))
         return out if out is not None else torch.zeros(x.shape[0], qweight.shape[1])
 
-    fake_csrc.tiled = True
+    fake_csrc.tiled, fake_csrc.wgmma = True, wgmma
     monkeypatch.setattr(QuantLinearMethod, "_triton", fake_triton)
     monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
     write_checkpoint(tmp_path / "awq", VARIANTS["awq-g64"])
@@ -320,7 +324,7 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
     tiled_rows = {call[1] for call in timed if call[0] == "tiled"}
     assert tiled_rows and min(tiled_rows) == TILED_MIN_ROWS
     shapes = {call[2:] for call in timed if call[0] == "tiled"}
-    assert shapes == set(configs)
+    assert shapes == {config for config in configs if wgmma or not config[2]}
     for picks in chosen.values():
         assert picks[-1] == TILED + best and TILED + best in picks
     dense = load_model(tmp_path / "awq", "dense")
@@ -331,19 +335,19 @@ def test_choose_kernels_times_the_tiled_gemm_in_each_launch_shape(tmp_path, fake
         fake_csrc.clear()
         x = torch.randn(40, ld.in_features, generator=gen)
         torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
-        assert fake_csrc and all(call == ("tiled", 40, 8, 3) for call in fake_csrc)
+        assert fake_csrc and all(call == ("tiled", 40, 8, 3, wgmma) for call in fake_csrc)
         assert all(seg.chunk_rows == 128 for seg in lt.quant_segments)
         for rows, pieces in ((100, [64, 36]), (128, [64, 64])):
             fake_csrc.clear()
             x = torch.randn(rows, ld.in_features, generator=gen)
             torch.testing.assert_close(lt(x), ld(x), atol=1e-4, rtol=1e-5)
             per_segment = len(lt.quant_segments)
-            assert fake_csrc == [("tiled", r, 8, 3) for r in pieces] * per_segment
+            assert fake_csrc == [("tiled", r, 8, 3, wgmma) for r in pieces] * per_segment
         fake_csrc.clear()
         x = torch.randn(129, ld.in_features, generator=gen)
         lt(x)  # past chunk_rows: Triton, in one piece
         assert fake_csrc == [("triton", 129, TRITON)] * len(lt.quant_segments)
-    assert QuantLinearMethod.kernel_name(TILED + best) == "csrc-tiled-8w-split3"
+    assert QuantLinearMethod.kernel_name(TILED + best) == f"csrc-{'wgmma' if wgmma else 'tiled'}-8w-split3"
     assert fake_csrc.scratches and all(sc is scratch for sc in fake_csrc.scratches)
 
 

@@ -61,7 +61,8 @@ __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
-    "GemmScratch", "QUANT_GEMM_CONFIGS", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
+    "GemmScratch", "QUANT_GEMM_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
+    "quant_gemm_config_indices",
     "LT_MAX_ROWS", "choose_dense_algos",
 ]
 
@@ -855,10 +856,14 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     )
 
 
-# The tiled 4-bit GEMM's launch shapes, (warps a block, K splits), that the engine times per
-# weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps owns 32 w
-# columns, and with s splits s blocks share each column range's K.
-QUANT_GEMM_CONFIGS = tuple((warps, splits) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8))
+# The tiled 4-bit GEMM's launch shapes, (warps a block, K splits, wgmma), that the engine
+# times per weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps
+# owns 32 w columns, with s splits s blocks share each column range's K, and wgmma runs the
+# warpgroup kernel (csrc/quant_wgmma.cuh) instead of the mma.sync one (csrc/quant_gemm.cuh)
+# where the device has it (:func:`has_wgmma`).
+QUANT_GEMM_CONFIGS = tuple(
+    (warps, splits, wgmma) for wgmma in (False, True) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8)
+)
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
 
 
@@ -892,6 +897,20 @@ class GemmScratch:
 _default_scratch: dict[torch.device, GemmScratch] = {}  # for callers that pass none
 
 
+def has_wgmma(device: torch.device | str) -> bool:
+    """Whether ``device`` runs the warpgroup 4-bit GEMM: an sm_90 GPU and an extension built
+    with sm_90a code (``setup.py``'s default)."""
+    ext = _extension()
+    return bool(ext is not None and getattr(ext, "has_wgmma", False)
+                and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def quant_gemm_config_indices(device: torch.device | str) -> list[int]:
+    """The indices into :data:`QUANT_GEMM_CONFIGS` of the launch shapes ``device`` runs."""
+    wgmma = has_wgmma(device)
+    return [i for i, (_, _, uses_wgmma) in enumerate(QUANT_GEMM_CONFIGS) if wgmma or not uses_wgmma]
+
+
 def quant_gemm_4bit_weight_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                               group_size: int) -> bool:
     """Whether the tiled 4-bit GEMM (:func:`launch_quant_gemm_4bit`) takes a weight that
@@ -921,12 +940,14 @@ def launch_quant_gemm_4bit(
     out: torch.Tensor | None = None,
     warps: int = 4,
     splits: int = 1,
+    wgmma: bool = False,
     scratch: GemmScratch | None = None,
 ) -> torch.Tensor:
-    """``x[:, perm] @ W + bias`` by the tiled tensor-core GEMM (``csrc/quant_gemm.cuh``) for
+    """``x[:, perm] @ W + bias`` by the tiled tensor-core GEMM (``csrc/quant_gemm.cuh``, or with
+    ``wgmma`` its warpgroup version, ``csrc/quant_wgmma.cuh``, where :func:`has_wgmma`) for
     1 to :data:`QUANT_MMA_MAX_ROWS` rows, for callers that checked the weight
-    (:func:`quant_gemm_4bit_weight_ok`) and the input (:func:`gemv_input_ok`). ``warps`` and
-    ``splits`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the partials go to
+    (:func:`quant_gemm_4bit_weight_ok`) and the input (:func:`gemv_input_ok`). ``warps``,
+    ``splits`` and ``wgmma`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the partials go to
     ``scratch`` (default: one per device, for launches that never run at once, see
     :class:`GemmScratch`). The op still validates its arguments in C++."""
     x, out = _quant_io(x, qweight, perm, out)
@@ -937,7 +958,8 @@ def launch_quant_gemm_4bit(
             scratch = _default_scratch.get(x.device) or _default_scratch.setdefault(x.device, GemmScratch(x.device))
         workspace, counters = scratch.buffers(splits * x.shape[0] * n, -(-n // (32 * warps)))
     torch.ops.asyncgen_C.quant_gemm_4bit(
-        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits
+        out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits,
+        wgmma,
     )
     return out
 

@@ -78,7 +78,8 @@ CUDA_GEMV_MAX_ROWS = 64
 # and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
 TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
 # Route values from TILED on: the tiled csrc GEMM with launch shape
-# cuda_backend.QUANT_GEMM_CONFIGS[value - TILED]; choose_kernels times it from TILED_MIN_ROWS rows.
+# cuda_backend.QUANT_GEMM_CONFIGS[value - TILED] (the mma.sync or the warpgroup kernel);
+# choose_kernels times it from TILED_MIN_ROWS rows.
 TILED = 16
 TILED_MIN_ROWS = 8
 ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -512,9 +513,9 @@ class QuantLinearMethod(LinearMethod):
         from .._ops import cuda_backend
 
         if kernel >= TILED:
-            warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
+            warps, splits, wgmma = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
             return cuda_backend.launch_quant_gemm_4bit(
-                x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits,
+                x, qweight, scales, zeros, size, seg.perm, bias, out=out, warps=warps, splits=splits, wgmma=wgmma,
                 scratch=seg.gemm_scratch,
             )
         return cuda_backend.launch_quant_gemv_4bit(x, qweight, scales, zeros, size, seg.perm, bias, out=out,
@@ -576,8 +577,8 @@ class QuantLinearMethod(LinearMethod):
         if kernel >= TILED:
             from .._ops import cuda_backend
 
-            warps, splits = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
-            return f"csrc-tiled-{warps}w{f'-split{splits}' if splits > 1 else ''}"
+            warps, splits, wgmma = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
+            return f"csrc-{'wgmma' if wgmma else 'tiled'}-{warps}w{f'-split{splits}' if splits > 1 else ''}"
         return ("triton", "csrc-cuda-cores", "csrc-tensor-cores")[kernel]
 
     @staticmethod
@@ -587,7 +588,7 @@ class QuantLinearMethod(LinearMethod):
         (kernel "cuda") at each row count of :data:`ROUTE_ROWS`: the Triton kernels, the
         csrc CUDA-core kernel (up to 8 rows), the csrc tensor-core kernel where it
         applies, and from :data:`TILED_MIN_ROWS` rows the tiled csrc GEMM in each launch
-        shape of ``cuda_backend.QUANT_GEMM_CONFIGS`` where it takes the weight. Each segment
+        shape of ``cuda_backend.QUANT_GEMM_CONFIGS`` the device runs, where it takes the weight. Each segment
         then routes the rows up to a timed count (and past the previous one) to that count's
         fastest kernel. Where the route reaches :data:`CUDA_GEMV_MAX_ROWS` rows on tensor
         cores, :data:`CHUNK_FACTOR` times as many rows are timed in pieces through the route
@@ -613,7 +614,7 @@ class QuantLinearMethod(LinearMethod):
                 x, out = QuantLinearMethod._timing_buffers(items, m)
                 candidates = [TRITON] + [CUDA_CORES] * (m <= cuda_backend.GEMV_MAX_ROWS) + [TENSOR_CORES] * tensor_cores
                 if tiled and m >= TILED_MIN_ROWS:
-                    candidates += [TILED + i for i in range(len(cuda_backend.QUANT_GEMM_CONFIGS))]
+                    candidates += [TILED + i for i in cuda_backend.quant_gemm_config_indices(x.device)]
 
                 def run(item, kernel=TRITON):
                     method, seg, (qweight, scales, zeros), bias, size = item

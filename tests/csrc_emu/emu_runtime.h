@@ -176,6 +176,12 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*st
   unsigned char* name = reinterpret_cast<unsigned char*>( \
       (reinterpret_cast<uintptr_t>(emu::g_dynamic_smem.data()) + 15) / 16 * 16)
 
+// Shared addresses are offsets in the emulated dynamic shared memory (smem_address, and
+// the wgmma emulation's reads through a descriptor).
+#define AG_EMU_SMEM_ADDRESS(ptr) \
+  static_cast<uint32_t>(static_cast<const unsigned char*>(ptr) - emu::g_dynamic_smem.data())
+#define AG_EMU_SMEM_AT(address) (emu::g_dynamic_smem.data() + (address))
+
 inline void __syncthreads() { emu::wait(emu::g_run->block_barrier); }
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {

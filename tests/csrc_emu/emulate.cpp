@@ -8,6 +8,7 @@
 #include "gemv.cuh"
 #include "paged_attention.cuh"
 #include "quant_gemm.cuh"
+#include "quant_wgmma.cuh"
 
 using asyncgen::ChunkAttentionParams;
 using asyncgen::DecodeParams;
@@ -85,7 +86,10 @@ int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant
 int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_ok(*p) ? 1 : 0; }
 
 // The tiled 4-bit GEMM (quant_gemm.cuh). Returns 0 on success, 1 where it does not take p.
-int ag_quant_gemm_4bit(const QuantGemmParams* p) { return asyncgen::launch_quant_gemm_4bit(*p, nullptr) ? 0 : 1; }
+int ag_quant_gemm_4bit(const QuantGemmParams* p) {
+  const bool ok = p->wgmma ? asyncgen::launch_quant_gemm_4bit_wgmma(*p, nullptr) : asyncgen::launch_quant_gemm_4bit(*p, nullptr);
+  return ok ? 0 : 1;
+}
 
 int ag_sizeof_quant_gemm_params() { return sizeof(QuantGemmParams); }
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }

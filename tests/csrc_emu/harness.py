@@ -186,6 +186,7 @@ class QuantGemmParams(ctypes.Structure):
         ("counters", ctypes.c_void_p),
         ("splits", ctypes.c_int),
         ("warps", ctypes.c_int),
+        ("wgmma", ctypes.c_int),
     ]
 
 
@@ -378,14 +379,15 @@ class Emulator:
         return used_mma
 
     def quant_gemm_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, warps=4, splits=1,
-                        workspace=None, counters=None):
+                        workspace=None, counters=None, wgmma=False):
         """out = x @ dequant(qweight) (+ bias) by the tiled tensor-core GEMM (quant_gemm.cuh),
-        its K split over ``splits`` blocks per column range (then ``workspace`` fp32 and
-        ``counters`` int32 zeros are needed). Returns False where the kernel refuses the call."""
+        or with ``wgmma`` its warpgroup version (quant_wgmma.cuh), its K split over ``splits``
+        blocks per column range (then ``workspace`` fp32 and ``counters`` int32 zeros are
+        needed). Returns False where the kernel refuses the call."""
         q = QuantGemvParams(
             _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
             out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
             x.shape[0], qweight.shape[1], x.shape[1], group_size, 0,
         )
-        p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps)
+        p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps, int(wgmma))
         return self.lib.ag_quant_gemm_4bit(ctypes.byref(p)) == 0

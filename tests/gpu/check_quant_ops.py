@@ -429,9 +429,10 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
     if not cuda_backend.is_available():
         print("  (csrc extension not built: the tiled GEMM is not checked)")
         return
-    configs = cuda_backend.QUANT_GEMM_CONFIGS
+    configs = [cuda_backend.QUANT_GEMM_CONFIGS[i] for i in cuda_backend.quant_gemm_config_indices("cuda")]
     gen = torch.Generator(device="cuda").manual_seed(5)
-    print("\ntiled 4-bit GEMM against dequantize-then-matmul (group 128)")
+    print(f"\ntiled 4-bit GEMM against dequantize-then-matmul (group 128); warpgroup kernel: "
+          f"{cuda_backend.has_wgmma('cuda')}")
     for k, n in TILED_SHAPES:
         qweight, scales, zeros, _ = make_weights(k, n, 4, 128, False, gen)
         dense = qref.dequantize(qweight, scales, zeros, 4, 128).float()
@@ -443,13 +444,13 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
             xs = x if perm is None else x[:, perm]
             want = xs.float() @ dense + bias.float()
             worst, bad = 0.0, []
-            for warps, splits in configs:
+            for warps, splits, wgmma in configs:
                 got = cuda_backend.launch_quant_gemm_4bit(x, qweight, scales, zeros, 128, perm, bias,
-                                                          warps=warps, splits=splits)
+                                                          warps=warps, splits=splits, wgmma=wgmma)
                 rel = ((got.float() - want).abs().max() / want.abs().max()).item()
                 worst = max(worst, rel)
                 if not (torch.isfinite(got).all() and rel < 2e-3):
-                    bad.append((warps, splits, rel))
+                    bad.append((warps, splits, wgmma, rel))
             ok = not bad
             case = f"{k}x{n} M={m}{' act-order' if perm is not None else ''} bias, {len(configs)} shapes"
             ROWS.append(Row("graph", f"tiled {case}", worst, ok, 0.0, 0.0, 0))
@@ -466,35 +467,42 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
             want = x.float() @ dense
             wide = torch.full((m, n + 64), float("nan"), dtype=torch.half, device="cuda")
             out = wide[:, 32 : 32 + n]
-            for start in range(0, m, 64):
-                cuda_backend.launch_quant_gemm_4bit(x[start : start + 64], qweight, scales, zeros, 128,
-                                                    out=out[start : start + 64], warps=4, splits=2)
-            rel = ((out.float() - want).abs().max() / want.abs().max()).item()
-            ok = bool(rel < 2e-3 and torch.isnan(wide[:, :32]).all() and torch.isnan(wide[:, 32 + n :]).all())
-            case = f"tiled {k}x{n} M={m} in pieces of 64 into a column slice"
-            ROWS.append(Row("graph", case, rel, ok, 0.0, 0.0, 0))
-            print(f"  {case}: {'ok' if ok else 'FAIL'} rel_err {rel:.1e}", flush=True)
+            for wgmma in sorted({c[2] for c in configs}):
+                wide.fill_(float("nan"))
+                for start in range(0, m, 64):
+                    cuda_backend.launch_quant_gemm_4bit(x[start : start + 64], qweight, scales, zeros, 128,
+                                                        out=out[start : start + 64], warps=4, splits=2, wgmma=wgmma)
+                rel = ((out.float() - want).abs().max() / want.abs().max()).item()
+                ok = bool(rel < 2e-3 and torch.isnan(wide[:, :32]).all() and torch.isnan(wide[:, 32 + n :]).all())
+                case = f"{'wgmma' if wgmma else 'tiled'} {k}x{n} M={m} in pieces of 64 into a column slice"
+                ROWS.append(Row("graph", case, rel, ok, 0.0, 0.0, 0))
+                print(f"  {case}: {'ok' if ok else 'FAIL'} rel_err {rel:.1e}", flush=True)
         del qweight, scales, zeros, dense
 
     # Split launches captured in a CUDA graph, replayed with new x: the counters reset.
     qweight, scales, zeros, _ = make_weights(4096, 4096, 4, 128, False, gen)
     x = torch.randn(64, 4096, generator=gen, device="cuda").half()
     x16 = torch.randn(16, 4096, generator=gen, device="cuda").half()
+    kernels = sorted({c[2] for c in configs})  # the mma.sync kernel, and the warpgroup one where it runs
+
+    def launch_pair():
+        return [(a, cuda_backend.launch_quant_gemm_4bit(a, qweight, scales, zeros, 128, warps=w, splits=sp,
+                                                         wgmma=wg))
+                for wg in kernels for a, w, sp in ((x, 4, 6), (x16, 8, 3))]
+
     for _ in range(2):
-        cuda_backend.launch_quant_gemm_4bit(x, qweight, scales, zeros, 128, warps=4, splits=6)
-        cuda_backend.launch_quant_gemm_4bit(x16, qweight, scales, zeros, 128, warps=8, splits=3)
+        launch_pair()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = cuda_backend.launch_quant_gemm_4bit(x, qweight, scales, zeros, 128, warps=4, splits=6)
-        y16 = cuda_backend.launch_quant_gemm_4bit(x16, qweight, scales, zeros, 128, warps=8, splits=3)
+        pairs = launch_pair()
     worst = 0.0
     for _ in range(4):
         x.copy_(torch.randn(64, 4096, generator=gen, device="cuda").half())
         x16.copy_(torch.randn(16, 4096, generator=gen, device="cuda").half())
         graph.replay()
         torch.cuda.synchronize()
-        for a, b in ((x, y), (x16, y16)):
+        for a, b in pairs:
             want = qref.quant_matmul(a, qweight, scales, zeros, 4, 128).float()
             worst = max(worst, ((b.float() - want).abs().max() / want.abs().max()).item())
     counters = cuda_backend._default_scratch[x.device].counters
@@ -520,18 +528,20 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
                 lambda w: cuda_backend.launch_quant_gemv_4bit(x, *w, 128, out=out, kernel=tc), weights)
             t["triton"] = 1e3 * cuda_backend.graph_time_ms(lambda w: quant_gemm(x, *w, 4, 128, out=out), weights)
             tiled = {}
-            for warps, splits in configs:
-                tiled[(warps, splits)] = 1e3 * cuda_backend.graph_time_ms(
-                    lambda w: cuda_backend.launch_quant_gemm_4bit(x, *w, 128, out=out, warps=warps, splits=splits),
+            for warps, splits, wgmma in configs:
+                tiled[(warps, splits, wgmma)] = 1e3 * cuda_backend.graph_time_ms(
+                    lambda w: cuda_backend.launch_quant_gemm_4bit(x, *w, 128, out=out, warps=warps, splits=splits,
+                                                                  wgmma=wgmma),
                     weights)
             best = min(tiled, key=tiled.get)
             t["tiled"] = tiled[best]
             t["best before"] = min(t["csrc tensor cores"], t["triton"])
             for key in layer[m]:
                 layer[m][key] += t[key]
-            shapes = " ".join(f"{w}w/{s}:{v:.1f}" for (w, s), v in sorted(tiled.items()))
+            shapes = " ".join(f"{'g' if g else ''}{w}w/{s}:{v:.1f}" for (w, s, g), v in sorted(tiled.items()))
             print(f"  {k}x{n} M={m}: fp16 {t['fp16']:.1f} | csrc tensor cores {t['csrc tensor cores']:.1f} | "
-                  f"triton {t['triton']:.1f} | tiled {t['tiled']:.1f} ({best[0]} warps, {best[1]} splits)", flush=True)
+                  f"triton {t['triton']:.1f} | tiled {t['tiled']:.1f} ({'wgmma, ' if best[2] else ''}{best[0]} warps, "
+                  f"{best[1]} splits)", flush=True)
             print(f"      tiled by shape: {shapes}", flush=True)
         del weights
         torch.cuda.empty_cache()
