@@ -88,12 +88,12 @@ AG_DEVICE void fence_register(float& r) {
 #endif
 }
 
-#ifndef __CUDA_ARCH__
+#if !defined(__CUDA_ARCH__) && defined(AG_EMU_SMEM_AT)
 // The CPU emulation: each warp's 16 rows of D from its own A fragments and B decoded from
 // the descriptor (start address, stride between 8-row groups, the 128-byte swizzle XORing
 // address bits 4-6 with bits 7-9), as m16n8k16 products per 8 columns.
 template <int N>
-void emulated_wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+AG_DEVICE void emulated_wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
   const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
@@ -130,7 +130,7 @@ AG_DEVICE void wgmma_rs<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t desc)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only where AG_WGMMA says the target has wgmma
-#else
+#elif defined(AG_EMU_SMEM_AT)
   emulated_wgmma<8>(d, a, desc);
 #endif
 }
@@ -148,7 +148,7 @@ AG_DEVICE void wgmma_rs<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only where AG_WGMMA says the target has wgmma
-#else
+#elif defined(AG_EMU_SMEM_AT)
   emulated_wgmma<16>(d, a, desc);
 #endif
 }
@@ -167,7 +167,7 @@ AG_DEVICE void wgmma_rs<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t des
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only where AG_WGMMA says the target has wgmma
-#else
+#elif defined(AG_EMU_SMEM_AT)
   emulated_wgmma<32>(d, a, desc);
 #endif
 }
@@ -189,7 +189,7 @@ AG_DEVICE void wgmma_rs<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t des
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only where AG_WGMMA says the target has wgmma
-#else
+#elif defined(AG_EMU_SMEM_AT)
   emulated_wgmma<64>(d, a, desc);
 #endif
 }
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
       }
   if (whole) return;
   if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
-  add_split_partials<kThreads, BN>(gp, col_base);
+  add_split_partials<kThreads, BN, kRows>(gp, col_base);
 }
 
 // Whether this build launches the warpgroup kernel: sm_90a device code (AG_WGMMA, defined
