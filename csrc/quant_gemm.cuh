@@ -42,7 +42,7 @@ constexpr int kTiledK = 64;                       // K rows per stage
 constexpr int kTiledChunks = kTiledK / kMmaChunk;  // 32-row chunks per stage
 constexpr int kTiledPackedRows = kTiledK / 8;
 constexpr int kTiledMaxRows = kMmaMaxRows;  // the rows the 4-bit ops take
-constexpr int kTiledMaxSplits = 8;
+constexpr int kTiledMaxSplits = 16;
 #ifndef AG_QGEMM_STAGES
 #define AG_QGEMM_STAGES 4
 #endif

@@ -499,6 +499,7 @@ def _quant_case(m, n, k, group_size, seed):
         (16, 264, 384, 384, 8, 2),   # one group (per-channel), 8 warps, a partial column block
         (5, 64, 640, 64, 4, 1),      # one tile, 10 stages through the 4-deep ring
         (33, 96, 128, 128, 8, 4),    # 2 stages over 4 splits: two splits without stages
+        (20, 128, 640, 64, 4, 16),   # 10 stages over 16 splits (the most)
     ],
 )
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])

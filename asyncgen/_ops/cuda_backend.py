@@ -862,7 +862,7 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
 # warpgroup kernel (csrc/quant_wgmma.cuh) instead of the mma.sync one (csrc/quant_gemm.cuh)
 # where the device has it (:func:`has_wgmma`).
 QUANT_GEMM_CONFIGS = tuple(
-    (warps, splits, wgmma) for wgmma in (False, True) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8)
+    (warps, splits, wgmma) for wgmma in (False, True) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
 )
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
 
