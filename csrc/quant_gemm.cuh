@@ -185,10 +185,6 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
   const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
   const int count = s_end - s_begin;
-  // Blocks of one split start at different stages of its range and wrap around (stage
-  // s_begin + (rot + j) % count is the j-th), so that the column blocks, which all read the
-  // same x, do not ask for the same lines of it at the same time.
-  const int s_first = s_begin + (count > 1 ? static_cast<int>(blockIdx.x % count) : 0);
 
   const __half* x = static_cast<const __half*>(p.x);
   const __half* zeros = static_cast<const __half*>(p.zeros);
@@ -216,23 +212,20 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   const bool w_ok = w_col < p.n;
   const int64_t w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
   const int64_t w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kWLoads) * p.qweight_stride : 0;
-  const int32_t* w_base = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0);
-  const int32_t* w_src = w_base + s_first * w_stage;
+  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0) +
+                         s_begin * w_stage;
   const int w_dst = w_row * L::kWordsPerRow + 4 * (threadIdx.x % (BN / 4));
   const bool g_load = threadIdx.x < BN / 4;
   const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
   const bool g_ok = g_load && g_col < p.n;
   const int64_t g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
   const int stages_per_group = p.group_size / kTiledK;
-  const __half* g_base = g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros;
-  const __half* g_src = g_base + (s_first / stages_per_group) * g_stride;
-  int g_left = stages_per_group - s_first % stages_per_group;  // stages until the next group
-  int w_next_stage = s_first, x_next_stage = s_first;  // the stage each stream copies next  // stages until the next group
+  const __half* g_src = (g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros) + (s_begin / stages_per_group) * g_stride;
+  int g_left = stages_per_group - s_begin % stages_per_group;  // stages until the next group
   const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
   const int x_row = threadIdx.x / 8, x_piece = threadIdx.x % 8;
   const int64_t x_pass = static_cast<int64_t>(kXRowsPerPass) * p.x_stride;
-  const __half* x_base = x + static_cast<int64_t>(x_row) * p.x_stride + 8 * x_piece;
-  const __half* x_src = x_base + s_first * kTiledK;
+  const __half* x_src = x + static_cast<int64_t>(x_row) * p.x_stride + 8 * x_piece + s_begin * kTiledK;
   const int x_dst = x_row * kTiledK + 8 * (x_piece ^ ((x_row & 1) << 2));  // rows x_row + 4 W j: same parity
   uint32_t x_ok = 0;  // bit j: row x_row + j * kXRowsPerPass is a row of x
 #pragma unroll
@@ -251,12 +244,6 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
       g_left = stages_per_group;
       g_src += g_stride;
     }
-    if (++w_next_stage == s_end) {  // wrap to the range's first stage
-      w_next_stage = s_begin;
-      w_src = w_base + s_begin * w_stage;
-      g_src = g_base + (s_begin / stages_per_group) * g_stride;
-      g_left = stages_per_group - s_begin % stages_per_group;
-    }
   };
   // The next stage's x into `slot` (rows past x's are zero-filled from x's first row).
   auto load_x = [&](int slot) {
@@ -268,7 +255,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
         cp_async16(xs + x_dst + j * kXRowsPerPass * kTiledK, ok ? x_src + j * x_pass : x, ok);
       }
     }
-    x_src = ++x_next_stage == s_end ? (x_next_stage = s_begin, x_base + s_begin * kTiledK) : x_src + kTiledK;
+    x_src += kTiledK;
   };
 
   // Prologue: the weights of the first STAGES - 1 stages are requested before the wait for

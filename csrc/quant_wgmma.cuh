@@ -228,10 +228,6 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
   const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
   const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
   const int count = s_end - s_begin;
-  // Blocks of one split start at different stages of its range and wrap around (stage
-  // s_begin + (rot + j) % count is the j-th), so that the column blocks, which all read the
-  // same x, do not ask for the same lines of it at the same time.
-  const int s_first = s_begin + (count > 1 ? static_cast<int>(blockIdx.x % count) : 0);
 
   const __half* x = static_cast<const __half*>(p.x);
   const __half* zeros = static_cast<const __half*>(p.zeros);
@@ -251,24 +247,21 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
   const bool w_ok = w_col < p.n;
   const int64_t w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
   const int64_t w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kWLoads) * p.qweight_stride : 0;
-  const int32_t* w_base = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0);
-  const int32_t* w_src = w_base + s_first * w_stage;
+  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0) +
+                         s_begin * w_stage;
   const int w_dst = w_row * L::kWordsPerRow + 4 * (threadIdx.x % (BN / 4));
   const bool g_load = threadIdx.x < BN / 4;
   const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
   const bool g_ok = g_load && g_col < p.n;
   const int64_t g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
   const int stages_per_group = p.group_size / kTiledK;
-  const __half* g_base = g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros;
-  const __half* g_src = g_base + (s_first / stages_per_group) * g_stride;
-  int g_left = stages_per_group - s_first % stages_per_group;  // stages until the next group
-  int w_next_stage = s_first, x_next_stage = s_first;  // the stage each stream copies next
+  const __half* g_src = (g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros) + (s_begin / stages_per_group) * g_stride;
+  int g_left = stages_per_group - s_begin % stages_per_group;
   const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
   const bool x_task = threadIdx.x < 2 * kRows;
   const int x_row = threadIdx.x / 2, x_half = threadIdx.x % 2;
   const bool x_ok = x_task && x_row < p.m;
-  const __half* x_base = x_ok ? x + static_cast<int64_t>(x_row) * p.x_stride + 32 * x_half : x;
-  const __half* x_src = x_ok ? x_base + s_first * kTiledK : x;
+  const __half* x_src = x_ok ? x + static_cast<int64_t>(x_row) * p.x_stride + 32 * x_half + s_begin * kTiledK : x;
   int x_dst[4];  // byte offsets of the chunk's pieces in a slot, swizzled
 #pragma unroll
   for (int q = 0; q < 4; ++q) x_dst[q] = x_row * 128 + 16 * ((4 * x_half + q) ^ (x_row & 7));
@@ -285,19 +278,13 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
       g_left = stages_per_group;
       g_src += g_stride;
     }
-    if (++w_next_stage == s_end) {  // wrap to the range's first stage
-      w_next_stage = s_begin;
-      w_src = w_base + s_begin * w_stage;
-      g_src = g_base + (s_begin / stages_per_group) * g_stride;
-      g_left = stages_per_group - s_begin % stages_per_group;
-    }
   };
   auto load_x = [&](int slot) {
     if (!x_task) return;
     unsigned char* xs = x_at(slot);
 #pragma unroll
     for (int q = 0; q < 4; ++q) cp_async16(xs + x_dst[q], x_src + 8 * q, x_ok);
-    if (x_ok) x_src = ++x_next_stage == s_end ? (x_next_stage = s_begin, x_base + s_begin * kTiledK) : x_src + kTiledK;
+    if (x_ok) x_src += kTiledK;
   };
 
   // Prologue: weights of the first kAhead stages before the wait for the kernel ahead, x
@@ -321,7 +308,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
 #pragma unroll
     for (int r = 0; r < 4 * M_TILES; ++r) acc[t][r] = 0.f;
 
-  const uint32_t x_smem = smem_address(smem);
+  const uint32_t x_base = smem_address(smem);
   for (int i = 0; i < count; ++i) {
     cp_async_wait<kAhead - 1>();
     const int slot = i % kWgmmaStages;
@@ -356,7 +343,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
     const __half* gs = groups_at(slot);
     const QuantGroup grp = make_group(*reinterpret_cast<const uint2*>(gs + wc),
                                       *reinterpret_cast<const uint2*>(gs + BN + wc));
-    const uint32_t x_slot = x_smem + slot * L::kStageBytes;
+    const uint32_t x_slot = x_base + slot * L::kStageBytes;
 #pragma unroll
     for (int ch = 0; ch < kTiledChunks; ++ch) {
       const uint4 wv = *reinterpret_cast<const uint4*>(w + (4 * ch + c) * L::kWordsPerRow + wc);
