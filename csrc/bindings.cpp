@@ -33,7 +33,8 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "int group_size, Tensor? bias, int kernel=0, bool gated=False) -> ()");
   m.def(
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
-      "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, bool wgmma=False) -> ()");
+      "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, "
+      "bool wgmma=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {

@@ -170,3 +170,39 @@ def test_setup_py_skips_the_extension_when_asked():
     assert result.stdout.strip().splitlines()[-1] == "asyncgen"
     assert "building without the CUDA extension: ASYNCGEN_SKIP_CUDA is set" in result.stderr
 
+
+
+def _setup_functions(*names):
+    """Functions of setup.py (which runs setup() when imported), compiled on their own."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    module = ast.Module(body=[n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names],
+                        type_ignores=[])
+    namespace: dict = {}
+    exec(compile(module, "setup.py", "exec"), namespace)
+    return [namespace[name] for name in names]
+
+
+def test_setup_py_builds_sm90a_and_says_so_to_the_sources():
+    gencode_flags, has_sm90a = _setup_functions("_gencode_flags", "_has_sm90a")
+    assert gencode_flags("90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert gencode_flags("80;90+PTX") == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                                          "-gencode=arch=compute_90,code=compute_90"]
+    assert has_sm90a("90a") and has_sm90a("8.0 9.0a+PTX") and has_sm90a("80,90a")
+    assert not has_sm90a("90") and not has_sm90a("80;9.0") and not has_sm90a("")
+
+
+@pytest.mark.parametrize(
+    "built, capability, expected",
+    [(True, (9, 0), True), (True, (8, 0), False), (True, (10, 0), False), (False, (9, 0), False), (None, (9, 0), False)],
+)
+def test_the_warpgroup_gemm_is_timed_only_where_the_build_and_the_gpu_have_it(monkeypatch, built, capability, expected):
+    extension = SimpleNamespace() if built is None else SimpleNamespace(has_wgmma=built)
+    monkeypatch.setattr(cuda_backend, "_extension", lambda: extension)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert cuda_backend.has_wgmma("cuda") is expected
+    indices = cuda_backend.quant_gemm_config_indices("cuda")
+    kernels = {cuda_backend.QUANT_GEMM_CONFIGS[i][2] for i in indices}
+    assert kernels == ({False, True} if expected else {False})
+    assert len(indices) == len(cuda_backend.QUANT_GEMM_CONFIGS) // (1 if expected else 2)
