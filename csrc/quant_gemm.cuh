@@ -34,6 +34,8 @@
 // split order, so the result does not depend on which block finishes when.
 #pragma once
 
+#include <type_traits>
+
 #include "gemv.cuh"
 
 namespace asyncgen {
@@ -166,6 +168,148 @@ AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base) {
   }
 }
 
+// A thread's place in a tiled kernel's block: its lane (g, c), the block's first column, the
+// lane's 4 columns within the block (wc .. wc + 3), and the block's stages: split blockIdx.y
+// of gp.splits, as even as whole stages allow.
+struct TiledPlace {
+  int g, c, col_base, wc, s_begin, count;
+  template <int BN>
+  static AG_DEVICE TiledPlace of(const QuantGemmParams& gp) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int stages = gp.q.k / kTiledK, split = blockIdx.y;
+    const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
+    const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
+    return {lane / 4, lane % 4, static_cast<int>(blockIdx.x) * BN, warp * 32 + 4 * (lane / 4), s_begin,
+            s_end - s_begin};
+  }
+};
+
+// A thread's copies of packed weights and group constants into the ring, one stage after
+// another from `s_begin` (both tiled kernels): per stage kLoads 16-byte pieces of the
+// block's packed rows and perhaps one piece of the group's zero points or scales. Its pieces
+// sit at the same place in every stage, so the source pointers are set up once and advanced
+// by one stage per copy (the group's by one group every stages_per_group copies), and the
+// destinations are offsets within a slot: computed per copy with the stage index, the
+// 64-bit address arithmetic and a division by stages_per_group took 135 instructions a
+// stage a thread for 6 copies (sm_90 SASS, gate|up at 64 rows), a third of the stage's.
+template <int THREADS, int BN, int WORDS_PER_ROW>
+struct TiledWeightCopies {
+  static constexpr int kLoads = kTiledPackedRows * (BN / 4) / THREADS;  // packed rows r, r + 8 / kLoads, ..
+  static_assert(kTiledPackedRows * (BN / 4) == kLoads * THREADS, "whole weight pieces a thread");
+  const int32_t* w_src;
+  int64_t w_stage, w_next;
+  int w_dst;
+  bool w_ok, g_load, g_ok;
+  const __half* g_src;
+  int64_t g_stride;
+  int g_left, stages_per_group, g_dst;
+
+  AG_DEVICE TiledWeightCopies(const QuantGemvParams& p, int col_base, int s_begin) {
+    const int w_row = threadIdx.x / (BN / 4), w_col = col_base + 4 * (threadIdx.x % (BN / 4));
+    w_ok = w_col < p.n;
+    w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
+    w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kLoads) * p.qweight_stride : 0;
+    w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0) + s_begin * w_stage;
+    w_dst = w_row * WORDS_PER_ROW + 4 * (threadIdx.x % (BN / 4));
+    const __half* zeros = static_cast<const __half*>(p.zeros);
+    const __half* scales = static_cast<const __half*>(p.scales);
+    g_load = threadIdx.x < BN / 4;
+    const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
+    g_ok = g_load && g_col < p.n;
+    g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
+    stages_per_group = p.group_size / kTiledK;
+    g_src = (g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros) + (s_begin / stages_per_group) * g_stride;
+    g_left = stages_per_group - s_begin % stages_per_group;  // stages until the next group
+    g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
+  }
+
+  // The next stage's weights and group constants (which no kernel ahead writes) into a
+  // slot's weights (packed rows of WORDS_PER_ROW words) and groups (BN zero points, BN scales).
+  AG_DEVICE void copy(uint32_t* weights, __half* groups) {
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      cp_async16(weights + w_dst + j * (kTiledPackedRows / kLoads) * WORDS_PER_ROW, w_src + j * w_next, w_ok);
+    }
+    w_src += w_stage;
+    if (g_load) cp_async16(groups + g_dst, g_src, g_ok);
+    if (--g_left == 0) {
+      g_left = stages_per_group;
+      g_src += g_stride;
+    }
+  }
+};
+
+// Both tiled kernels' results: acc(mt, t, r) is D entry r of the lane's tile t and row tile
+// mt, i.e. column col_base + wc + 2t + r / 2 and x row 8 mt + 2c + r % 2; entries r and
+// r + 2 are two neighbouring columns of one row, stored as a pair. With splits, each block
+// writes its fp32 partials and the last block of the column range adds them.
+template <int M_TILES, int THREADS, int BN, typename Acc>
+AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, Acc acc) {
+  const QuantGemvParams& p = gp.q;
+  __half* out = static_cast<__half*>(p.out);
+  const __half* bias = static_cast<const __half*>(p.bias);
+  const bool whole = gp.splits == 1;  // else the fp32 partials of this split
+  float* part = gp.workspace + static_cast<int64_t>(blockIdx.y) * p.m * p.n;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = 8 * mt + 2 * c + rr;
+        const int col = col_base + wc + 2 * t;
+        if (row >= p.m || col >= p.n) continue;
+        float v0 = acc(mt, t, rr), v1 = acc(mt, t, rr + 2);
+        if (!whole) {
+          *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) = make_float2(v0, v1);
+          continue;
+        }
+        if (bias != nullptr) {
+          v0 += __half2float(bias[col]);
+          v1 += __half2float(bias[col + 1]);
+        }
+        *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
+      }
+  if (whole) return;
+  if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
+  add_split_partials<THREADS, BN, 8 * M_TILES>(gp, col_base);
+}
+
+// Calls launch(std::integral_constant<int, M_TILES>, std::integral_constant<int, WARPS>) for
+// p's rows (8 M_TILES the fewest that cover them) and warps (both tiled kernels' dispatch).
+template <typename Launch>
+void dispatch_tiled_shape(const QuantGemmParams& p, Launch&& launch) {
+  const auto by_rows = [&](auto warps) {
+    if (p.q.m <= 8) {
+      launch(std::integral_constant<int, 1>{}, warps);
+    } else if (p.q.m <= 16) {
+      launch(std::integral_constant<int, 2>{}, warps);
+    } else if (p.q.m <= 32) {
+      launch(std::integral_constant<int, 4>{}, warps);
+    } else {
+      launch(std::integral_constant<int, 8>{}, warps);
+    }
+  };
+  if (p.warps == 4) {
+    by_rows(std::integral_constant<int, 4>{});
+  } else {
+    by_rows(std::integral_constant<int, 8>{});
+  }
+}
+
+// Launches `kernel` (a tiled kernel with `smem` bytes of dynamic shared memory) over p's
+// column blocks and splits; `dependent` as a dependent launch (sm_90+).
+template <int WARPS>
+void launch_tiled_kernel(void (*kernel)(const QuantGemmParams), int smem, const QuantGemmParams& p,
+                         cudaStream_t stream, bool dependent) {
+  const dim3 grid(ceil_div(p.q.n, 32 * WARPS), p.splits), block(WARPS * kWarpSize);
+  if (dependent) {
+    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
+  } else {
+    AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, p);
+  }
+}
+
 template <int M_TILES, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() / WARPS) quant_gemm_4bit_tiled_kernel(const QuantGemmParams gp) {
   using L = TiledLayout<M_TILES, WARPS>;
@@ -174,56 +318,22 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   constexpr int BN = L::kCols;
   const QuantGemvParams& p = gp.q;
   AG_DYNAMIC_SMEM(smem);
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / 4, c = lane % 4;
-  const int col_base = blockIdx.x * BN;
-  const int wc = warp * 32 + 4 * g;  // the lane's 4 columns within the block
-
-  // This block's stages: split blockIdx.y of gp.splits, as even as whole stages allow.
-  const int stages = p.k / kTiledK;
-  const int split = blockIdx.y;
-  const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
-  const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
-  const int count = s_end - s_begin;
+  const TiledPlace at = TiledPlace::of<BN>(gp);
+  const int g = at.g, c = at.c, col_base = at.col_base, wc = at.wc, s_begin = at.s_begin, count = at.count;
 
   const __half* x = static_cast<const __half*>(p.x);
-  const __half* zeros = static_cast<const __half*>(p.zeros);
-  const __half* scales = static_cast<const __half*>(p.scales);
   auto weights_at = [&](int slot) { return reinterpret_cast<uint32_t*>(smem + slot * L::kStageBytes); };
   auto x_at = [&](int slot) { return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kWeightBytes); };
   auto groups_at = [&](int slot) {
     return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kWeightBytes + L::kXBytes);
   };
 
-  // The copies into the ring, one stage after another from s_begin: per stage a thread
-  // copies kWLoads 16-byte pieces of packed weights, perhaps one of the group's zero points
-  // or scales, and kXLoads pieces of x. Its pieces sit at the same place in every stage, so
-  // the source pointers are set up once and advanced by one stage per copy (the group's by
-  // one group every stages_per_group copies), and the destinations are offsets within a
-  // slot: computed per copy with the stage index, the 64-bit address arithmetic and a
-  // division by stages_per_group took 135 instructions a stage a thread for 6 copies (sm_90
-  // SASS, gate|up at 64 rows), a third of the stage's.
-  constexpr int kWLoads = kTiledPackedRows * (BN / 4) / kThreads;  // 2: packed rows w0 and w0 + 4
-  static_assert(kTiledPackedRows * (BN / 4) == kWLoads * kThreads, "whole weight pieces a thread");
+  // The copies into the ring: the weights' and groups' (TiledWeightCopies), and per stage
+  // kXLoads 16-byte pieces of x, its source pointer likewise advanced by one stage a copy.
+  TiledWeightCopies<kThreads, BN, L::kWordsPerRow> weight_copies(p, col_base, s_begin);
   constexpr int kXRowsPerPass = kThreads / 8;
   constexpr int kXLoads = (kRows + kXRowsPerPass - 1) / kXRowsPerPass;
   constexpr bool kXWhole = kXLoads * kXRowsPerPass == kRows;  // every thread copies kXLoads rows
-  const int w_row = threadIdx.x / (BN / 4), w_col = col_base + 4 * (threadIdx.x % (BN / 4));
-  const bool w_ok = w_col < p.n;
-  const int64_t w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
-  const int64_t w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kWLoads) * p.qweight_stride : 0;
-  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0) +
-                         s_begin * w_stage;
-  const int w_dst = w_row * L::kWordsPerRow + 4 * (threadIdx.x % (BN / 4));
-  const bool g_load = threadIdx.x < BN / 4;
-  const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
-  const bool g_ok = g_load && g_col < p.n;
-  const int64_t g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
-  const int stages_per_group = p.group_size / kTiledK;
-  const __half* g_src = (g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros) + (s_begin / stages_per_group) * g_stride;
-  int g_left = stages_per_group - s_begin % stages_per_group;  // stages until the next group
-  const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
   const int x_row = threadIdx.x / 8, x_piece = threadIdx.x % 8;
   const int64_t x_pass = static_cast<int64_t>(kXRowsPerPass) * p.x_stride;
   const __half* x_src = x + static_cast<int64_t>(x_row) * p.x_stride + 8 * x_piece + s_begin * kTiledK;
@@ -232,20 +342,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
 #pragma unroll
   for (int j = 0; j < kXLoads; ++j) x_ok |= static_cast<uint32_t>(x_row + j * kXRowsPerPass < p.m) << j;
 
-  // The next stage's weights and group constants (which no kernel ahead writes) into `slot`.
-  auto load_weights = [&](int slot) {
-    uint32_t* w = weights_at(slot);
-#pragma unroll
-    for (int j = 0; j < kWLoads; ++j) {
-      cp_async16(w + w_dst + j * (kTiledPackedRows / kWLoads) * L::kWordsPerRow, w_src + j * w_next, w_ok);
-    }
-    w_src += w_stage;
-    if (g_load) cp_async16(groups_at(slot) + g_dst, g_src, g_ok);
-    if (--g_left == 0) {
-      g_left = stages_per_group;
-      g_src += g_stride;
-    }
-  };
+  auto load_weights = [&](int slot) { weight_copies.copy(weights_at(slot), groups_at(slot)); };
   // The next stage's x into `slot` (rows past x's are zero-filled from x's first row).
   auto load_x = [&](int slot) {
     __half* xs = x_at(slot);
@@ -344,61 +441,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   }
   cp_async_wait<0>();
 
-  // D entry r of tile t: column wc + 2t + r / 2, x row 8 mt + 2c + r % 2; entries r and r + 2
-  // are two neighbouring columns of one row, stored as a pair.
-  __half* out = static_cast<__half*>(p.out);
-  const __half* bias = static_cast<const __half*>(p.bias);
-  const bool whole = gp.splits == 1;  // else the fp32 partials of this split
-  float* part = gp.workspace + static_cast<int64_t>(split) * p.m * p.n;
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int row = 8 * mt + 2 * c + rr;
-        const int col = col_base + wc + 2 * t;
-        if (row >= p.m || col >= p.n) continue;
-        float v0 = acc[mt][t][rr], v1 = acc[mt][t][rr + 2];
-        if (!whole) {
-          *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) = make_float2(v0, v1);
-          continue;
-        }
-        if (bias != nullptr) {
-          v0 += __half2float(bias[col]);
-          v1 += __half2float(bias[col + 1]);
-        }
-        *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
-      }
-  if (whole) return;
-  if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
-  add_split_partials<kThreads, BN, kRows>(gp, col_base);
-}
-
-template <int M_TILES, int WARPS>
-void launch_quant_gemm_4bit_for(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
-  void (*kernel)(const QuantGemmParams) = quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>;
-  constexpr int smem = TiledLayout<M_TILES, WARPS>::kSmemBytes;
-  if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>>(smem);
-  const dim3 grid(ceil_div(p.q.n, 32 * WARPS), p.splits), block(WARPS * kWarpSize);
-  if (dependent) {
-    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
-  } else {
-    AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, p);
-  }
-}
-
-template <int WARPS>
-void launch_quant_gemm_4bit_warps(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
-  if (p.q.m <= 8) {
-    launch_quant_gemm_4bit_for<1, WARPS>(p, stream, dependent);
-  } else if (p.q.m <= 16) {
-    launch_quant_gemm_4bit_for<2, WARPS>(p, stream, dependent);
-  } else if (p.q.m <= 32) {
-    launch_quant_gemm_4bit_for<4, WARPS>(p, stream, dependent);
-  } else {
-    launch_quant_gemm_4bit_for<8, WARPS>(p, stream, dependent);
-  }
+  store_tiled_result<M_TILES, kThreads, BN>(gp, col_base, wc, c,
+                                           [&](int mt, int t, int r) { return acc[mt][t][r]; });
 }
 
 // Returns false where the kernel does not take `p` (quant_gemm_4bit_ok). `dependent`
@@ -406,11 +450,12 @@ void launch_quant_gemm_4bit_warps(const QuantGemmParams& p, cudaStream_t stream,
 // its first weights, then waits for x.
 inline bool launch_quant_gemm_4bit(const QuantGemmParams& p, cudaStream_t stream, bool dependent = false) {
   if (!quant_gemm_4bit_ok(p)) return false;
-  if (p.warps == 4) {
-    launch_quant_gemm_4bit_warps<4>(p, stream, dependent);
-  } else {
-    launch_quant_gemm_4bit_warps<8>(p, stream, dependent);
-  }
+  dispatch_tiled_shape(p, [&](auto m_tiles, auto warps) {
+    constexpr int M_TILES = decltype(m_tiles)::value, WARPS = decltype(warps)::value;
+    constexpr int smem = TiledLayout<M_TILES, WARPS>::kSmemBytes;
+    if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>>(smem);
+    launch_tiled_kernel<WARPS>(quant_gemm_4bit_tiled_kernel<M_TILES, WARPS>, smem, p, stream, dependent);
+  });
   return true;
 }
 

@@ -217,47 +217,21 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
   const QuantGemvParams& p = gp.q;
   AG_DYNAMIC_SMEM(smem_raw);
   unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / 4, c = lane % 4;
-  const int col_base = blockIdx.x * BN;
-  const int wc = warp * 32 + 4 * g;  // the lane's 4 columns within the block
-
-  const int stages = p.k / kTiledK;
-  const int split = blockIdx.y;
-  const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
-  const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
-  const int count = s_end - s_begin;
+  const TiledPlace at = TiledPlace::of<BN>(gp);
+  const int g = at.g, c = at.c, col_base = at.col_base, wc = at.wc, s_begin = at.s_begin, count = at.count;
 
   const __half* x = static_cast<const __half*>(p.x);
-  const __half* zeros = static_cast<const __half*>(p.zeros);
-  const __half* scales = static_cast<const __half*>(p.scales);
   auto x_at = [&](int slot) { return smem + slot * L::kStageBytes; };
   auto weights_at = [&](int slot) { return reinterpret_cast<uint32_t*>(smem + slot * L::kStageBytes + L::kXBytes); };
   auto groups_at = [&](int slot) {
     return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kXBytes + L::kWeightBytes);
   };
 
-  // The copies into the ring, as in the tiled kernel, except x: thread t < 2 kRows copies
-  // the 32-row chunk t % 2 of x row t / 2 (4 pieces of 16 bytes), which it later reorders.
-  constexpr int kWLoads = kTiledPackedRows * (BN / 4) / kThreads;
-  static_assert(kTiledPackedRows * (BN / 4) == kWLoads * kThreads, "whole weight pieces a thread");
+  // The copies into the ring: the weights' and groups' as in the tiled kernel
+  // (TiledWeightCopies); of x, thread t < 2 kRows copies the 32-row chunk t % 2 of x row
+  // t / 2 (4 pieces of 16 bytes), which it later reorders.
+  TiledWeightCopies<kThreads, BN, L::kWordsPerRow> weight_copies(p, col_base, s_begin);
   static_assert(2 * kRows <= kThreads, "one x chunk a thread at most");
-  const int w_row = threadIdx.x / (BN / 4), w_col = col_base + 4 * (threadIdx.x % (BN / 4));
-  const bool w_ok = w_col < p.n;
-  const int64_t w_stage = w_ok ? static_cast<int64_t>(kTiledPackedRows) * p.qweight_stride : 0;
-  const int64_t w_next = w_ok ? static_cast<int64_t>(kTiledPackedRows / kWLoads) * p.qweight_stride : 0;
-  const int32_t* w_src = p.qweight + (w_ok ? static_cast<int64_t>(w_row) * p.qweight_stride + w_col : 0) +
-                         s_begin * w_stage;
-  const int w_dst = w_row * L::kWordsPerRow + 4 * (threadIdx.x % (BN / 4));
-  const bool g_load = threadIdx.x < BN / 4;
-  const int g_part = threadIdx.x / (BN / 8), g_col = col_base + 8 * (threadIdx.x % (BN / 8));
-  const bool g_ok = g_load && g_col < p.n;
-  const int64_t g_stride = g_ok ? (g_part == 0 ? p.zeros_stride : p.scales_stride) : 0;
-  const int stages_per_group = p.group_size / kTiledK;
-  const __half* g_src = (g_ok ? (g_part == 0 ? zeros : scales) + g_col : zeros) + (s_begin / stages_per_group) * g_stride;
-  int g_left = stages_per_group - s_begin % stages_per_group;
-  const int g_dst = g_part * BN + 8 * (threadIdx.x % (BN / 8));
   const bool x_task = threadIdx.x < 2 * kRows;
   const int x_row = threadIdx.x / 2, x_half = threadIdx.x % 2;
   const bool x_ok = x_task && x_row < p.m;
@@ -266,19 +240,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
 #pragma unroll
   for (int q = 0; q < 4; ++q) x_dst[q] = x_row * 128 + 16 * ((4 * x_half + q) ^ (x_row & 7));
 
-  auto load_weights = [&](int slot) {
-    uint32_t* w = weights_at(slot);
-#pragma unroll
-    for (int j = 0; j < kWLoads; ++j) {
-      cp_async16(w + w_dst + j * (kTiledPackedRows / kWLoads) * L::kWordsPerRow, w_src + j * w_next, w_ok);
-    }
-    w_src += w_stage;
-    if (g_load) cp_async16(groups_at(slot) + g_dst, g_src, g_ok);
-    if (--g_left == 0) {
-      g_left = stages_per_group;
-      g_src += g_stride;
-    }
-  };
+  auto load_weights = [&](int slot) { weight_copies.copy(weights_at(slot), groups_at(slot)); };
   auto load_x = [&](int slot) {
     if (!x_task) return;
     unsigned char* xs = x_at(slot);
@@ -383,33 +345,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
 #pragma unroll
     for (int r = 0; r < 4 * M_TILES; ++r) fence_register(acc[t][r]);
 
-  __half* out = static_cast<__half*>(p.out);
-  const __half* bias = static_cast<const __half*>(p.bias);
-  const bool whole = gp.splits == 1;
-  float* part = gp.workspace + static_cast<int64_t>(split) * p.m * p.n;
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int row = 8 * mt + 2 * c + rr;
-        const int col = col_base + wc + 2 * t;
-        if (row >= p.m || col >= p.n) continue;
-        float v0 = acc[t][4 * mt + rr], v1 = acc[t][4 * mt + rr + 2];
-        if (!whole) {
-          *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) = make_float2(v0, v1);
-          continue;
-        }
-        if (bias != nullptr) {
-          v0 += __half2float(bias[col]);
-          v1 += __half2float(bias[col + 1]);
-        }
-        *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
-      }
-  if (whole) return;
-  if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
-  add_split_partials<kThreads, BN, kRows>(gp, col_base);
+  store_tiled_result<M_TILES, kThreads, BN>(gp, col_base, wc, c,
+                                           [&](int mt, int t, int r) { return acc[t][4 * mt + r]; });
 }
 
 // Whether this build launches the warpgroup kernel: sm_90a device code (AG_WGMMA, defined
@@ -420,42 +357,17 @@ constexpr bool kWgmmaBuilt = true;
 constexpr bool kWgmmaBuilt = false;
 #endif
 
-template <int M_TILES, int WARPS>
-void launch_quant_gemm_4bit_wgmma_for(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
-  void (*kernel)(const QuantGemmParams) = quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>;
-  constexpr int smem = WgmmaLayout<M_TILES, WARPS>::kSmemBytes;
-  if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>>(smem);
-  const dim3 grid(ceil_div(p.q.n, 32 * WARPS), p.splits), block(WARPS * kWarpSize);
-  if (dependent) {
-    AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
-  } else {
-    AG_LAUNCH_KERNEL(kernel, grid, block, smem, stream, p);
-  }
-}
-
-template <int WARPS>
-void launch_quant_gemm_4bit_wgmma_warps(const QuantGemmParams& p, cudaStream_t stream, bool dependent) {
-  if (p.q.m <= 8) {
-    launch_quant_gemm_4bit_wgmma_for<1, WARPS>(p, stream, dependent);
-  } else if (p.q.m <= 16) {
-    launch_quant_gemm_4bit_wgmma_for<2, WARPS>(p, stream, dependent);
-  } else if (p.q.m <= 32) {
-    launch_quant_gemm_4bit_wgmma_for<4, WARPS>(p, stream, dependent);
-  } else {
-    launch_quant_gemm_4bit_wgmma_for<8, WARPS>(p, stream, dependent);
-  }
-}
-
 // The tiled GEMM's product by the warpgroup kernel: takes what quant_gemm_4bit_ok takes, in
 // builds that have it (kWgmmaBuilt; the caller checks the device is sm_90). Returns false
 // otherwise.
 inline bool launch_quant_gemm_4bit_wgmma(const QuantGemmParams& p, cudaStream_t stream, bool dependent = false) {
   if (!kWgmmaBuilt || !quant_gemm_4bit_ok(p)) return false;
-  if (p.warps == 4) {
-    launch_quant_gemm_4bit_wgmma_warps<4>(p, stream, dependent);
-  } else {
-    launch_quant_gemm_4bit_wgmma_warps<8>(p, stream, dependent);
-  }
+  dispatch_tiled_shape(p, [&](auto m_tiles, auto warps) {
+    constexpr int M_TILES = decltype(m_tiles)::value, WARPS = decltype(warps)::value;
+    constexpr int smem = WgmmaLayout<M_TILES, WARPS>::kSmemBytes;
+    if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>>(smem);
+    launch_tiled_kernel<WARPS>(quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>, smem, p, stream, dependent);
+  });
   return true;
 }
 
