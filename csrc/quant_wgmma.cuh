@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
   AG_DYNAMIC_SMEM(smem_raw);
   unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
   const TiledPlace at = TiledPlace::of<BN>(gp);
-  const int g = at.g, c = at.c, col_base = at.col_base, wc = at.wc, s_begin = at.s_begin, count = at.count;
+  const int c = at.c, col_base = at.col_base, wc = at.wc, s_begin = at.s_begin, count = at.count;
 
   const __half* x = static_cast<const __half*>(p.x);
   auto x_at = [&](int slot) { return smem + slot * L::kStageBytes; };
