@@ -212,14 +212,9 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   if (p.q.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   TORCH_CHECK(has_tensor_cores(x.get_device()), "the tiled 4-bit GEMM needs an sm_80+ GPU");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (wgmma) {
-    TORCH_CHECK(compute_major(x.get_device()) == 9, "wgmma: the warpgroup 4-bit GEMM needs an sm_90 GPU, got "
-                "compute capability ", compute_major(x.get_device()), ".x");
-    launch_quant_gemm_4bit_wgmma(p, stream, dependent_launch(x.get_device()));
-  } else {
-    launch_quant_gemm_4bit(p, stream, dependent_launch(x.get_device()));
-  }
+  TORCH_CHECK(!wgmma || compute_major(x.get_device()) == 9, "wgmma: the warpgroup 4-bit GEMM needs an sm_90 GPU, "
+              "got compute capability ", compute_major(x.get_device()), ".x");
+  launch_tiled_quant_gemm(p, c10::cuda::getCurrentCUDAStream(), dependent_launch(x.get_device()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -168,6 +168,12 @@ AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base) {
   }
 }
 
+// 8 halves e0..e7 (one 16-byte piece of x) as the pairs (e0, e4), (e1, e5), (e2, e6),
+// (e3, e7): the order in which dequant_word gives a packed word's codes (both tiled kernels).
+AG_DEVICE uint4 pair_halves(const uint4& e) {
+  return make_uint4(pair_lo(e.x, e.z), pair_hi(e.x, e.z), pair_lo(e.y, e.w), pair_hi(e.y, e.w));
+}
+
 // A thread's place in a tiled kernel's block: its lane (g, c), the block's first column, the
 // lane's 4 columns within the block (wc .. wc + 3), and the block's stages: split blockIdx.y
 // of gp.splits, as even as whole stages allow.
@@ -394,7 +400,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
         if (kXWhole || x_row + j * kXRowsPerPass < kRows) {
           uint4* v = reinterpret_cast<uint4*>(xs + x_dst + j * kXRowsPerPass * kTiledK);
           const uint4 e = *v;
-          *v = make_uint4(pair_lo(e.x, e.z), pair_hi(e.x, e.z), pair_lo(e.y, e.w), pair_hi(e.y, e.w));
+          *v = pair_halves(e);
         }
       }
     }

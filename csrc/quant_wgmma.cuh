@@ -114,12 +114,10 @@ AG_DEVICE void emulated_wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_
 }
 #endif
 
-template <int N>
-AG_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
-
-template <>
-AG_DEVICE void wgmma_rs<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t desc) {
 #if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+// The instruction for each N the kernel uses (the operand lists differ only in length),
+// overloaded on D's size.
+AG_DEVICE void wgmma_rs_asm(float (&d)[4], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %9, 0;\n"
@@ -128,16 +126,9 @@ AG_DEVICE void wgmma_rs<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t desc)
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-#elif defined(__CUDA_ARCH__)
-  __trap();  // launched only where AG_WGMMA says the target has wgmma
-#elif defined(AG_EMU_SMEM_AT)
-  emulated_wgmma<8>(d, a, desc);
-#endif
 }
 
-template <>
-AG_DEVICE void wgmma_rs<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+AG_DEVICE void wgmma_rs_asm(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %13, 0;\n"
@@ -146,16 +137,9 @@ AG_DEVICE void wgmma_rs<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-#elif defined(__CUDA_ARCH__)
-  __trap();  // launched only where AG_WGMMA says the target has wgmma
-#elif defined(AG_EMU_SMEM_AT)
-  emulated_wgmma<16>(d, a, desc);
-#endif
 }
 
-template <>
-AG_DEVICE void wgmma_rs<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+AG_DEVICE void wgmma_rs_asm(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %21, 0;\n"
@@ -165,16 +149,9 @@ AG_DEVICE void wgmma_rs<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t des
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-#elif defined(__CUDA_ARCH__)
-  __trap();  // launched only where AG_WGMMA says the target has wgmma
-#elif defined(AG_EMU_SMEM_AT)
-  emulated_wgmma<32>(d, a, desc);
-#endif
 }
 
-template <>
-AG_DEVICE void wgmma_rs<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+AG_DEVICE void wgmma_rs_asm(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %37, 0;\n"
@@ -187,10 +164,18 @@ AG_DEVICE void wgmma_rs<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t des
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+#endif
+
+template <int N>
+AG_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+  wgmma_rs_asm(d, a, desc);
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only where AG_WGMMA says the target has wgmma
 #elif defined(AG_EMU_SMEM_AT)
-  emulated_wgmma<64>(d, a, desc);
+  emulated_wgmma<N>(d, a, desc);
 #endif
 }
 
@@ -278,19 +263,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
     // of the chunk, i.e. halves j and j + 4 of in-piece q.
     if (x_task) {
       unsigned char* xs = x_at(slot);
-      uint4 e[4];
+      uint4 e[4], r[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) e[q] = *reinterpret_cast<const uint4*>(xs + x_dst[q]);
-      uint32_t r[4][4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        r[q][0] = pair_lo(e[q].x, e[q].z);
-        r[q][1] = pair_hi(e[q].x, e[q].z);
-        r[q][2] = pair_lo(e[q].y, e[q].w);
-        r[q][3] = pair_hi(e[q].y, e[q].w);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j]) = make_uint4(r[0][j], r[1][j], r[2][j], r[3][j]);
+      for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[q]);
+      *reinterpret_cast<uint4*>(xs + x_dst[0]) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
+      *reinterpret_cast<uint4*>(xs + x_dst[1]) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
+      *reinterpret_cast<uint4*>(xs + x_dst[2]) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
+      *reinterpret_cast<uint4*>(xs + x_dst[3]) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
       fence_proxy_async();
     }
     __syncthreads();  // stage i is in and reordered; every warp's products of stage i - 2 are done
@@ -369,6 +350,12 @@ inline bool launch_quant_gemm_4bit_wgmma(const QuantGemmParams& p, cudaStream_t 
     launch_tiled_kernel<WARPS>(quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>, smem, p, stream, dependent);
   });
   return true;
+}
+
+// The tiled GEMM's product by the kernel p.wgmma names (the caller checks the device for the
+// warpgroup kernel). Returns false where that kernel does not take `p`.
+inline bool launch_tiled_quant_gemm(const QuantGemmParams& p, cudaStream_t stream, bool dependent = false) {
+  return p.wgmma ? launch_quant_gemm_4bit_wgmma(p, stream, dependent) : launch_quant_gemm_4bit(p, stream, dependent);
 }
 
 }  // namespace asyncgen

@@ -607,23 +607,23 @@ class QuantLinearMethod(LinearMethod):
             tiled = tensor_cores and all(
                 cuda_backend.quant_gemm_4bit_weight_ok(*item[2], item[4]) for item in items
             )
+            device = items[0][2][0].device
+            tiled_kernels = [TILED + i for i in cuda_backend.quant_gemm_config_indices(device)] if tiled else []
+
+            def product(kernel):  # the kernel as _time_product takes a product
+                if kernel == TRITON:
+                    return QuantLinearMethod._triton
+                return lambda method, x, qweight, scales, zeros, seg, bias, out, size: QuantLinearMethod._csrc(
+                    x, qweight, scales, zeros, seg, bias, out, size, kernel)
+
             route, picks, done = [TRITON] * (CUDA_GEMV_MAX_ROWS + 1), [], 0
             for m in ROUTE_ROWS:
                 if m > max_rows:
                     break
-                x, out = QuantLinearMethod._timing_buffers(items, m)
                 candidates = [TRITON] + [CUDA_CORES] * (m <= cuda_backend.GEMV_MAX_ROWS) + [TENSOR_CORES] * tensor_cores
-                if tiled and m >= TILED_MIN_ROWS:
-                    candidates += [TILED + i for i in cuda_backend.quant_gemm_config_indices(x.device)]
-
-                def run(item, kernel=TRITON):
-                    method, seg, (qweight, scales, zeros), bias, size = item
-                    y = out[:, : qweight.shape[1]]
-                    if kernel == TRITON:
-                        return method._triton(x, qweight, scales, zeros, seg, bias, y, size)
-                    return QuantLinearMethod._csrc(x, qweight, scales, zeros, seg, bias, y, size, kernel)
-
-                times = {c: cuda_backend.graph_time_ms(lambda item, c=c: run(item, c), items) for c in candidates}
+                if m >= TILED_MIN_ROWS:
+                    candidates += tiled_kernels
+                times = {c: QuantLinearMethod._time_product(items, m, product(c)) for c in candidates}
                 best = min(times, key=times.get)
                 route[done + 1 : m + 1] = [best] * (m - done)
                 picks.append(best)

@@ -87,8 +87,7 @@ int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_o
 
 // The tiled 4-bit GEMM (quant_gemm.cuh). Returns 0 on success, 1 where it does not take p.
 int ag_quant_gemm_4bit(const QuantGemmParams* p) {
-  const bool ok = p->wgmma ? asyncgen::launch_quant_gemm_4bit_wgmma(*p, nullptr) : asyncgen::launch_quant_gemm_4bit(*p, nullptr);
-  return ok ? 0 : 1;
+  return asyncgen::launch_tiled_quant_gemm(*p, nullptr) ? 0 : 1;
 }
 
 int ag_sizeof_quant_gemm_params() { return sizeof(QuantGemmParams); }
