@@ -41,10 +41,6 @@ namespace asyncgen {
 #define AG_QWGMMA_STAGES 5
 #endif
 constexpr int kWgmmaStages = AG_QWGMMA_STAGES;
-#ifndef AG_QWGMMA_EARLY_X
-#define AG_QWGMMA_EARLY_X 1
-#endif
-constexpr bool kEarlyX = AG_QWGMMA_EARLY_X != 0;
 static_assert(kWgmmaStages >= 3, "the ring refills STAGES - 2 stages ahead");
 
 // ---------------------------------------------------------------------------------------
@@ -82,35 +78,11 @@ AG_DEVICE void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
-// A 16-byte shared-memory store that only `p` threads make, without a branch: a branch
-// between a wgmma and the wait for it makes ptxas serialize every wgmma of the kernel.
-AG_DEVICE void store_shared_if(bool p, void* ptr, const uint4& v) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "{\n.reg .pred q;\nsetp.ne.b32 q, %0, 0;\n@q st.shared.v4.b32 [%1], {%2, %3, %4, %5};\n}\n" ::"r"(
-          static_cast<int>(p)),
-      "r"(smem_address(ptr)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-      : "memory");
-#else
-  if (p) *reinterpret_cast<uint4*>(ptr) = v;
-#endif
-}
-
 // Keeps the compiler from moving reads or writes of `r` across this point (accumulators of
 // wgmma in flight).
 AG_DEVICE void fence_register(float& r) {
 #if defined(__CUDA_ARCH__)
   asm volatile("" : "+f"(r)::"memory");
-#else
-  (void)r;
-#endif
-}
-// The same for an A register: it stays allocated to the value read by the wgmma in flight
-// until this point, so that nothing else is placed in it meanwhile (ptxas would serialize
-// the products).
-AG_DEVICE void fence_register(uint32_t& r) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("" : "+r"(r)::"memory");
 #else
   (void)r;
 #endif
@@ -251,7 +223,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
   const __half* x_src = x_ok ? x + static_cast<int64_t>(x_row) * p.x_stride + 32 * x_half + s_begin * kTiledK : x;
   int x_dst[4];  // byte offsets of the chunk's pieces in a slot, swizzled
 #pragma unroll
-  for (int q = 0; q < 4; ++q) x_dst[q] = (x_row % kRows) * 128 + 16 * ((4 * x_half + q) ^ (x_row & 7));
+  for (int q = 0; q < 4; ++q) x_dst[q] = x_row * 128 + 16 * ((4 * x_half + q) ^ (x_row & 7));
 
   auto load_weights = [&](int slot) { weight_copies.copy(weights_at(slot), groups_at(slot)); };
   auto load_x = [&](int slot) {
@@ -284,53 +256,31 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
     for (int r = 0; r < 4 * M_TILES; ++r) acc[t][r] = 0.f;
 
   const uint32_t x_base = smem_address(smem);
-  // This thread's x chunk of `slot` in B's order, made visible to wgmma's reads: out piece
-  // j, register q = (x[8q + j], x[8q + j + 4]) of the chunk, i.e. halves j and j + 4 of
-  // in-piece q. Without a branch (for kEarlyX, which runs it while products are in flight):
-  // every thread reads 4 pieces of the slot (a thread without an x chunk those at its
-  // x_dst, in the slot whatever its row), and only x-chunk threads store.
-  auto reorder_x = [&](int slot, bool store) {
-    unsigned char* xs = x_at(slot);
-    uint4 e[4], r[4];
+  for (int i = 0; i < count; ++i) {
+    cp_async_wait<kAhead - 1>();
+    const int slot = i % kWgmmaStages;
+    // This thread's x chunk in B's order: out piece j, register q = (x[8q + j], x[8q + j + 4])
+    // of the chunk, i.e. halves j and j + 4 of in-piece q.
+    if (x_task) {
+      unsigned char* xs = x_at(slot);
+      uint4 e[4], r[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) e[q] = *reinterpret_cast<const uint4*>(xs + x_dst[q]);
+      for (int q = 0; q < 4; ++q) e[q] = *reinterpret_cast<const uint4*>(xs + x_dst[q]);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[q]);
-    store = store && x_task;
-    store_shared_if(store, xs + x_dst[0], make_uint4(r[0].x, r[1].x, r[2].x, r[3].x));
-    store_shared_if(store, xs + x_dst[1], make_uint4(r[0].y, r[1].y, r[2].y, r[3].y));
-    store_shared_if(store, xs + x_dst[2], make_uint4(r[0].z, r[1].z, r[2].z, r[3].z));
-    store_shared_if(store, xs + x_dst[3], make_uint4(r[0].w, r[1].w, r[2].w, r[3].w));
-    fence_proxy_async();
-  };
-  // The copies of stage i + kAhead into its slot (that of stage i - 2, whose products every
-  // warp has completed once past stage i's barrier), one commit group a stage.
-  auto refill = [&](int i) {
+      for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[q]);
+      *reinterpret_cast<uint4*>(xs + x_dst[0]) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
+      *reinterpret_cast<uint4*>(xs + x_dst[1]) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
+      *reinterpret_cast<uint4*>(xs + x_dst[2]) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
+      *reinterpret_cast<uint4*>(xs + x_dst[3]) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
+      fence_proxy_async();
+    }
+    __syncthreads();  // stage i is in and reordered; every warp's products of stage i - 2 are done
     const int next = i + kAhead;
     if (next < count) {
       load_weights(next % kWgmmaStages);
       load_x(next % kWgmmaStages);
     }
     cp_async_commit();
-  };
-
-  // kEarlyX: stage i + 1's x is reordered in the middle of stage i, between its two chunks'
-  // products, instead of before stage i + 1's barrier, where every warp would wait for it.
-  // Stage i + 1's x is commit group kAhead + i + 1, and after stage i's refill 2 kAhead +
-  // i + 1 groups are committed: cp_async_wait<kAhead - 1> leaves exactly the newer pending.
-  if constexpr (kEarlyX) {
-    cp_async_wait<kAhead - 1>();
-    reorder_x(0, count > 0);
-  }
-  uint32_t a_regs[kTiledChunks][2][2][4] = {};  // A of each chunk of a stage, dequantized
-  for (int i = 0; i < count; ++i) {
-    const int slot = i % kWgmmaStages;
-    if constexpr (!kEarlyX) {
-      cp_async_wait<kAhead - 1>();
-      reorder_x(slot, true);
-    }
-    __syncthreads();  // stage i is in and reordered; every warp's products of stage i - 2 are done
-    refill(i);
 
     const uint32_t* w = weights_at(slot);
     const __half* gs = groups_at(slot);
@@ -342,29 +292,11 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
       const uint4 wv = *reinterpret_cast<const uint4*>(w + (4 * ch + c) * L::kWordsPerRow + wc);
       const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
       // The A registers of chunk ch - 2 (the same set) must be free: at most the previous
-      // chunk's products stay in flight. Each set is held from its products to this wait,
-      // its next use, so that nothing else is placed in those registers meanwhile (ptxas
-      // would serialize the products).
+      // chunk's products stay in flight.
       wgmma_wait<1>();
-      uint32_t(&a)[2][2][4] = a_regs[ch];  // [k-step][tile t]: the 4 registers of a wgmma's A
+      uint32_t d[4][4];
 #pragma unroll
-      for (int step = 0; step < 2; ++step)
-#pragma unroll
-        for (int t = 0; t < 2; ++t)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) fence_register(a[step][t][r]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t d[4];
-        dequant_word<true, true>(d, words[j], grp, j);
-        // Word j is column 4 (lane's) + j: tile t = j / 2, row g or g + 8 by j % 2; its
-        // registers 2 step and 2 step + 1 are k-slots (2c, 2c + 1) and (2c + 8, 2c + 9).
-#pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          a[step][j / 2][j % 2] = d[2 * step];
-          a[step][j / 2][j % 2 + 2] = d[2 * step + 1];
-        }
-      }
+      for (int j = 0; j < 4; ++j) dequant_word<true, true>(d[j], words[j], grp, j);
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < 2; ++t)
@@ -374,19 +306,17 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
       for (int step = 0; step < 2; ++step) {
         const uint64_t desc = wgmma_desc_k128(x_slot + 32 * (2 * ch + step));
 #pragma unroll
-        for (int t = 0; t < 2; ++t) wgmma_rs<8 * M_TILES>(acc[t], a[step][t], desc);
+        for (int t = 0; t < 2; ++t) {
+          const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
+                                 d[2 * t + 1][2 * step + 1]};
+          wgmma_rs<8 * M_TILES>(acc[t], a, desc);
+        }
       }
       wgmma_commit();
 #pragma unroll
       for (int t = 0; t < 2; ++t)
 #pragma unroll
         for (int r = 0; r < 4 * M_TILES; ++r) fence_register(acc[t][r]);
-      if constexpr (kEarlyX) {
-        if (ch == 0) {
-          cp_async_wait<kAhead - 1>();
-          reorder_x((i + 1) % kWgmmaStages, i + 1 < count);
-        }
-      }
     }
   }
   wgmma_wait<0>();
