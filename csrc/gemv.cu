@@ -185,12 +185,23 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   QuantGemmParams p{};
   p.q = quant_params(out, x, qweight, scales, zeros, group_size, bias);
   TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8, got ", warps);
-  TORCH_CHECK(splits >= 1 && splits <= kTiledMaxSplits, "splits must be 1 to ", kTiledMaxSplits, ", got ", splits);
+  TORCH_CHECK((splits >= 1 && splits <= kTiledMaxSplits) || (wgmma && splits >= -kMaxStreamBlocksPerSm && splits <= -1),
+              "splits must be 1 to ", kTiledMaxSplits, " (or, with wgmma, -1 to -", kMaxStreamBlocksPerSm,
+              ": a balanced launch of that many blocks an SM), got ", splits);
   p.warps = static_cast<int>(warps);
-  p.splits = static_cast<int>(splits);
   p.wgmma = wgmma ? 1 : 0;
   TORCH_CHECK(!wgmma || kWgmmaBuilt, "wgmma: this build of asyncgen._C has no sm_90a code (build with "
               "ASYNCGEN_CUDA_ARCHS=90a)");
+  if (splits < 0) {
+    TORCH_CHECK(p.q.k % kTiledK == 0, "the tiled 4-bit GEMM takes K a multiple of ", kTiledK, ", got ", p.q.k);
+    const StreamPlan plan = plan_stream_gemm(p.q.n, p.q.k, p.warps,
+                                             static_cast<int64_t>(-splits) * multiprocessor_count(x.get_device()));
+    TORCH_CHECK(plan.max_segments <= kTiledMaxSplits, "a balanced launch of ", -splits, " blocks an SM shares a "
+                "column block among ", plan.max_segments, " blocks, more than ", kTiledMaxSplits);
+    p.stream_blocks = plan.blocks;
+    splits = plan.max_segments;
+  }
+  p.splits = static_cast<int>(splits);
   if (splits > 1) {
     TORCH_CHECK(workspace.has_value() && counters.has_value(), "splits > 1 needs a workspace and counters");
     AG_CHECK_CUDA((*workspace), qweight);

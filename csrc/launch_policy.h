@@ -23,6 +23,18 @@ inline int compute_major(int device) {
   return m;
 }
 
+// The device's number of SMs (0: unknown device index).
+inline int multiprocessor_count(int device) {
+  static std::atomic<int> count[64] = {};  // 0: not asked yet
+  if (device < 0 || device >= 64) return 0;
+  int c = count[device].load(std::memory_order_relaxed);
+  if (c == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device));
+    count[device].store(c, std::memory_order_relaxed);
+  }
+  return c;
+}
+
 // Whether the device has fp16 mma.sync (sm_80+).
 inline bool has_tensor_cores(int device) { return compute_major(device) >= 8; }
 

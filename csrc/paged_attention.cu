@@ -22,15 +22,6 @@ extern template bool launch_paged_attention_decode<__nv_bfloat16>(const DecodePa
 
 namespace {
 
-int multiprocessor_count(int device) {
-  static int cached[64] = {0};  // per device; a benign race writes the same value
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cached[device] = count;
-  return count;
-}
-
 int clamp_to_int(int64_t x) { return static_cast<int>(x > INT_MAX ? INT_MAX : x); }
 
 }  // namespace

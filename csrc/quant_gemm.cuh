@@ -45,6 +45,7 @@ constexpr int kTiledChunks = kTiledK / kMmaChunk;  // 32-row chunks per stage
 constexpr int kTiledPackedRows = kTiledK / 8;
 constexpr int kTiledMaxRows = kMmaMaxRows;  // the rows the 4-bit ops take
 constexpr int kTiledMaxSplits = 16;
+constexpr int kMaxStreamBlocksPerSm = 3;  // balanced launches: blocks an SM (plan_stream_gemm)
 #ifndef AG_QGEMM_STAGES
 #define AG_QGEMM_STAGES 4
 #endif
@@ -66,7 +67,37 @@ struct QuantGemmParams {
   int splits;        // 1 .. kTiledMaxSplits
   int warps;         // 4 or 8
   int wgmma;         // 1: the warpgroup kernel of quant_wgmma.cuh (sm_90a), else the tiled one
+  int stream_blocks;  // > 0 (the warpgroup kernel): that many blocks share the stages evenly
+                      // (plan_stream_gemm); splits is then the most blocks a column range has
 };
+
+// Balanced ("stream") launches: the product's T = column blocks x stages units of work,
+// column block by column block, are dealt to G blocks in even runs, block b taking units
+// [stream_start(b), stream_start(b + 1)), so that every SM gets as much work when the
+// column blocks do not divide evenly among them. A column block whose stages several blocks
+// share is summed from their fp32 partials by the last of them to finish (as with splits),
+// in block order. Host and device compute the same plan.
+__host__ __device__ __forceinline__ int64_t stream_start(int64_t b, int64_t units, int64_t blocks) {
+  return b * units / blocks;
+}
+// The block whose run holds unit u: the largest b with stream_start(b) <= u.
+__host__ __device__ __forceinline__ int64_t stream_block_of(int64_t u, int64_t units, int64_t blocks) {
+  return ((u + 1) * blocks - 1) / units;
+}
+struct StreamPlan {
+  int blocks;        // G: min(units, the blocks wanted)
+  int max_segments;  // the most blocks sharing one column block's stages
+};
+inline StreamPlan plan_stream_gemm(int n, int k, int warps, int64_t blocks_wanted) {
+  const int64_t col_blocks = ceil_div(n, 32 * warps), stages = k / kTiledK, units = col_blocks * stages;
+  const int64_t g = units < blocks_wanted ? units : blocks_wanted;
+  int64_t most = 0;
+  for (int64_t cb = 0; cb < col_blocks && g > 0; ++cb) {
+    const int64_t segs = stream_block_of(cb * stages + stages - 1, units, g) - stream_block_of(cb * stages, units, g) + 1;
+    most = segs > most ? segs : most;
+  }
+  return {static_cast<int>(g), static_cast<int>(most)};
+}
 
 template <int M_TILES, int WARPS>
 struct TiledLayout {
@@ -91,6 +122,7 @@ inline bool quant_gemm_4bit_ok(const QuantGemmParams& gp) {
   const bool split_ok = gp.splits == 1 || (gp.splits > 1 && gp.splits <= kTiledMaxSplits && gp.workspace != nullptr &&
                                            reinterpret_cast<uintptr_t>(gp.workspace) % 16 == 0 &&
                                            gp.counters != nullptr && static_cast<int64_t>(p.m) * p.n <= INT32_MAX);
+  if (gp.stream_blocks < 0 || (gp.stream_blocks > 0 && !gp.wgmma)) return false;
   return p.m >= 1 && p.m <= kTiledMaxRows && p.k % kTiledK == 0 && p.group_size % kTiledK == 0 &&
          p.k % p.group_size == 0 && p.n % 8 == 0 && (gp.warps == 4 || gp.warps == 8) && split_ok &&
          aligned16(p.scales, p.scales_stride, 2) && aligned16(p.zeros, p.zeros_stride, 2) &&
@@ -123,7 +155,7 @@ AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) {
 // the warpgroup GEMM's stall samples at 64 rows, and a layer's products took 147.4 against
 // 130.3 us at 64 rows on an H200 (docs/BENCHMARKS.md).
 template <int THREADS, int BN, int ROWS>
-AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base) {
+AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base, int splits) {
   constexpr int kItems = (ROWS * (BN / 4) + THREADS - 1) / THREADS;
   const QuantGemvParams& p = gp.q;
   __half* out = static_cast<__half*>(p.out);
@@ -139,7 +171,7 @@ AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base) {
     offset[j] = row < p.m && col < p.n ? row * p.n + col : -1;
     if (offset[j] >= 0) v[j] = __ldcg(reinterpret_cast<const float4*>(gp.workspace + offset[j]));
   }
-  for (int s = 1; s < gp.splits; ++s) {
+  for (int s = 1; s < splits; ++s) {
     const float* part = gp.workspace + s * split_stride;
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
@@ -179,6 +211,12 @@ AG_DEVICE uint4 pair_halves(const uint4& e) {
 // of gp.splits, as even as whole stages allow.
 struct TiledPlace {
   int g, c, col_base, wc, s_begin, count;
+  // Column block `col_block`, stages s_begin .. s_begin + count - 1.
+  template <int BN>
+  static AG_DEVICE TiledPlace at(int col_block, int s_begin, int count) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    return {lane / 4, lane % 4, col_block * BN, warp * 32 + 4 * (lane / 4), s_begin, count};
+  }
   template <int BN>
   static AG_DEVICE TiledPlace of(const QuantGemmParams& gp) {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -249,13 +287,15 @@ struct TiledWeightCopies {
 // mt, i.e. column col_base + wc + 2t + r / 2 and x row 8 mt + 2c + r % 2; entries r and
 // r + 2 are two neighbouring columns of one row, stored as a pair. With splits, each block
 // writes its fp32 partials and the last block of the column range adds them.
+// `piece` of `pieces` sharing the column block's stages (its counter `counter`).
 template <int M_TILES, int THREADS, int BN, typename Acc>
-AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, Acc acc) {
+AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, int piece, int pieces,
+                                  int counter, Acc acc) {
   const QuantGemvParams& p = gp.q;
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
-  const bool whole = gp.splits == 1;  // else the fp32 partials of this split
-  float* part = gp.workspace + static_cast<int64_t>(blockIdx.y) * p.m * p.n;
+  const bool whole = pieces == 1;  // else the fp32 partials of this piece
+  float* part = gp.workspace + static_cast<int64_t>(piece) * p.m * p.n;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -277,8 +317,8 @@ AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int w
         *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
       }
   if (whole) return;
-  if (!takes_last_ticket(gp.counters + blockIdx.x, gp.splits)) return;
-  add_split_partials<THREADS, BN, 8 * M_TILES>(gp, col_base);
+  if (!takes_last_ticket(gp.counters + counter, pieces)) return;
+  add_split_partials<THREADS, BN, 8 * M_TILES>(gp, col_base, pieces);
 }
 
 // Calls launch(std::integral_constant<int, M_TILES>, std::integral_constant<int, WARPS>) for
@@ -308,7 +348,8 @@ void dispatch_tiled_shape(const QuantGemmParams& p, Launch&& launch) {
 template <int WARPS>
 void launch_tiled_kernel(void (*kernel)(const QuantGemmParams), int smem, const QuantGemmParams& p,
                          cudaStream_t stream, bool dependent) {
-  const dim3 grid(ceil_div(p.q.n, 32 * WARPS), p.splits), block(WARPS * kWarpSize);
+  const dim3 grid = p.stream_blocks > 0 ? dim3(p.stream_blocks) : dim3(ceil_div(p.q.n, 32 * WARPS), p.splits);
+  const dim3 block(WARPS * kWarpSize);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
   } else {
@@ -447,7 +488,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, tiled_min_warps<M_TILES>() 
   }
   cp_async_wait<0>();
 
-  store_tiled_result<M_TILES, kThreads, BN>(gp, col_base, wc, c,
+  store_tiled_result<M_TILES, kThreads, BN>(gp, col_base, wc, c, blockIdx.y, gp.splits, blockIdx.x,
                                            [&](int mt, int t, int r) { return acc[mt][t][r]; });
 }
 

@@ -191,18 +191,17 @@ struct WgmmaLayout {
   static constexpr int kSmemBytes = kWgmmaStages * kStageBytes + 1024;  // + alignment of the first slot
 };
 
+// The block's product over `at`'s stages of its column block: `piece` of the `pieces` that
+// share them (counter `counter` of gp.counters). `smem` is the ring, 1024-byte aligned.
 template <int M_TILES, int WARPS>
-__global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / WARPS)
-    quant_gemm_4bit_wgmma_kernel(const QuantGemmParams gp) {
+AG_DEVICE void wgmma_gemm_piece(const QuantGemmParams& gp, unsigned char* smem, const TiledPlace& at, int piece,
+                                int pieces, int counter) {
   using L = WgmmaLayout<M_TILES, WARPS>;
   constexpr int kThreads = WARPS * kWarpSize;
   constexpr int kRows = L::kRows;
   constexpr int BN = L::kCols;
   constexpr int kAhead = kWgmmaStages - 2;  // stages in flight ahead of the one computed
   const QuantGemvParams& p = gp.q;
-  AG_DYNAMIC_SMEM(smem_raw);
-  unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
-  const TiledPlace at = TiledPlace::of<BN>(gp);
   const int c = at.c, col_base = at.col_base, wc = at.wc, s_begin = at.s_begin, count = at.count;
 
   const __half* x = static_cast<const __half*>(p.x);
@@ -326,8 +325,43 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / 
 #pragma unroll
     for (int r = 0; r < 4 * M_TILES; ++r) fence_register(acc[t][r]);
 
-  store_tiled_result<M_TILES, kThreads, BN>(gp, col_base, wc, c,
+  store_tiled_result<M_TILES, kThreads, BN>(gp, col_base, wc, c, piece, pieces, counter,
                                            [&](int mt, int t, int r) { return acc[t][4 * mt + r]; });
+}
+
+// Block (x, y) computes column block x over split y of K.
+template <int M_TILES, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize, (M_TILES >= 8 ? 12 : 16) / WARPS)
+    quant_gemm_4bit_wgmma_kernel(const QuantGemmParams gp) {
+  AG_DYNAMIC_SMEM(smem_raw);
+  unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
+  wgmma_gemm_piece<M_TILES, WARPS>(gp, smem, TiledPlace::of<32 * WARPS>(gp), blockIdx.y, gp.splits, blockIdx.x);
+}
+
+// A balanced launch (gp.stream_blocks): block b computes its run of the plan's units
+// (plan_stream_gemm), one piece per column block the run touches. Its own kernel: the loop
+// around a piece holds registers across it, which at 3 blocks an SM (the split kernel's
+// bound) spill; these launch 1 (8 warps) or 2 (4 warps) blocks an SM.
+template <int M_TILES, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize, WARPS == 8 ? 1 : 2)
+    quant_gemm_4bit_wgmma_stream_kernel(const QuantGemmParams gp) {
+  constexpr int BN = 32 * WARPS;
+  AG_DYNAMIC_SMEM(smem_raw);
+  unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
+  const int64_t stages = gp.q.k / kTiledK, units = ceil_div(gp.q.n, BN) * stages, blocks = gp.stream_blocks;
+  const int64_t end = stream_start(blockIdx.x + 1, units, blocks);
+  for (int64_t u = stream_start(blockIdx.x, units, blocks); u < end;) {
+    const int64_t col_block = u / stages, s_begin = u % stages;
+    const int count = static_cast<int>(end - u < stages - s_begin ? end - u : stages - s_begin);
+    const int64_t first = stream_block_of(col_block * stages, units, blocks);
+    const int64_t last = stream_block_of(col_block * stages + stages - 1, units, blocks);
+    wgmma_gemm_piece<M_TILES, WARPS>(gp, smem,
+                                     TiledPlace::at<BN>(static_cast<int>(col_block), static_cast<int>(s_begin), count),
+                                     static_cast<int>(blockIdx.x - first), static_cast<int>(last - first + 1),
+                                     static_cast<int>(col_block));
+    u += count;
+    __syncthreads();  // every warp is done with the ring before the next piece refills it
+  }
 }
 
 // Whether this build launches the warpgroup kernel: sm_90a device code (AG_WGMMA, defined
@@ -346,8 +380,13 @@ inline bool launch_quant_gemm_4bit_wgmma(const QuantGemmParams& p, cudaStream_t 
   dispatch_tiled_shape(p, [&](auto m_tiles, auto warps) {
     constexpr int M_TILES = decltype(m_tiles)::value, WARPS = decltype(warps)::value;
     constexpr int smem = WgmmaLayout<M_TILES, WARPS>::kSmemBytes;
-    if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>>(smem);
-    launch_tiled_kernel<WARPS>(quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>, smem, p, stream, dependent);
+    if (p.stream_blocks > 0) {
+      if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_wgmma_stream_kernel<M_TILES, WARPS>>(smem);
+      launch_tiled_kernel<WARPS>(quant_gemm_4bit_wgmma_stream_kernel<M_TILES, WARPS>, smem, p, stream, dependent);
+    } else {
+      if (smem > 48 * 1024) allow_dynamic_smem<quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>>(smem);
+      launch_tiled_kernel<WARPS>(quant_gemm_4bit_wgmma_kernel<M_TILES, WARPS>, smem, p, stream, dependent);
+    }
   });
   return true;
 }

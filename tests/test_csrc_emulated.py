@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgen._ops import reference
+from asyncgen._ops import cuda_backend, reference
 from csrc_emu import harness
 from csrc_emu.cases import (
     ROTARY_LAYOUTS,
@@ -520,6 +520,49 @@ def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps
         assert int(counters.abs().sum()) == 0  # left ready for the next launch
         runs.append(out)
     assert torch.equal(runs[0], runs[1])  # the splits are added in the same order
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, warps, blocks",
+    [
+        (64, 512, 512, 64, 4, 3),    # 4 column blocks x 8 stages over 3 blocks: runs cross column blocks
+        (37, 776, 640, 128, 8, 5),   # 4 column blocks (the last partial) x 10 stages over 5 blocks
+        (8, 256, 256, 256, 4, 7),    # 2 column blocks x 4 stages over 7 blocks: up to 4 share one
+        (64, 256, 1024, 64, 8, 1),   # one block takes everything: no partials
+        (16, 384, 256, 64, 4, 100),  # more blocks wanted than units: one unit a block
+    ],
+)
+def test_quant_gemm_4bit_balanced_matches_reference(emu, m, n, k, group_size, warps, blocks):
+    """A balanced launch (the warpgroup kernel): blocks take even runs of column blocks x
+    stages, a run may end inside one column block and go on in the next, and the blocks
+    sharing a column block leave partials that the last to finish adds in block order; the
+    Python plan (which sizes the workspace) is the C++ one."""
+    x, qweight, scales, zeros, bias, exact = _quant_case(m, n, k, group_size, m + n + k + blocks)
+    plan = emu.plan_stream_gemm(n, k, warps, blocks)
+    assert plan == cuda_backend.stream_gemm_plan(n, k, warps, blocks)
+    launched, pieces = plan
+    assert launched == min(blocks, -(-n // (32 * warps)) * (k // 64))
+    runs = []
+    for reverse in (False, True):
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        workspace = torch.full((pieces, m, n), float("nan")) if pieces > 1 else None
+        counters = torch.zeros(64, dtype=torch.int32)
+        emu.lib.ag_set_reverse_blocks(int(reverse))
+        try:
+            assert emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, bias, warps, pieces, workspace,
+                                       counters, wgmma=True, stream_blocks=launched)
+        finally:
+            emu.lib.ag_set_reverse_blocks(0)
+        assert relative_error(out, exact + bias.float()) < 2e-3
+        assert int(counters.abs().sum()) == 0
+        runs.append(out)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_quant_gemm_4bit_balanced_is_the_warpgroup_kernels_only(emu):
+    x, qweight, scales, zeros, _, _ = _quant_case(8, 128, 256, 64, 5)
+    out = torch.empty(8, 128, dtype=torch.float16)
+    assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, 64, stream_blocks=2)
 
 
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])

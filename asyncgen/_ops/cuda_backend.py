@@ -62,7 +62,7 @@ __all__ = [
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
     "GemmScratch", "QUANT_GEMM_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
-    "quant_gemm_config_indices",
+    "quant_gemm_config_indices", "stream_gemm_plan",
     "LT_MAX_ROWS", "choose_dense_algos",
 ]
 
@@ -860,10 +860,12 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
 # times per weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps
 # owns 32 w columns, with s splits s blocks share each column range's K, and wgmma runs the
 # warpgroup kernel (csrc/quant_wgmma.cuh) instead of the mma.sync one (csrc/quant_gemm.cuh)
-# where the device has it (:func:`has_wgmma`).
+# where the device has it (:func:`has_wgmma`). Splits -b (the warpgroup kernel only) launch b
+# blocks an SM that share the product's column blocks x stages evenly (a balanced launch,
+# :func:`stream_gemm_plan`).
 QUANT_GEMM_CONFIGS = tuple(
     (warps, splits, wgmma) for wgmma in (False, True) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
-)
+) + ((8, -1, True), (4, -2, True))
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
 
 
@@ -911,6 +913,24 @@ def quant_gemm_config_indices(device: torch.device | str) -> list[int]:
     return [i for i, (_, _, uses_wgmma) in enumerate(QUANT_GEMM_CONFIGS) if wgmma or not uses_wgmma]
 
 
+def stream_gemm_plan(n: int, k: int, warps: int, blocks_wanted: int) -> tuple[int, int]:
+    """A balanced launch's (blocks, most blocks sharing one column block) for an N x K
+    product, as ``plan_stream_gemm`` (csrc/quant_gemm.cuh) computes it: the column blocks'
+    stages (of 64 K rows), column block by column block, dealt to min(units, blocks_wanted)
+    blocks in even runs, block b taking units [b T // G, (b + 1) T // G)."""
+    col_blocks, stages = -(-n // (32 * warps)), k // _GEMM_STAGE_K
+    units = col_blocks * stages
+    blocks = min(units, blocks_wanted)
+    if blocks <= 0:
+        return 0, 0
+
+    def block_of(u: int) -> int:
+        return ((u + 1) * blocks - 1) // units
+
+    most = max(block_of(cb * stages + stages - 1) - block_of(cb * stages) + 1 for cb in range(col_blocks))
+    return blocks, most
+
+
 def quant_gemm_4bit_weight_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                               group_size: int) -> bool:
     """Whether the tiled 4-bit GEMM (:func:`launch_quant_gemm_4bit`) takes a weight that
@@ -947,16 +967,21 @@ def launch_quant_gemm_4bit(
     ``wgmma`` its warpgroup version, ``csrc/quant_wgmma.cuh``, where :func:`has_wgmma`) for
     1 to :data:`QUANT_MMA_MAX_ROWS` rows, for callers that checked the weight
     (:func:`quant_gemm_4bit_weight_ok`) and the input (:func:`gemv_input_ok`). ``warps``,
-    ``splits`` and ``wgmma`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 the partials go to
+    ``splits`` and ``wgmma`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 (or a balanced
+    launch whose blocks share a column block) the partials go to
     ``scratch`` (default: one per device, for launches that never run at once, see
     :class:`GemmScratch`). The op still validates its arguments in C++."""
     x, out = _quant_io(x, qweight, perm, out)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     workspace = counters = None
-    if splits > 1:
+    pieces = splits
+    if splits < 0:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        pieces = stream_gemm_plan(n, k, warps, -splits * sms)[1]
+    if pieces > 1:
         if scratch is None:
             scratch = _default_scratch.get(x.device) or _default_scratch.setdefault(x.device, GemmScratch(x.device))
-        workspace, counters = scratch.buffers(splits * x.shape[0] * n, -(-n // (32 * warps)))
+        workspace, counters = scratch.buffers(pieces * x.shape[0] * n, -(-n // (32 * warps)))
     torch.ops.asyncgen_C.quant_gemm_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits,
         wgmma,

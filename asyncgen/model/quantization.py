@@ -578,7 +578,8 @@ class QuantLinearMethod(LinearMethod):
             from .._ops import cuda_backend
 
             warps, splits, wgmma = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
-            return f"csrc-{'wgmma' if wgmma else 'tiled'}-{warps}w{f'-split{splits}' if splits > 1 else ''}"
+            shape = f"-split{splits}" if splits > 1 else f"-balanced{-splits}" if splits < 0 else ""
+            return f"csrc-{'wgmma' if wgmma else 'tiled'}-{warps}w{shape}"
         return ("triton", "csrc-cuda-cores", "csrc-tensor-cores")[kernel]
 
     @staticmethod

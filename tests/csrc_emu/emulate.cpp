@@ -90,6 +90,12 @@ int ag_quant_gemm_4bit(const QuantGemmParams* p) {
   return asyncgen::launch_tiled_quant_gemm(*p, nullptr) ? 0 : 1;
 }
 
+void ag_plan_stream_gemm(int n, int k, int warps, int64_t blocks_wanted, int* blocks, int* most) {
+  const asyncgen::StreamPlan plan = asyncgen::plan_stream_gemm(n, k, warps, blocks_wanted);
+  *blocks = plan.blocks;
+  *most = plan.max_segments;
+}
+
 int ag_sizeof_quant_gemm_params() { return sizeof(QuantGemmParams); }
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }

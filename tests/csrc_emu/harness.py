@@ -187,6 +187,7 @@ class QuantGemmParams(ctypes.Structure):
         ("splits", ctypes.c_int),
         ("warps", ctypes.c_int),
         ("wgmma", ctypes.c_int),
+        ("stream_blocks", ctypes.c_int),
     ]
 
 
@@ -379,15 +380,24 @@ class Emulator:
         return used_mma
 
     def quant_gemm_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, warps=4, splits=1,
-                        workspace=None, counters=None, wgmma=False):
+                        workspace=None, counters=None, wgmma=False, stream_blocks=0):
         """out = x @ dequant(qweight) (+ bias) by the tiled tensor-core GEMM (quant_gemm.cuh),
         or with ``wgmma`` its warpgroup version (quant_wgmma.cuh), its K split over ``splits``
         blocks per column range (then ``workspace`` fp32 and ``counters`` int32 zeros are
-        needed). Returns False where the kernel refuses the call."""
+        needed), or with ``stream_blocks`` a balanced launch of that many blocks (``splits``:
+        the plan's most blocks sharing a column block). Returns False where the kernel
+        refuses the call."""
         q = QuantGemvParams(
             _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
             out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
             x.shape[0], qweight.shape[1], x.shape[1], group_size, 0,
         )
-        p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps, int(wgmma))
+        p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps, int(wgmma), stream_blocks)
         return self.lib.ag_quant_gemm_4bit(ctypes.byref(p)) == 0
+
+    def plan_stream_gemm(self, n, k, warps, blocks_wanted) -> tuple[int, int]:
+        """plan_stream_gemm (quant_gemm.cuh): (blocks, most blocks sharing a column block)."""
+        blocks, most = ctypes.c_int(), ctypes.c_int()
+        self.lib.ag_plan_stream_gemm(n, k, warps, ctypes.c_int64(blocks_wanted), ctypes.byref(blocks),
+                                     ctypes.byref(most))
+        return blocks.value, most.value
