@@ -4,8 +4,7 @@ csrc tiled GEMM in each launch shape (``cuda_backend.QUANT_GEMM_CONFIGS``; its m
 kernel as "tiled", its warpgroup kernel as "wgmma" where the GPU runs it), the tiled
 kernel also rebuilt with other ring depths and occupancy targets (``--variants sSwW``:
 ``AG_QGEMM_STAGES`` = S, ``AG_QGEMM_MIN_WARPS`` = W warps an SM, 0 for the default) and the
-warpgroup kernel with other ring depths (``--variants gS``: ``AG_QWGMMA_STAGES`` = S; ``gSlR``
-also ``AG_QWGMMA_LATE_REFILL`` = R);
+warpgroup kernel with other ring depths (``--variants gS``: ``AG_QWGMMA_STAGES`` = S);
 variants are compiled side by side with ``torch.utils.cpp_extension``.
 
 Every kernel is first checked against dequantize-then-matmul, then timed inside a CUDA
@@ -54,8 +53,7 @@ def build(variant: str):
     from torch.utils.cpp_extension import load_inline
 
     if variant.startswith("g"):
-        stages, _, late = variant[1:].partition("l")
-        macros = [f"-DAG_QWGMMA_STAGES={int(stages)}"] + ([f"-DAG_QWGMMA_LATE_REFILL={int(late)}"] if late else [])
+        macros = [f"-DAG_QWGMMA_STAGES={int(variant[1:])}"]
     else:
         stages, warps = (int(v) for v in variant[1:].split("w"))
         macros = [f"-DAG_QGEMM_STAGES={stages}", f"-DAG_QGEMM_MIN_WARPS={warps}"]

@@ -41,10 +41,6 @@ namespace asyncgen {
 #define AG_QWGMMA_STAGES 5
 #endif
 constexpr int kWgmmaStages = AG_QWGMMA_STAGES;
-#ifndef AG_QWGMMA_LATE_REFILL
-#define AG_QWGMMA_LATE_REFILL 1
-#endif
-constexpr bool kLateRefill = AG_QWGMMA_LATE_REFILL != 0;
 static_assert(kWgmmaStages >= 3, "the ring refills STAGES - 2 stages ahead");
 
 // ---------------------------------------------------------------------------------------
@@ -278,17 +274,12 @@ AG_DEVICE void wgmma_gemm_piece(const QuantGemmParams& gp, unsigned char* smem, 
       fence_proxy_async();
     }
     __syncthreads();  // stage i is in and reordered; every warp's products of stage i - 2 are done
-    // The refill of stage i - 2's slot (every warp's products of it are done, by the barrier)
-    // with stage i + kAhead, before (AG_QWGMMA_LATE_REFILL 0) or after this stage's products.
-    auto refill = [&] {
-      const int next = i + kAhead;
-      if (next < count) {
-        load_weights(next % kWgmmaStages);
-        load_x(next % kWgmmaStages);
-      }
-      cp_async_commit();
-    };
-    if constexpr (!kLateRefill) refill();
+    const int next = i + kAhead;
+    if (next < count) {
+      load_weights(next % kWgmmaStages);
+      load_x(next % kWgmmaStages);
+    }
+    cp_async_commit();
 
     const uint32_t* w = weights_at(slot);
     const __half* gs = groups_at(slot);
@@ -326,7 +317,6 @@ AG_DEVICE void wgmma_gemm_piece(const QuantGemmParams& gp, unsigned char* smem, 
 #pragma unroll
         for (int r = 0; r < 4 * M_TILES; ++r) fence_register(acc[t][r]);
     }
-    if constexpr (kLateRefill) refill();
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
