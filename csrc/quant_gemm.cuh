@@ -45,7 +45,7 @@ constexpr int kTiledChunks = kTiledK / kMmaChunk;  // 32-row chunks per stage
 constexpr int kTiledPackedRows = kTiledK / 8;
 constexpr int kTiledMaxRows = kMmaMaxRows;  // the rows the 4-bit ops take
 constexpr int kTiledMaxSplits = 16;
-constexpr int kMaxStreamBlocksPerSm = 3;  // balanced launches: blocks an SM (plan_stream_gemm)
+constexpr int kMaxStreamBlocksPerSm = 2;  // balanced launches: blocks an SM (plan_stream_gemm)
 #ifndef AG_QGEMM_STAGES
 #define AG_QGEMM_STAGES 4
 #endif
@@ -285,9 +285,9 @@ struct TiledWeightCopies {
 
 // Both tiled kernels' results: acc(mt, t, r) is D entry r of the lane's tile t and row tile
 // mt, i.e. column col_base + wc + 2t + r / 2 and x row 8 mt + 2c + r % 2; entries r and
-// r + 2 are two neighbouring columns of one row, stored as a pair. With splits, each block
-// writes its fp32 partials and the last block of the column range adds them.
-// `piece` of `pieces` sharing the column block's stages (its counter `counter`).
+// r + 2 are two neighbouring columns of one row, stored as a pair. The block computed
+// `piece` of the `pieces` that share the column block's stages: with more than one, each
+// writes its fp32 partials and the last to take a ticket of counter `counter` adds them.
 template <int M_TILES, int THREADS, int BN, typename Acc>
 AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, int piece, int pieces,
                                   int counter, Acc acc) {
