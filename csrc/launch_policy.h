@@ -11,29 +11,24 @@
 
 namespace asyncgen {
 
-// The device's compute capability major version (0: unknown device index).
-inline int compute_major(int device) {
-  static std::atomic<int> major[64] = {};  // 0: not asked yet
+// A device attribute, asked of the driver once per device (0: unknown device index).
+template <cudaDeviceAttr ATTR>
+inline int cached_device_attribute(int device) {
+  static std::atomic<int> value[64] = {};  // 0: not asked yet
   if (device < 0 || device >= 64) return 0;
-  int m = major[device].load(std::memory_order_relaxed);
-  if (m == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
-    major[device].store(m, std::memory_order_relaxed);
+  int v = value[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, ATTR, device));
+    value[device].store(v, std::memory_order_relaxed);
   }
-  return m;
+  return v;
 }
 
-// The device's number of SMs (0: unknown device index).
-inline int multiprocessor_count(int device) {
-  static std::atomic<int> count[64] = {};  // 0: not asked yet
-  if (device < 0 || device >= 64) return 0;
-  int c = count[device].load(std::memory_order_relaxed);
-  if (c == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device));
-    count[device].store(c, std::memory_order_relaxed);
-  }
-  return c;
-}
+// The device's compute capability major version.
+inline int compute_major(int device) { return cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(device); }
+
+// The device's number of SMs.
+inline int multiprocessor_count(int device) { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
 // Whether the device has fp16 mma.sync (sm_80+).
 inline bool has_tensor_cores(int device) { return compute_major(device) >= 8; }
