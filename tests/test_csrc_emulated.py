@@ -525,10 +525,10 @@ def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps
 @pytest.mark.parametrize(
     "m, n, k, group_size, warps, blocks",
     [
-        (64, 512, 512, 64, 4, 3),    # 4 column blocks x 8 stages over 3 blocks: runs cross column blocks
-        (37, 776, 640, 128, 8, 5),   # 4 column blocks (the last partial) x 10 stages over 5 blocks
+        (64, 512, 256, 64, 4, 3),    # 4 column blocks x 4 stages over 3 blocks: runs cross column blocks
+        (37, 520, 384, 128, 8, 5),   # 3 column blocks (the last partial) x 6 stages over 5 blocks
         (8, 256, 256, 256, 4, 7),    # 2 column blocks x 4 stages over 7 blocks: up to 4 share one
-        (64, 256, 1024, 64, 8, 1),   # one block takes everything: no partials
+        (64, 256, 512, 64, 8, 1),    # one block takes everything: no partials
         (16, 384, 256, 64, 4, 100),  # more blocks wanted than units: one unit a block
     ],
 )
