@@ -160,8 +160,7 @@ def main() -> int:
                                                                 scratch=scratch))
                     else:
                         def fn(o, x, q, s, z, a=warps, b=splits, mod=mod, g=wgmma):
-                            pieces = b if b > 0 else cuda_backend.stream_gemm_plan(
-                                q.shape[1], q.shape[0] * 8, a, -b * torch.cuda.get_device_properties(0).multi_processor_count)[1]
+                            pieces = cuda_backend.quant_gemm_pieces(q.shape[1], q.shape[0] * 8, a, b, x.device)
                             ws, ct = scratch.buffers(pieces * x.shape[0] * q.shape[1], -(-q.shape[1] // (32 * a)))
                             mod.run(o, x, q, s, z, GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None, a, b, g)
                     t = timed(f"{name}{warps}x{splits}", fn)

@@ -217,14 +217,13 @@ struct TiledPlace {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     return {lane / 4, lane % 4, col_block * BN, warp * 32 + 4 * (lane / 4), s_begin, count};
   }
+  // A split launch's block: column block blockIdx.x, split blockIdx.y of gp.splits.
   template <int BN>
   static AG_DEVICE TiledPlace of(const QuantGemmParams& gp) {
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     const int stages = gp.q.k / kTiledK, split = blockIdx.y;
     const int s_begin = static_cast<int>(static_cast<int64_t>(stages) * split / gp.splits);
     const int s_end = static_cast<int>(static_cast<int64_t>(stages) * (split + 1) / gp.splits);
-    return {lane / 4, lane % 4, static_cast<int>(blockIdx.x) * BN, warp * 32 + 4 * (lane / 4), s_begin,
-            s_end - s_begin};
+    return at<BN>(static_cast<int>(blockIdx.x), s_begin, s_end - s_begin);
   }
 };
 

@@ -62,7 +62,7 @@ __all__ = [
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
     "GemmScratch", "QUANT_GEMM_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
-    "quant_gemm_config_indices", "stream_gemm_plan",
+    "quant_gemm_config_indices", "quant_gemm_pieces", "stream_gemm_plan",
     "LT_MAX_ROWS", "choose_dense_algos",
 ]
 
@@ -913,6 +913,7 @@ def quant_gemm_config_indices(device: torch.device | str) -> list[int]:
     return [i for i, (_, _, uses_wgmma) in enumerate(QUANT_GEMM_CONFIGS) if wgmma or not uses_wgmma]
 
 
+@functools.lru_cache(maxsize=None)
 def stream_gemm_plan(n: int, k: int, warps: int, blocks_wanted: int) -> tuple[int, int]:
     """A balanced launch's (blocks, most blocks sharing one column block) for an N x K
     product, as ``plan_stream_gemm`` (csrc/quant_gemm.cuh) computes it: the column blocks'
@@ -929,6 +930,20 @@ def stream_gemm_plan(n: int, k: int, warps: int, blocks_wanted: int) -> tuple[in
 
     most = max(block_of(cb * stages + stages - 1) - block_of(cb * stages) + 1 for cb in range(col_blocks))
     return blocks, most
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def quant_gemm_pieces(n: int, k: int, warps: int, splits: int, device: torch.device | str) -> int:
+    """How many blocks at most share one column block's K in a launch of the tiled GEMM
+    with ``warps`` and ``splits`` (:data:`QUANT_GEMM_CONFIGS`) on ``device``: the fp32
+    partials its workspace holds per output element (1: none)."""
+    if splits > 0:
+        return splits
+    return stream_gemm_plan(n, k, warps, -splits * _multiprocessor_count(torch.device(device)))[1]
 
 
 def quant_gemm_4bit_weight_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -974,10 +989,7 @@ def launch_quant_gemm_4bit(
     x, out = _quant_io(x, qweight, perm, out)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     workspace = counters = None
-    pieces = splits
-    if splits < 0:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        pieces = stream_gemm_plan(n, k, warps, -splits * sms)[1]
+    pieces = quant_gemm_pieces(n, k, warps, splits, x.device)
     if pieces > 1:
         if scratch is None:
             scratch = _default_scratch.get(x.device) or _default_scratch.setdefault(x.device, GemmScratch(x.device))
