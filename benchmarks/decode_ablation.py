@@ -96,7 +96,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     ap.add_argument("--models", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--variants", nargs="+", default=None, help="only these variants (default: each model's all)")
+    ap.add_argument("--variants", nargs="+", default=None, choices=sorted({v for vs in VARIANTS.values() for v in vs}),
+                    help="only these variants (default: each model's all)")
     ap.add_argument("--measure", nargs=2, default=None, help=argparse.SUPPRESS)  # internal: path, variant
     args = ap.parse_args()
     if args.measure:
