@@ -13,8 +13,8 @@ embedding, the four products a layer, the ``lm_head`` and the sampling.
 
 Each run: one warm-up request, then three times a request of 16 and one of 256 greedy
 tokens after the same 32-token prompt; the rate is 240 tokens over the difference of their
-times (so the prompt step and the first tokens cancel out, whatever the streams' chunks
-carry), and the median of the three is reported.
+times (so the prompt step and the first tokens cancel out), and the median of the three is
+reported.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import dataclasses
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_decode import LLAMA2_7B, write_checkpoint  # noqa: E402
+from quant_decode import LLAMA2_7B, report, run_measuring, write_checkpoint  # noqa: E402
 
 VARIANTS = {
     "awq": ("all", "no-norm", "no-attention", "no-norm-no-attention"),
@@ -58,7 +57,7 @@ def _leave_out(variant: str) -> None:
     cuda_backend.ops = ops
 
 
-async def measure(path: str, variant: str, streams: int, tokens: int) -> dict:
+async def measure(path: str, variant: str, repeats: int, tokens: int) -> dict:
     from asyncgen import AsyncEngine, SamplingParams
 
     _leave_out(variant)
@@ -78,7 +77,7 @@ async def measure(path: str, variant: str, streams: int, tokens: int) -> dict:
             return time.perf_counter() - t
 
         rates = []
-        for _ in range(streams):
+        for _ in range(repeats):
             short, long = await seconds(16), await seconds(tokens)
             rates.append((tokens - 16) / (long - short))
         res["runs_tokens_per_s"] = rates
@@ -92,7 +91,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--out", default="decode_ablation.json")
-    ap.add_argument("--streams", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="pairs of requests timed; the median is reported")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     ap.add_argument("--models", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -103,8 +102,8 @@ def main() -> int:
     if args.measure:
         import anyio
 
-        res = anyio.run(measure, args.measure[0], args.measure[1], args.streams, args.tokens)
-        print("RESULT " + json.dumps(res), flush=True)
+        res = anyio.run(measure, args.measure[0], args.measure[1], args.repeats, args.tokens)
+        report(res)
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -122,14 +121,12 @@ def main() -> int:
             results[name] = {}
             for variant in variants:
                 cmd = [sys.executable, __file__, "--measure", str(work / name), variant,
-                       "--streams", str(args.streams), "--tokens", str(args.tokens)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
+                       "--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+                res, proc = run_measuring(cmd)
+                if res is None:
                     print(proc.stderr[-4000:], file=sys.stderr)
-                    results[name][variant] = {"error": f"exit {proc.returncode}"}
-                else:
-                    results[name][variant] = json.loads(lines[-1][len("RESULT "):])
+                    res = {"error": f"exit {proc.returncode}"}
+                results[name][variant] = res
                 print(f"{name} {variant}: {results[name][variant]}", flush=True)
             shutil.rmtree(work / name, ignore_errors=True)
     finally:
@@ -137,10 +134,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(results, indent=2))
     fp16 = results.get("fp16", {}).get("all", {}).get("tokens_per_s")
     print(f"\n{'model':6} {'variant':24} {'tok/s':>8} {'step ms':>8} {'vs fp16':>8}")
-    for name, by_variant in results.items():
-        if name not in VARIANTS:
-            continue
-        for variant, r in by_variant.items():
+    for name in args.models:
+        for variant, r in results[name].items():
             rate = r.get("tokens_per_s")
             if rate is None:
                 print(f"{name:6} {variant:24} {'failed':>8}")

@@ -133,6 +133,21 @@ def write_checkpoint(directory: Path, cfg: dict, awq: bool, device: str, tokeniz
 
 
 # --- one model, in its own process -----------------------------------------------------------------------
+RESULT = "RESULT "  # the measuring process's last stdout line: this prefix, then its results as JSON
+
+
+def report(res: dict) -> None:
+    """Prints a measuring process's results for :func:`run_measuring`."""
+    print(RESULT + json.dumps(res), flush=True)
+
+
+def run_measuring(cmd: list[str]) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """Runs a measuring process; its reported results (None if it failed) and the process."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        return None, proc
+    return json.loads(lines[-1][len(RESULT):]), proc
 async def measure(path: str, device: str, prompt_len: int, single_tokens: int, batches: tuple[int, ...],
                   batch_tokens: int, profile: bool = False) -> dict:
     import anyio
@@ -223,7 +238,7 @@ def main() -> int:
 
         res = anyio.run(measure, args.measure, args.device, prompt_len, single_tokens, batches, batch_tokens,
                         args.profile)
-        print("RESULT " + json.dumps(res), flush=True)
+        report(res)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
@@ -250,9 +265,8 @@ def main() -> int:
                 cmd.append("--quick")
             if args.profile:
                 cmd.append("--profile")
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
+            res, proc = run_measuring(cmd)
+            if res is None:
                 print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
                 print(f"{name}: the measuring process failed (exit {proc.returncode})", file=sys.stderr)
                 return 1
@@ -261,9 +275,9 @@ def main() -> int:
                     print(f"{name}: {line}", flush=True)
             if args.profile:
                 for line in proc.stdout.splitlines():
-                    if not line.startswith("RESULT "):
+                    if not line.startswith(RESULT):
                         print(f"{name}: {line}", flush=True)
-            results[name] = {**json.loads(lines[-1][len("RESULT "):]), "linear_bytes": linear_bytes}
+            results[name] = {**res, "linear_bytes": linear_bytes}
             summary = {k: v for k, v in results[name].items() if k != "profile"}
             print(f"{name}: {summary}", flush=True)
             shutil.rmtree(work / name, ignore_errors=True)
