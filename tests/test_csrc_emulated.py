@@ -658,3 +658,74 @@ def test_chunk_attention_refuses_unsupported_shapes(emu):
     wide = make_chunk_case([(4, 4)], num_heads=16, num_kv_heads=1, head_dim=64, dtype=torch.float16)
     assert not emu.chunk_attention(torch.empty_like(wide.q), wide.q, wide.k_cache, wide.v_cache, wide.block_tables,
                                    wide.seq_lens, wide.query_start_loc, wide.scale)
+
+
+def _quant_weight(n, k, group_size, g):
+    from asyncgen._ops import quant_reference as qref
+
+    qweight = qref.pack_rows(torch.randint(0, 16, (k, n), generator=g), 4)
+    scales = (torch.rand(k // group_size, n, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (k // group_size, n), generator=g).half()
+    dense = qref.dequantize(qweight, scales, zeros, 4, group_size).float()
+    return {"qweight": qweight, "scales": scales, "zeros": zeros, "group_size": group_size}, dense
+
+
+@pytest.mark.parametrize(
+    "hidden, inter, qkv, group_size, cols, grid",
+    [
+        (256, 384, 768, 64, (4, 8, 4, 8), 5),    # tiles dealt over 5 blocks in 3-4 rounds; down's last lanes empty
+        (128, 208, 260, 16, (8, 4, 8, 4), 3),    # partial last tiles, a group change every pair of a lane
+        (64, 96, 192, 32, (4, 4, 4, 4), 64),     # more blocks than tiles: blocks without work
+    ],
+)
+def test_quant_chain_matches_separate_ops(emu, hidden, inter, qkv, group_size, cols, grid):
+    """The chain o_proj (+ residual) -> RMSNorm -> gate|up (silu * up) -> down_proj (+ residual)
+    -> RMSNorm -> q|k|v (layer_chain.cuh) against the separate torch ops, rounded as they
+    round."""
+    g = torch.Generator().manual_seed(hidden + inter + grid)
+    eps = 1e-5
+    w_o, d_o = _quant_weight(hidden, hidden, group_size, g)
+    w_gu, d_gu = _quant_weight(2 * inter, hidden, group_size, g)
+    w_d, d_d = _quant_weight(hidden, inter, group_size if inter % group_size == 0 else inter, g)
+    w_qkv, d_qkv = _quant_weight(qkv, hidden, group_size, g)
+    attn = torch.randn(1, hidden, generator=g).half()
+    residual0 = (torch.randn(1, hidden, generator=g) * 4).half()
+    norm2 = (torch.rand(hidden, generator=g) + 0.5).half()
+    norm1 = (torch.rand(hidden, generator=g) + 0.5).half()
+
+    o = (attn.float() @ d_o).half()
+    h, residual1 = reference.rms_norm(o, norm2, eps, residual0)
+    act = reference.silu_and_mul((h.float() @ d_gu).half())
+    down = (act.float() @ d_d).half()
+    h2, residual2 = reference.rms_norm(down, norm1, eps, residual1)
+    ref_qkv = (h2.float() @ d_qkv).half()
+
+    residual = residual0.clone()
+    act_out = torch.full((1, inter), float("nan")).half()
+    qkv_out = torch.full((1, qkv), float("nan")).half()
+    sumsq = torch.full((1024,), float("nan"))
+    phases = [
+        dict(w_o, x=attn, out=residual, col_threads=cols[0], epilogue="residual"),
+        dict(w_gu, x=residual, norm_weight=norm2, out=act_out, col_threads=cols[1], epilogue="gated"),
+        dict(w_d, x=act_out, out=residual, col_threads=cols[2], epilogue="residual"),
+        dict(w_qkv, x=residual, norm_weight=norm1, out=qkv_out, col_threads=cols[3], epilogue="out"),
+    ]
+    assert emu.quant_chain(phases, sumsq, eps, grid)
+    assert relative_error(act_out, act.float()) < 4e-3
+    assert relative_error(residual, residual2.float()) < 4e-3
+    assert relative_error(qkv_out, ref_qkv.float()) < 4e-3
+    assert torch.isfinite(sumsq[:grid]).all() and torch.isnan(sumsq[grid:]).all()
+
+
+def test_quant_chain_refuses_what_it_cannot_take(emu):
+    g = torch.Generator().manual_seed(3)
+    w, _ = _quant_weight(64, 64, 32, g)
+    x = torch.randn(1, 64, generator=g).half()
+    out = torch.empty(1, 64).half()
+    sumsq = torch.zeros(1024)
+    ok = dict(w, x=x, out=out, col_threads=4, epilogue="out")
+    assert emu.quant_chain([ok], sumsq, 1e-5, 4)
+    assert not emu.quant_chain([dict(ok, col_threads=2)], sumsq, 1e-5, 4)
+    # a normalised phase must follow a residual one within a launch
+    assert not emu.quant_chain([ok, dict(ok, norm_weight=torch.ones(64).half())], sumsq, 1e-5, 4)
+    assert not emu.quant_chain([ok], sumsq, 1e-5, 2048)
