@@ -1166,6 +1166,8 @@ class ChainScratch:
     ready for the next). Launches that use one scratch must run one after another."""
 
     def __init__(self, device: torch.device):
+        if _extension() is None:
+            raise RuntimeError(f"{BUILD_HINT} ({_load()[1]})")
         self.sumsq = torch.zeros(CHAIN_MAX_BLOCKS, dtype=torch.float32, device=device)
         self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
         self._max_grid: dict[int, int] = {}
