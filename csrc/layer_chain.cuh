@@ -141,6 +141,11 @@ AG_DEVICE __half load_half_l2(const void* ptr) {
 #endif
 }
 
+struct Uint4x2 {
+  uint4 a, b;
+};
+AG_DEVICE Uint4x2 make_uint4x2(const uint4& a, const uint4& b) { return Uint4x2{a, b}; }
+
 // An 8-byte asynchronous copy (zeros where !pred); immediate in the CPU emulation.
 AG_DEVICE void cp_async8(void* smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -274,25 +279,23 @@ __global__ void __launch_bounds__(kChainThreads) quant_chain_kernel(const __grid
     const __half* x = static_cast<const __half*>(ph.x);
     const __half* w = static_cast<const __half*>(ph.norm_weight);
     const int rows = ph.k / 8;
-    for (int r = tid; r < rows; r += kChainThreads) {
-      const uint4 raw = load16_l2(x + 8 * r);
-      const __half* in = reinterpret_cast<const __half*>(&raw);
-      __half h[8];
+    if (norm) {
+      stage_rows(rows, tid, kChainThreads, [&](int r) { return make_uint4x2(load16_l2(x + 8 * r), load16(w + 8 * r)); },
+                 [&](int r, const Uint4x2& v) {
+                   uint4 out;
+                   const __half* in = reinterpret_cast<const __half*>(&v.a);
+                   const __half* wh = reinterpret_cast<const __half*>(&v.b);
+                   __half* h = reinterpret_cast<__half*>(&out);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) h[j] = in[j];
-      if (norm) {
-        const uint4 wraw = load16(w + 8 * r);
-        const __half* wh = reinterpret_cast<const __half*>(&wraw);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float normed = round_to<__half>(__half2float(h[j]) * scale);
-          h[j] = __float2half_rn(__half2float(wh[j]) * normed);
-        }
-      }
-      __half2 pr[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
-      xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
+                   for (int j = 0; j < 8; ++j) {
+                     const float normed = round_to<__half>(__half2float(in[j]) * scale);
+                     h[j] = __float2half_rn(__half2float(wh[j]) * normed);
+                   }
+                   xs[x_slot(r)] = x_pairs(out);
+                 });
+    } else {
+      stage_rows(rows, tid, kChainThreads, [&](int r) { return load16_l2(x + 8 * r); },
+                 [&](int r, const uint4& raw) { xs[x_slot(r)] = x_pairs(raw); });
     }
     __syncthreads();
     const uint32_t m_lo = masks[0], m_hi = masks[1], magic = masks[2];
@@ -301,6 +304,12 @@ __global__ void __launch_bounds__(kChainThreads) quant_chain_kernel(const __grid
 #pragma unroll 1
     for (int round = 0; round < lane.tiles; ++round) {
       float total[4] = {0.f, 0.f, 0.f, 0.f};
+      const int tile = block + round * grid;
+      // The residual this thread's epilogue adds to, asked for now: loaded at the epilogue it
+      // would hold warp 0, and with it the block's next tile, for an L2 round trip.
+      const int own = tile * cols + tid;
+      const bool adds = ph.epilogue == kChainResidual && tid < cols && own < ph.n;
+      const float before = adds ? __half2float(load_half_l2(static_cast<const __half*>(ph.out) + own)) : 0.f;
       QuantGroup grp{};
       int left = 0;
 #pragma unroll 1
@@ -337,7 +346,6 @@ __global__ void __launch_bounds__(kChainThreads) quant_chain_kernel(const __grid
         if (lane_id < ph.col_threads) part[warp][4 * lane_id + c] = v;
       }
       __syncthreads();
-      const int tile = block + round * grid;
       if (ph.epilogue == kChainGated) {
         const int outs = cols / 2;
         const int j = tile * outs + tid;
@@ -359,7 +367,7 @@ __global__ void __launch_bounds__(kChainThreads) quant_chain_kernel(const __grid
           for (int k = 0; k < kWarps; ++k) v += part[k][tid];
           __half* out = static_cast<__half*>(ph.out);
           if (ph.epilogue == kChainResidual) {
-            const __half sum = __float2half_rn(round_to<__half>(v) + __half2float(load_half_l2(out + n)));
+            const __half sum = __float2half_rn(round_to<__half>(v) + before);
             out[n] = sum;
             const float f = __half2float(sum);
             squares = fmaf(f, f, squares);
