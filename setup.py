@@ -34,7 +34,6 @@ CSRC_SOURCES = [
     "csrc/cache_kernels.cu",
     "csrc/chunk_attention.cu",
     "csrc/gemv.cu",
-    "csrc/layer_chain.cu",
     "csrc/paged_attention.cu",
     "csrc/paged_attention_bf16.cu",
     "csrc/paged_attention_fp16.cu",

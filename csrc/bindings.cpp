@@ -35,11 +35,6 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, "
       "bool wgmma=False) -> ()");
-  m.def(
-      "quant_chain_4bit(Tensor[] qweights, Tensor[] scales, Tensor[] zeros, Tensor[] xs, Tensor?[] norm_weights, "
-      "Tensor(a!)[] outs, int[] group_sizes, int[] col_threads, int[] epilogues, Tensor(b!) sumsq, "
-      "Tensor(c!) barrier, float eps, int grid, bool split=False) -> ()");
-  m.def("quant_chain_max_grid(Tensor like, int max_k) -> int");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -51,8 +46,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
   m.impl("quant_gemm_4bit", &asyncgen::quant_gemm_4bit);
-  m.impl("quant_chain_4bit", &asyncgen::quant_chain_4bit);
-  m.impl("quant_chain_max_grid", &asyncgen::quant_chain_max_grid);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

@@ -555,37 +555,6 @@ AG_DEVICE uint2 load8(const void* ptr) { return *reinterpret_cast<const uint2*>(
 // The staged x: packed row r at slot r + r / 8, so that K lanes a multiple of 8 rows apart
 // read different banks.
 AG_DEVICE int x_slot(int r) { return r + (r >> 3); }
-
-// Row r of x as it is staged: packed row r's 8 values as the half2 pairs (x[8r + j],
-// x[8r + j + 4]), j = 0..3 (the order the codes come out of a word).
-AG_DEVICE uint4 x_pairs(const uint4& raw) {
-  const __half* h = reinterpret_cast<const __half*>(&raw);
-  __half2 pr[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
-  return make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
-}
-
-// Rows first, first + step, ... below `rows`: load(r) for kStageBatch rows, then store(r,
-// value) for each. A thread's loads of a batch are in flight together; a plain loop waits
-// for each load before the next (the store to shared memory comes between), an L2 round
-// trip a row: 6 of them for down_proj's 1,376 rows over 256 threads.
-constexpr int kStageBatch = 4;
-template <typename Load, typename Store>
-AG_DEVICE void stage_rows(int rows, int first, int step, Load load, Store store) {
-  using Value = decltype(load(0));
-  for (int base = first; base < rows; base += kStageBatch * step) {
-    Value v[kStageBatch];
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      if (base + u * step < rows) v[u] = load(base + u * step);
-    }
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      if (base + u * step < rows) store(base + u * step, v[u]);
-    }
-  }
-}
 __host__ __device__ __forceinline__ int quant_gemv1_x_slots(int k) { return k / 8 + k / 64 + 1; }
 
 // Dynamic shared memory of a launch: the ring, then x.
@@ -680,8 +649,14 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   // let in only once this block's weights are read (below).
   if constexpr (!GATED) launch_dependents();
   const __half* x = static_cast<const __half*>(p.x);
-  stage_rows(rows, tid, THREADS, [&](int r) { return load16(x + 8 * r); },
-             [&](int r, const uint4& raw) { xs[x_slot(r)] = x_pairs(raw); });
+  for (int r = tid; r < rows; r += THREADS) {
+    const uint4 raw = load16(x + 8 * r);
+    const __half* h = reinterpret_cast<const __half*>(&raw);
+    __half2 pr[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
+    xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
+  }
   __syncthreads();
 
   const uint32_t m_lo = masks[0], m_hi = masks[1], magic = masks[2];

@@ -1,7 +1,6 @@
 // Torch-facing entry points of the csrc extension, registered in bindings.cpp.
 #pragma once
 
-#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
@@ -78,17 +77,4 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
                      const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, bool wgmma);
-// The chain of one-row 4-bit products in one persistent launch (layer_chain.cuh): phase i
-// multiplies xs[i] (or RMSNorm(xs[i]) * norm_weights[i] where given) by the packed weight
-// and writes outs[i] by epilogues[i] (0: the product, 1: added into outs[i], the residual,
-// 2: silu(gate) * up). sumsq (fp32, kChainMaxBlocks) and barrier (int32 [2], zeros at first)
-// are the caller's, reused from launch to launch. grid: at most quant_chain_max_grid.
-void quant_chain_4bit(at::TensorList qweights, at::TensorList scales, at::TensorList zeros, at::TensorList xs,
-                      const c10::List<c10::optional<at::Tensor>>& norm_weights, at::TensorList outs,
-                      at::IntArrayRef group_sizes, at::IntArrayRef col_threads, at::IntArrayRef epilogues,
-                      const at::Tensor& sumsq, const at::Tensor& barrier, double eps, int64_t grid, bool split);
-
-// The most blocks of the chain kernel that fit the GPU of `like` at once for K up to max_k.
-int64_t quant_chain_max_grid(const at::Tensor& like, int64_t max_k);
-
 }  // namespace asyncgen

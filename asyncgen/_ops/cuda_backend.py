@@ -51,7 +51,6 @@ the argument on bad input):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -65,7 +64,6 @@ __all__ = [
     "GemmScratch", "QUANT_GEMM_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
     "quant_gemm_config_indices", "quant_gemm_pieces", "stream_gemm_plan",
     "LT_MAX_ROWS", "choose_dense_algos",
-    "CHAIN_OUT", "CHAIN_RESIDUAL", "CHAIN_GATED", "ChainPhase", "ChainScratch", "launch_quant_chain_4bit",
 ]
 
 BUILD_HINT = (
@@ -104,7 +102,7 @@ def _register_fakes() -> None:
     if register is None:  # torch < 2.4
         return
     for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
-                 "chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemm_4bit", "quant_chain_4bit"):
+                 "chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemm_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -1132,64 +1130,3 @@ def choose_dense_algos(layers, rows, workspace: torch.Tensor) -> dict[tuple, dic
                 for layer in group:
                     layer.lt_routes[m] = best[1]
     return chosen
-
-
-# --- one-row 4-bit products chained in one launch (csrc/layer_chain.cuh) --------------------
-
-CHAIN_OUT, CHAIN_RESIDUAL, CHAIN_GATED = 0, 1, 2
-CHAIN_MAX_PHASES = 4
-CHAIN_MAX_BLOCKS = 1024
-
-
-@dataclass(frozen=True)
-class ChainPhase:
-    """One product of :func:`launch_quant_chain_4bit`: ``x`` (one row of K; with
-    ``norm_weight``, the residual to RMS-normalise first) times the packed 4-bit weight,
-    written to ``out`` by ``epilogue``: CHAIN_OUT the product, CHAIN_RESIDUAL added into
-    ``out`` (the residual, in place), CHAIN_GATED silu(gate) * up of gate | up columns.
-    ``col_threads`` (4 or 8): a tile's width, 4 columns a thread."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    group_size: int
-    x: torch.Tensor
-    out: torch.Tensor
-    epilogue: int = CHAIN_OUT
-    norm_weight: torch.Tensor | None = None
-    col_threads: int = 8
-
-
-class ChainScratch:
-    """What chained launches on one device share: each block's sum of squares for the next
-    normalised phase, and the grid barrier's two counters (zeros; every barrier leaves them
-    ready for the next). Launches that use one scratch must run one after another."""
-
-    def __init__(self, device: torch.device):
-        if _extension() is None:
-            raise RuntimeError(f"{BUILD_HINT} ({_load()[1]})")
-        self.sumsq = torch.zeros(CHAIN_MAX_BLOCKS, dtype=torch.float32, device=device)
-        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
-        self._max_grid: dict[int, int] = {}
-
-    def max_grid(self, max_k: int) -> int:
-        """The most blocks of the chain kernel that fit the GPU at once for K up to max_k."""
-        if max_k not in self._max_grid:
-            self._max_grid[max_k] = int(torch.ops.asyncgen_C.quant_chain_max_grid(self.sumsq, max_k))
-        return self._max_grid[max_k]
-
-
-def launch_quant_chain_4bit(
-    phases: "list[ChainPhase]", scratch: ChainScratch, eps: float, grid: int, *, split: bool = False
-) -> None:
-    """Runs ``phases`` in order in one persistent launch of ``grid`` blocks (at most
-    ``scratch.max_grid``), separated by barriers across the grid; ``split`` launches each
-    phase alone instead (the same results). A phase with a norm weight must follow a
-    CHAIN_RESIDUAL phase (or, first in a launch, one that ended the launch before on the
-    same scratch and grid). The op validates its arguments in C++."""
-    torch.ops.asyncgen_C.quant_chain_4bit(
-        [p.qweight for p in phases], [p.scales for p in phases], [p.zeros for p in phases],
-        [p.x for p in phases], [p.norm_weight for p in phases], [p.out for p in phases],
-        [p.group_size for p in phases], [p.col_threads for p in phases], [p.epilogue for p in phases],
-        scratch.sumsq, scratch.barrier, eps, grid, split,
-    )

@@ -220,7 +220,6 @@ T __shfl_sync(unsigned mask, T value, int source_lane, int width = 32) {
 }
 
 inline float __expf(float x) { return std::exp(x); }
-inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 // Blocks run one at a time, so atomics and fences need no more than plain memory.
 inline int atomicAdd(int* address, int value) {

@@ -6,12 +6,10 @@
 #include "cache_kernels.cuh"
 #include "chunk_attention.cuh"
 #include "gemv.cuh"
-#include "layer_chain.cuh"
 #include "paged_attention.cuh"
 #include "quant_gemm.cuh"
 #include "quant_wgmma.cuh"
 
-using asyncgen::ChainParams;
 using asyncgen::ChunkAttentionParams;
 using asyncgen::DecodeParams;
 using asyncgen::DenseGemvParams;
@@ -99,15 +97,6 @@ void ag_plan_stream_gemm(int n, int k, int warps, int64_t blocks_wanted, int* bl
 }
 
 int ag_sizeof_quant_gemm_params() { return sizeof(QuantGemmParams); }
-// The chain of one-row 4-bit products (layer_chain.cuh), one launch a phase. Returns 0 on
-// success, 1 where the kernel does not take the phases.
-int ag_quant_chain(const ChainParams* p, int grid) {
-  if (!asyncgen::quant_chain_ok(*p) || grid < 1 || grid > asyncgen::kChainMaxBlocks) return 1;
-  asyncgen::launch_quant_chain(*p, grid, nullptr, false, true);
-  return 0;
-}
-
-int ag_sizeof_chain_params() { return sizeof(ChainParams); }
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }

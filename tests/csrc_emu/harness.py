@@ -158,40 +158,6 @@ class DenseGemvParams(ctypes.Structure):
     ]
 
 
-class ChainPhase(ctypes.Structure):
-    _fields_ = [
-        ("qweight", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("zeros", ctypes.c_void_p),
-        ("x", ctypes.c_void_p),
-        ("norm_weight", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("qweight_stride", ctypes.c_int64),
-        ("scales_stride", ctypes.c_int64),
-        ("zeros_stride", ctypes.c_int64),
-        ("n", ctypes.c_int),
-        ("k", ctypes.c_int),
-        ("group_size", ctypes.c_int),
-        ("col_threads", ctypes.c_int),
-        ("epilogue", ctypes.c_int),
-    ]
-
-
-class ChainParams(ctypes.Structure):
-    _fields_ = [
-        ("phase", ChainPhase * 4),
-        ("sumsq", ctypes.c_void_p),
-        ("barrier", ctypes.c_void_p),
-        ("eps", ctypes.c_float),
-        ("first", ctypes.c_int),
-        ("last", ctypes.c_int),
-        ("partials", ctypes.c_int),
-    ]
-
-
-CHAIN_EPILOGUES = {"out": 0, "residual": 1, "gated": 2}
-
-
 class QuantGemvParams(ctypes.Structure):
     _fields_ = [
         ("out", ctypes.c_void_p),
@@ -274,8 +240,6 @@ class Emulator:
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         self.last_quant_kernel = ""
-        assert lib.ag_sizeof_chain_params() == ctypes.sizeof(ChainParams)
-        lib.ag_quant_chain.argtypes = [ctypes.POINTER(ChainParams), ctypes.c_int]
         assert lib.ag_sizeof_quant_gemm_params() == ctypes.sizeof(QuantGemmParams)
         lib.ag_quant_gemm_4bit.argtypes = [ctypes.POINTER(QuantGemmParams)]
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
@@ -396,23 +360,6 @@ class Emulator:
             x.shape[0], weight.shape[0], weight.shape[1], warps_per_row, gated,
         )
         assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "no kernel takes the launch"
-
-    def quant_chain(self, phases, sumsq, eps, grid, first=0, last=None) -> bool:
-        """The chain of one-row 4-bit products (layer_chain.cuh), one launch a phase.
-        ``phases``: dicts with qweight, scales, zeros, x, norm_weight (or None), out,
-        group_size, col_threads and epilogue ("out", "residual" or "gated"). Returns False
-        where the kernel does not take them."""
-        p = ChainParams()
-        for i, ph in enumerate(phases):
-            q = ph["qweight"]
-            p.phase[i] = ChainPhase(
-                _ptr(q), _ptr(ph["scales"]), _ptr(ph["zeros"]), _ptr(ph["x"]), _ptr(ph.get("norm_weight")),
-                _ptr(ph["out"]), q.stride(0), ph["scales"].stride(0), ph["zeros"].stride(0), q.shape[1],
-                q.shape[0] * 8, ph["group_size"], ph["col_threads"], CHAIN_EPILOGUES[ph["epilogue"]],
-            )
-        p.sumsq, p.barrier, p.eps = _ptr(sumsq), None, eps
-        p.first, p.last = first, len(phases) - 1 if last is None else last
-        return self.lib.ag_quant_chain(ctypes.byref(p), grid) == 0
 
     def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, tensor_cores=True,
                         gated=False):
