@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_decode import LLAMA2_7B, report, run_measuring, write_checkpoint  # noqa: E402
+from quant_decode import (  # noqa: E402
+    LLAMA2_7B, add_model_arguments, model_config, report, run_measuring, write_checkpoint,
+)
 
 VARIANTS = {
     "awq": ("all", "no-norm", "no-attention", "no-norm-no-attention"),
@@ -89,11 +91,10 @@ async def measure(path: str, variant: str, repeats: int, tokens: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer", default=None)
+    add_model_arguments(ap)
     ap.add_argument("--out", default="decode_ablation.json")
     ap.add_argument("--repeats", type=int, default=3, help="pairs of requests timed; the median is reported")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     ap.add_argument("--models", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--variants", nargs="+", default=None, choices=sorted({v for vs in VARIANTS.values() for v in vs}),
                     help="only these variants (default: each model's all)")
@@ -108,9 +109,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    cfg = dict(LLAMA2_7B)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
+    cfg = model_config(LLAMA2_7B, args)
     work = Path(tempfile.mkdtemp(prefix="asyncgen-ablation-"))
     results: dict = {"config": cfg, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:

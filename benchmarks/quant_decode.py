@@ -148,6 +148,22 @@ def run_measuring(cmd: list[str]) -> tuple[dict | None, subprocess.CompletedProc
     if proc.returncode != 0 or not lines:
         return None, proc
     return json.loads(lines[-1][len(RESULT):]), proc
+
+
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that shape the written checkpoints (read back by :func:`model_config`)."""
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+
+
+def model_config(base: dict, args: argparse.Namespace) -> dict:
+    """``base`` with ``--layers`` applied."""
+    cfg = dict(base)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    return cfg
+
+
 async def measure(path: str, device: str, prompt_len: int, single_tokens: int, batches: tuple[int, ...],
                   batch_tokens: int, profile: bool = False) -> dict:
     import anyio
@@ -216,9 +232,8 @@ async def measure(path: str, device: str, prompt_len: int, single_tokens: int, b
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer", default=None)
+    add_model_arguments(ap)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default="quant_decode.json")
     ap.add_argument("--workdir", default=None)
@@ -243,9 +258,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 1
-    cfg = dict(QUICK if quick else LLAMA2_7B)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
+    cfg = model_config(QUICK if quick else LLAMA2_7B, args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncgen-quant-"))
     results = {"config": cfg, "group_size": GROUP_SIZE, "torch": torch.__version__}
     if args.device == "cuda":
