@@ -1,7 +1,8 @@
 """Times the 4-bit products of decode batches (16-64 rows) at Llama-2-7B layer shapes on a
 GPU: fp16 cuBLAS, the Triton GEMM (``quant_gemm``), the csrc tensor-core GEMV and the
 csrc tiled GEMM in each launch shape (``cuda_backend.QUANT_GEMM_CONFIGS``; its mma.sync
-kernel as "tiled", its warpgroup kernel as "wgmma" where the GPU runs it), the tiled
+kernel as "tiled", its warpgroup kernels as "wgmma" and, with producer warps, "ws" where
+the GPU runs them), the tiled
 kernel also rebuilt with other ring depths and occupancy targets (``--variants sSwW``:
 ``AG_QGEMM_STAGES`` = S, ``AG_QGEMM_MIN_WARPS`` = W warps an SM, 0 for the default) and the
 warpgroup kernel with other ring depths (``--variants gS``: ``AG_QWGMMA_STAGES`` = S);
@@ -42,7 +43,7 @@ BINDING = r"""
 
 void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size,
          c10::optional<at::Tensor> workspace, c10::optional<at::Tensor> counters, int64_t warps, int64_t splits,
-         bool wgmma) {
+         int64_t wgmma) {
   asyncgen::quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, c10::nullopt, workspace, counters, warps,
                             splits, wgmma);
 }
@@ -74,8 +75,8 @@ def profile(tiled: str) -> int:
 
     if not cuda_backend.is_available():
         raise SystemExit("the csrc extension is not built")
-    wgmma = tiled.startswith("g")
-    warps, splits = (int(v) for v in tiled.removeprefix("g").split("x"))
+    wgmma = 1 if tiled.startswith("g") else 2 if tiled.startswith("p") else 0
+    warps, splits = (int(v) for v in tiled.lstrip("gp").split("x"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n in SHAPES:
         ((q, s, z),) = make_weights(k, n, 1, gen)
@@ -100,7 +101,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="run the tiled csrc GEMM eagerly, for ncu")
     ap.add_argument("--tiled", default="4x2", help="with --profile: the tiled GEMM's warps x splits (g4x2: the "
-                    "warpgroup kernel's)")
+                    "warpgroup kernel's, p8x-1: the one with producer warps)")
     args = ap.parse_args()
     if args.profile:
         return profile(args.tiled)
@@ -109,14 +110,14 @@ def main() -> int:
     if names:
         with ProcessPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1)) as pool:
             list(pool.map(_build_in_child, names))  # compile in parallel, before CUDA starts here
-    variants = {f"{'wgmma' if v.startswith('g') else 'tiled'}_{v}": (build(v), v.startswith("g")) for v in names}
+    variants = {f"{'wgmma' if v.startswith('g') else 'tiled'}_{v}": (build(v), int(v.startswith("g"))) for v in names}
 
     from asyncgen._ops import cuda_backend
     from asyncgen._ops.triton_quant_gemm import quant_gemm
 
     if not cuda_backend.is_available():
         raise SystemExit("the csrc extension is not built")
-    tiled_runs = {"tiled": (None, False), **({"wgmma": (None, True)} if cuda_backend.has_wgmma("cuda") else {}),
+    tiled_runs = {"tiled": (None, 0), **({"wgmma": (None, 1), "ws": (None, 2)} if cuda_backend.has_wgmma("cuda") else {}),
                   **variants}
     scratch = cuda_backend.GemmScratch("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)

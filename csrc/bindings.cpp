@@ -34,7 +34,7 @@ TORCH_LIBRARY(asyncgen_C, m) {
   m.def(
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, "
-      "bool wgmma=False) -> ()");
+      "int wgmma=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -50,7 +50,7 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "asyncgen CUDA kernels; the ops are registered under torch.ops.asyncgen_C";
-  // Whether quant_gemm_4bit takes wgmma=True: the build has sm_90a code (setup.py).
+  // Whether quant_gemm_4bit takes wgmma=1 or 2: the build has sm_90a code (setup.py).
 #ifdef AG_WGMMA
   module.attr("has_wgmma") = true;
 #else

@@ -357,16 +357,35 @@ AG_DEVICE float block_sum(float v, float* scratch) {
   return r;
 }
 
+// A barrier among threads 0 .. threads - 1 of the block only (id 1-15; __syncthreads is id 0).
+AG_DEVICE void named_barrier_sync(int id, int threads) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  emu::named_barrier(id, threads);
+#else
+  (void)id, (void)threads;
+#endif
+}
+
 // Whether this block is the last of `num_parts` blocks sharing `counter` to finish (each
 // takes a ticket with an atomic add once its partial results are written; the one that
 // draws the last ticket may read them all) and, if so, resets the counter to 0 for the
 // next launch. Called by every thread of the block.
-AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
+AG_DEVICE bool takes_last_ticket(int* counter, int num_parts, int named_threads = 0) {
   __shared__ int ticket;
+  // named_threads > 0: only threads 0 .. named_threads - 1 take part (named barrier 1).
+  const auto sync = [&] {
+    if (named_threads > 0) {
+      named_barrier_sync(1, named_threads);
+    } else {
+      __syncthreads();
+    }
+  };
   __threadfence();  // this thread's partials are visible device-wide before the ticket
-  __syncthreads();
+  sync();
   if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
-  __syncthreads();
+  sync();
   const bool last = ticket == num_parts - 1;
   if (last) {
     __threadfence();  // and the other blocks' partials are read after it
@@ -436,5 +455,93 @@ AG_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
 }
+
+
+// ---------------------------------------------------------------------------------------
+// Barriers in shared memory (mbarrier, sm_90) and bulk copies that complete on them, for
+// kernels whose warps take roles (some copy, the others compute) and meet at a ring of
+// such barriers instead of block-wide ones. A barrier's phase completes when `count`
+// arrivals have been made and the bytes announced with arrive_expect_tx have landed;
+// waiting names the parity of the phase waited for. In the CPU emulation (emu_runtime.h) the copies are immediate and a waiting thread
+// yields to the others until the phase completes.
+
+AG_DEVICE void mbarrier_init(uint64_t* bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  emu::mbarrier_init(bar, count);
+#else
+  (void)bar, (void)count;
+#endif
+}
+
+AG_DEVICE void mbarrier_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(smem_address(bar))
+               : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  emu::mbarrier_arrive(bar, 0);
+#else
+  (void)bar;
+#endif
+}
+
+// One arrival, and `bytes` more to land before the phase completes.
+AG_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+                   smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  emu::mbarrier_arrive(bar, static_cast<int64_t>(bytes));
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+AG_DEVICE bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_address(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+#elif defined(AG_EMU_MBARRIER)
+  return emu::mbarrier_phase_done(bar, parity);
+#else
+  (void)bar, (void)parity;
+  return true;
+#endif
+}
+
+// Returns once the phase of parity `parity` has completed.
+AG_DEVICE void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbarrier_try_wait(bar, parity)) {
+#if !defined(__CUDA_ARCH__) && defined(AG_EMU_MBARRIER)
+    emu::yield();
+#endif
+  }
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,
+// counted against `bar`'s announced bytes as they land.
+AG_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_address(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_address(bar))
+      : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  std::memcpy(smem, gmem, bytes);
+  emu::mbarrier_complete_tx(bar, bytes);
+#else
+  (void)smem, (void)gmem, (void)bytes, (void)bar;
+#endif
+}
+
 
 }  // namespace asyncgen

@@ -10,7 +10,7 @@
 #include "check.h"
 #include "gemv.cuh"
 #include "quant_gemm.cuh"
-#include "quant_wgmma.cuh"
+#include "quant_ws.cuh"
 #include "launch_policy.h"
 #include "ops.h"
 
@@ -181,15 +181,17 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
 void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
-                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, bool wgmma) {
+                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, int64_t wgmma) {
   QuantGemmParams p{};
   p.q = quant_params(out, x, qweight, scales, zeros, group_size, bias);
   TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8, got ", warps);
+  TORCH_CHECK(wgmma >= 0 && wgmma <= 2, "wgmma must be 0 (the mma.sync kernel), 1 (the warpgroup kernel) or 2 (the "
+              "warpgroup kernel with producer warps), got ", wgmma);
   TORCH_CHECK((splits >= 1 && splits <= kTiledMaxSplits) || (wgmma && splits >= -kMaxStreamBlocksPerSm && splits <= -1),
               "splits must be 1 to ", kTiledMaxSplits, " (or, with wgmma, -1 to -", kMaxStreamBlocksPerSm,
               ": a balanced launch of that many blocks an SM), got ", splits);
   p.warps = static_cast<int>(warps);
-  p.wgmma = wgmma ? 1 : 0;
+  p.wgmma = static_cast<int>(wgmma);
   TORCH_CHECK(!wgmma || kWgmmaBuilt, "wgmma: this build of asyncgen._C has no sm_90a code (build with "
               "ASYNCGEN_CUDA_ARCHS=90a)");
   if (splits < 0) {

@@ -71,10 +71,12 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
 // blocks of `warps` (4 or 8) warps own 32 * warps columns; splits > 1 divides K over that
 // many blocks per column range, which then need a workspace (fp32, at least splits * M * N)
 // and counters (int32, all 0, one per column range; left all 0). The caller owns both;
-// launches that may run at once need their own. K and group_size multiples of 64. wgmma:
-// the same product by the warpgroup kernel (quant_wgmma.cuh; sm_90a builds on sm_90 GPUs).
+// launches that may run at once need their own. K and group_size multiples of 64. wgmma 1:
+// the same product by the warpgroup kernel (quant_wgmma.cuh), 2: by the warpgroup kernel
+// with producer warps (quant_ws.cuh; `warps` its consumer warps); both sm_90a builds on
+// sm_90 GPUs.
 void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
-                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, bool wgmma);
+                     const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, int64_t wgmma);
 }  // namespace asyncgen

@@ -66,7 +66,7 @@ struct QuantGemmParams {
   int* counters;     // [ceil(n / (32 * warps))] int32, all 0 (left all 0) when splits > 1
   int splits;        // 1 .. kTiledMaxSplits
   int warps;         // 4 or 8
-  int wgmma;         // 1: the warpgroup kernel of quant_wgmma.cuh (sm_90a), else the tiled one
+  int wgmma;         // 1: the warpgroup kernel of quant_wgmma.cuh, 2: quant_ws.cuh's (sm_90a); 0: the tiled one
   int stream_blocks;  // > 0 (the warpgroup kernel): that many blocks share the stages evenly
                       // (plan_stream_gemm); splits is then the most blocks a column range has
 };
@@ -287,9 +287,10 @@ struct TiledWeightCopies {
 // r + 2 are two neighbouring columns of one row, stored as a pair. The block computed
 // `piece` of the `pieces` that share the column block's stages: with more than one, each
 // writes its fp32 partials and the last to take a ticket of counter `counter` adds them.
+// named_threads > 0: only the block's first named_threads threads (THREADS) call this.
 template <int M_TILES, int THREADS, int BN, typename Acc>
 AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, int piece, int pieces,
-                                  int counter, Acc acc) {
+                                  int counter, Acc acc, int named_threads = 0) {
   const QuantGemvParams& p = gp.q;
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
@@ -316,7 +317,7 @@ AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int w
         *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
       }
   if (whole) return;
-  if (!takes_last_ticket(gp.counters + counter, pieces)) return;
+  if (!takes_last_ticket(gp.counters + counter, pieces, named_threads)) return;
   add_split_partials<THREADS, BN, 8 * M_TILES>(gp, col_base, pieces);
 }
 

@@ -391,10 +391,4 @@ inline bool launch_quant_gemm_4bit_wgmma(const QuantGemmParams& p, cudaStream_t 
   return true;
 }
 
-// The tiled GEMM's product by the kernel p.wgmma names (the caller checks the device for the
-// warpgroup kernel). Returns false where that kernel does not take `p`.
-inline bool launch_tiled_quant_gemm(const QuantGemmParams& p, cudaStream_t stream, bool dependent = false) {
-  return p.wgmma ? launch_quant_gemm_4bit_wgmma(p, stream, dependent) : launch_quant_gemm_4bit(p, stream, dependent);
-}
-
 }  // namespace asyncgen

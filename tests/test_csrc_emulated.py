@@ -502,7 +502,7 @@ def _quant_case(m, n, k, group_size, seed):
         (20, 128, 640, 64, 4, 16),   # 10 stages over 16 splits (the most)
     ],
 )
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma", "ws"])
 def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps, splits, wgmma):
     x, qweight, scales, zeros, bias, exact = _quant_case(m, n, k, group_size, m * n + k + splits)
     runs = []
@@ -532,11 +532,13 @@ def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps
         (16, 384, 256, 64, 4, 100),  # more blocks wanted than units: one unit a block
     ],
 )
-def test_quant_gemm_4bit_balanced_matches_reference(emu, m, n, k, group_size, warps, blocks):
-    """A balanced launch (the warpgroup kernel): blocks take even runs of column blocks x
+@pytest.mark.parametrize("wgmma", [1, 2], ids=["wgmma", "ws"])
+def test_quant_gemm_4bit_balanced_matches_reference(emu, m, n, k, group_size, warps, blocks, wgmma):
+    """A balanced launch (the warpgroup kernels): blocks take even runs of column blocks x
     stages, a run may end inside one column block and go on in the next, and the blocks
     sharing a column block leave partials that the last to finish adds in block order; the
-    Python plan (which sizes the workspace) is the C++ one."""
+    Python plan (which sizes the workspace) is the C++ one. With producer warps (ws) the
+    ring runs on across the column blocks of a run."""
     x, qweight, scales, zeros, bias, exact = _quant_case(m, n, k, group_size, m + n + k + blocks)
     plan = emu.plan_stream_gemm(n, k, warps, blocks)
     assert plan == cuda_backend.stream_gemm_plan(n, k, warps, blocks)
@@ -550,7 +552,7 @@ def test_quant_gemm_4bit_balanced_matches_reference(emu, m, n, k, group_size, wa
         emu.lib.ag_set_reverse_blocks(int(reverse))
         try:
             assert emu.quant_gemm_4bit(out, x, qweight, scales, zeros, group_size, bias, warps, pieces, workspace,
-                                       counters, wgmma=True, stream_blocks=launched)
+                                       counters, wgmma=wgmma, stream_blocks=launched)
         finally:
             emu.lib.ag_set_reverse_blocks(0)
         assert relative_error(out, exact + bias.float()) < 2e-3
@@ -565,7 +567,7 @@ def test_quant_gemm_4bit_balanced_is_the_warpgroup_kernels_only(emu):
     assert not emu.quant_gemm_4bit(out, x, qweight, scales, zeros, 64, stream_blocks=2)
 
 
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma", "ws"])
 def test_quant_gemm_4bit_tiled_without_bias_and_strided_x(emu, wgmma):
     m, n, k = 24, 128, 256
     x, qweight, scales, zeros, _, exact = _quant_case(m, n, k, 64, 7)
@@ -587,7 +589,7 @@ def test_quant_gemm_4bit_tiled_without_bias_and_strided_x(emu, wgmma):
         (4, 64, 256, 64, 2, "splits without a workspace"),
     ],
 )
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("wgmma", [0, 1, 2], ids=["mma", "wgmma", "ws"])
 def test_quant_gemm_4bit_tiled_refuses(emu, m, n, k, group_size, splits, why, wgmma):
     x, qweight, scales, zeros, _, _ = _quant_case(m, n, k, group_size, 3)
     out = torch.empty(m, n, dtype=torch.float16)

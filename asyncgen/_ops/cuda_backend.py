@@ -856,16 +856,19 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     )
 
 
-# The tiled 4-bit GEMM's launch shapes, (warps a block, K splits, wgmma), that the engine
+# The tiled 4-bit GEMM's launch shapes, (warps a block, K splits, kernel), that the engine
 # times per weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps
-# owns 32 w columns, with s splits s blocks share each column range's K, and wgmma runs the
-# warpgroup kernel (csrc/quant_wgmma.cuh) instead of the mma.sync one (csrc/quant_gemm.cuh)
-# where the device has it (:func:`has_wgmma`). Splits -b (the warpgroup kernel only) launch b
-# blocks an SM that share the product's column blocks x stages evenly (a balanced launch,
-# :func:`stream_gemm_plan`).
+# owns 32 w columns, with s splits s blocks share each column range's K. Kernel 0 is the
+# mma.sync one (csrc/quant_gemm.cuh); where the device has them (:func:`has_wgmma`), 1 is
+# the warpgroup kernel (csrc/quant_wgmma.cuh) and 2 the warpgroup kernel with producer
+# warps (csrc/quant_ws.cuh; w is then its consumer warps, and the block has 4 more).
+# Splits -b (the warpgroup kernels only) launch b blocks an SM that share the product's
+# column blocks x stages evenly (a balanced launch, :func:`stream_gemm_plan`).
 QUANT_GEMM_CONFIGS = tuple(
-    (warps, splits, wgmma) for wgmma in (False, True) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
-) + ((8, -1, True), (4, -2, True))
+    (warps, splits, kernel) for kernel in (0, 1) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
+) + ((8, -1, 1), (4, -2, 1)) + tuple(
+    (warps, splits, 2) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8)
+) + ((8, -1, 2), (4, -2, 2))
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
 
 
@@ -975,11 +978,12 @@ def launch_quant_gemm_4bit(
     out: torch.Tensor | None = None,
     warps: int = 4,
     splits: int = 1,
-    wgmma: bool = False,
+    wgmma: int = 0,
     scratch: GemmScratch | None = None,
 ) -> torch.Tensor:
     """``x[:, perm] @ W + bias`` by the tiled tensor-core GEMM (``csrc/quant_gemm.cuh``, or with
-    ``wgmma`` its warpgroup version, ``csrc/quant_wgmma.cuh``, where :func:`has_wgmma`) for
+    ``wgmma`` 1 its warpgroup version, ``csrc/quant_wgmma.cuh``, and with 2 that version with
+    producer warps, ``csrc/quant_ws.cuh``, where :func:`has_wgmma`) for
     1 to :data:`QUANT_MMA_MAX_ROWS` rows, for callers that checked the weight
     (:func:`quant_gemm_4bit_weight_ok`) and the input (:func:`gemv_input_ok`). ``warps``,
     ``splits`` and ``wgmma`` are one of :data:`QUANT_GEMM_CONFIGS`; with ``splits`` > 1 (or a balanced
@@ -996,7 +1000,7 @@ def launch_quant_gemm_4bit(
         workspace, counters = scratch.buffers(pieces * x.shape[0] * n, -(-n // (32 * warps)))
     torch.ops.asyncgen_C.quant_gemm_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, workspace, counters, warps, splits,
-        wgmma,
+        int(wgmma),
     )
     return out
 

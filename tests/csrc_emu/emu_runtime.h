@@ -49,6 +49,7 @@ struct BlockRun {
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
   std::vector<uint64_t> shuffle_slots;  // one per thread
+  Barrier named_barriers[16];           // bar.sync id, count (id 0 unused: __syncthreads)
   std::function<void()> body;
   ucontext_t scheduler;
   int current = 0;
@@ -208,6 +209,73 @@ T shuffle(unsigned mask, T value, int width, Source source) {
 }
 
 }  // namespace emu
+
+namespace emu {
+
+// bar.sync id, threads: a barrier among the first `threads` threads to arrive.
+inline void named_barrier(int id, int threads) {
+  if (id <= 0 || id >= 16) std::abort();
+  Barrier& b = g_run->named_barriers[id];
+  if (b.arrived == 0) b.expected = threads;
+  if (b.expected != threads) {
+    std::fprintf(stderr, "emu: named barrier %d used with %d and %d threads\n", id, b.expected, threads);
+    std::abort();
+  }
+  wait(b);
+}
+
+// An mbarrier in its 8 bytes of shared memory: the expected arrivals (bits 0-11), the
+// arrivals still pending in the current phase (bits 12-23), the current phase's parity
+// (bit 24), and the bytes still to land (bits 32-63, signed: a copy may land before its
+// bytes are announced).
+struct MbarrierFields {
+  uint32_t expected, pending, phase;
+  int32_t tx;
+};
+inline MbarrierFields mbarrier_read(const uint64_t* bar) {
+  const uint64_t v = *bar;
+  return {static_cast<uint32_t>(v & 0xFFF), static_cast<uint32_t>((v >> 12) & 0xFFF),
+          static_cast<uint32_t>((v >> 24) & 1), static_cast<int32_t>(static_cast<uint32_t>(v >> 32))};
+}
+inline void mbarrier_write(uint64_t* bar, const MbarrierFields& f) {
+  *bar = static_cast<uint64_t>(f.expected) | (static_cast<uint64_t>(f.pending) << 12) |
+         (static_cast<uint64_t>(f.phase) << 24) | (static_cast<uint64_t>(static_cast<uint32_t>(f.tx)) << 32);
+}
+inline void mbarrier_init(uint64_t* bar, int count) {
+  if (count <= 0 || count >= 4096) std::abort();
+  mbarrier_write(bar, {static_cast<uint32_t>(count), static_cast<uint32_t>(count), 0, 0});
+}
+inline void mbarrier_settle(uint64_t* bar, MbarrierFields f) {
+  if (f.pending == 0 && f.tx == 0) {  // the phase completes; the next one begins
+    f.pending = f.expected;
+    f.phase ^= 1;
+  }
+  mbarrier_write(bar, f);
+  ++g_run->events;
+}
+inline void mbarrier_arrive(uint64_t* bar, int64_t expect_bytes) {
+  MbarrierFields f = mbarrier_read(bar);
+  if (f.pending == 0) {
+    std::fprintf(stderr, "emu: arrival at an mbarrier with none pending\n");
+    std::abort();
+  }
+  --f.pending;
+  f.tx += static_cast<int32_t>(expect_bytes);
+  mbarrier_settle(bar, f);
+}
+inline void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {
+  MbarrierFields f = mbarrier_read(bar);
+  f.tx -= static_cast<int32_t>(bytes);
+  mbarrier_settle(bar, f);
+}
+// Whether the phase of parity `parity` has completed: the current phase is the other one.
+inline bool mbarrier_phase_done(const uint64_t* bar, uint32_t parity) {
+  return mbarrier_read(bar).phase != (parity & 1);
+}
+
+}  // namespace emu
+
+#define AG_EMU_MBARRIER 1
 
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {

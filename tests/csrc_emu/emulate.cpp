@@ -8,7 +8,7 @@
 #include "gemv.cuh"
 #include "paged_attention.cuh"
 #include "quant_gemm.cuh"
-#include "quant_wgmma.cuh"
+#include "quant_ws.cuh"
 
 using asyncgen::ChunkAttentionParams;
 using asyncgen::DecodeParams;

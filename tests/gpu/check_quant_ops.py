@@ -474,7 +474,7 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
                                                         out=out[start : start + 64], warps=4, splits=2, wgmma=wgmma)
                 rel = ((out.float() - want).abs().max() / want.abs().max()).item()
                 ok = bool(rel < 2e-3 and torch.isnan(wide[:, :32]).all() and torch.isnan(wide[:, 32 + n :]).all())
-                case = f"{'wgmma' if wgmma else 'tiled'} {k}x{n} M={m} in pieces of 64 into a column slice"
+                case = f"{('tiled', 'wgmma', 'ws')[wgmma]} {k}x{n} M={m} in pieces of 64 into a column slice"
                 ROWS.append(Row("graph", case, rel, ok, 0.0, 0.0, 0))
                 print(f"  {case}: {'ok' if ok else 'FAIL'} rel_err {rel:.1e}", flush=True)
         del qweight, scales, zeros, dense
@@ -483,7 +483,7 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
     qweight, scales, zeros, _ = make_weights(4096, 4096, 4, 128, False, gen)
     x = torch.randn(64, 4096, generator=gen, device="cuda").half()
     x16 = torch.randn(16, 4096, generator=gen, device="cuda").half()
-    kernels = sorted({c[2] for c in configs})  # the mma.sync kernel, and the warpgroup one where it runs
+    kernels = sorted({c[2] for c in configs})  # the mma.sync kernel, and the warpgroup ones where they run
 
     def launch_pair():
         return [(a, cuda_backend.launch_quant_gemm_4bit(a, qweight, scales, zeros, 128, warps=w, splits=sp,
@@ -538,9 +538,9 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
             t["best before"] = min(t["csrc tensor cores"], t["triton"])
             for key in layer[m]:
                 layer[m][key] += t[key]
-            shapes = " ".join(f"{'g' if g else ''}{w}w/{s}:{v:.1f}" for (w, s, g), v in sorted(tiled.items()))
+            shapes = " ".join(f"{('', 'g', 'p')[g]}{w}w/{s}:{v:.1f}" for (w, s, g), v in sorted(tiled.items()))
             print(f"  {k}x{n} M={m}: fp16 {t['fp16']:.1f} | csrc tensor cores {t['csrc tensor cores']:.1f} | "
-                  f"triton {t['triton']:.1f} | tiled {t['tiled']:.1f} ({'wgmma, ' if best[2] else ''}{best[0]} warps, "
+                  f"triton {t['triton']:.1f} | tiled {t['tiled']:.1f} ({('', 'wgmma, ', 'ws, ')[best[2]]}{best[0]} warps, "
                   f"{best[1]} splits)", flush=True)
             print(f"      tiled by shape: {shapes}", flush=True)
         del weights
