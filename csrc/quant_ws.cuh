@@ -11,8 +11,8 @@
 //   STAGES slots. Lanes of the first warp ask for a slot's packed weights (8 rows of the
 //   block's BN columns) and its group's zero points and scales as bulk copies
 //   (cp.async.bulk) that complete on the slot's "full" barrier; each producer thread with
-//   a piece of x (row r, 32 of the stage's 64 K) copies it with cp.async, and two stages
-//   later puts it into the order of A's k-slots (as quant_wgmma.cuh does), fences it for
+//   a piece of x (row r, 32 of the stage's 64 K) copies it with cp.async, and STAGES / 2
+//   stages later puts it into the order of A's k-slots (as quant_wgmma.cuh does), fences it for
 //   the tensor cores and arrives on the same barrier.
 // - WARPS consumer warps (1 or 2 warpgroups, BN = 32 WARPS columns) wait for a slot's
 //   full barrier and compute the stage exactly as the warpgroup kernel does (the same
@@ -32,12 +32,14 @@
 namespace asyncgen {
 
 constexpr int kWsProducerWarps = 4;
-constexpr int kWsXAhead = 2;  // stages whose x copies a producer thread has in flight
 
 template <int M_TILES, int WARPS>
 struct WsLayout {
   using Stage = WgmmaLayout<M_TILES, WARPS>;  // a slot: x (1024-byte aligned), weights, groups
   static constexpr int kStages = WARPS == 8 ? 8 : 6;
+  // Stages whose x a producer thread has in flight: a stage's copies have this many of the
+  // consumers' stage times to land, and are ready S - kXAhead - 1 stages before they are used.
+  static constexpr int kXAhead = kStages / 2;
   static constexpr int kThreads = (WARPS + kWsProducerWarps) * kWarpSize;
   static constexpr int kBarriersOffset = kStages * Stage::kStageBytes;  // then full[kStages], empty[kStages]
   static constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + alignment of the ring
@@ -77,13 +79,14 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   using W = WsLayout<M_TILES, WARPS>;
   using L = typename W::Stage;
   constexpr int S = W::kStages;
+  constexpr int kXAhead = W::kXAhead;
   constexpr int kConsumers = WARPS * kWarpSize;
   constexpr int kProducers = kWsProducerWarps * kWarpSize;
   constexpr int kRows = L::kRows;
   constexpr int BN = L::kCols;
   static_assert(2 * kRows <= kProducers, "one x piece a producer thread at most");
   static_assert(kTiledPackedRows + 2 <= kWarpSize, "a lane a bulk copy");
-  static_assert(S >= kWsXAhead + 2, "the producers finish a stage's x before they wait for its slot's reuse");
+  static_assert(S >= kXAhead + 2, "the producers finish a stage's x before they wait for its slot's reuse");
   const QuantGemvParams& p = gp.q;
 
   AG_DYNAMIC_SMEM(smem_raw);
@@ -182,12 +185,12 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     }
     grid_dependency_wait();
     launch_dependents();
-    // Iteration j finishes stage j - kWsXAhead's x (its copies were the commit group of
-    // iteration j - kWsXAhead) and fills slot j % S once the consumers are done with it.
-    for (int j = 0; j < count + kWsXAhead; ++j) {
-      if (j >= kWsXAhead) {
-        cp_async_wait<kWsXAhead - 1>();
-        finish_x(j - kWsXAhead);
+    // Iteration j finishes stage j - kXAhead's x (its copies were the commit group of
+    // iteration j - kXAhead) and fills slot j % S once the consumers are done with it.
+    for (int j = 0; j < count + kXAhead; ++j) {
+      if (j >= kXAhead) {
+        cp_async_wait<kXAhead - 1>();
+        finish_x(j - kXAhead);
       }
       if (j < count) {
         if (j >= S) {
