@@ -29,6 +29,13 @@
 
 #include "quant_wgmma.cuh"
 
+// AG_QWS_PROBE (timing only, wrong results): 1 leaves out the consumers' products (they
+// wait for each slot, read its weights and give it back), 2 the producers' copies (they
+// only arrive): what the ring alone, and the products alone, take.
+#ifndef AG_QWS_PROBE
+#define AG_QWS_PROBE 0
+#endif
+
 namespace asyncgen {
 
 constexpr int kWsProducerWarps = 4;
@@ -132,6 +139,10 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       const int slot = j % S;
       const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
       const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
+      if (AG_QWS_PROBE == 2) {
+        if (pt == 0) mbarrier_arrive(full + slot);
+        return;
+      }
       if (pt == 0) mbarrier_arrive_expect_tx(full + slot, kTiledPackedRows * w_bytes + 2 * g_bytes);
       if (pt < kTiledPackedRows) {
         const int32_t* src = p.qweight + static_cast<int64_t>(s * kTiledPackedRows + pt) * p.qweight_stride + cb * BN;
@@ -155,7 +166,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 #pragma unroll
     for (int q = 0; q < 4; ++q) x_dst[q] = x_row * 128 + 16 * ((4 * x_half + q) ^ (x_row & 7));
     auto issue_x = [&](int j) {
-      if (!x_task) return;
+      if (!x_task || AG_QWS_PROBE == 2) return;
       const int s = static_cast<int>((u_begin + j) % stages);
       unsigned char* xs = x_at(j % S);
 #pragma unroll
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     };
     auto finish_x = [&](int j) {
       const int slot = j % S;
-      if (x_task) {
+      if (x_task && AG_QWS_PROBE != 2) {
         unsigned char* xs = x_at(slot);
         uint4 e[4], r[4];
 #pragma unroll
@@ -259,6 +270,11 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 #pragma unroll
       for (int ch = 0; ch < kTiledChunks; ++ch) {
         const uint4 wv = *reinterpret_cast<const uint4*>(w + (4 * ch + c) * L::kWordsPerRow + wc);
+        if constexpr (AG_QWS_PROBE == 1) {
+          acc[0][0] += static_cast<float>((wv.x ^ wv.y ^ wv.z ^ wv.w) & 0xFFu) + grp.scale[0];
+          if (ch == 1 && j > 0 && lane == 0) mbarrier_arrive(empty + (j - 1) % S);
+          continue;
+        }
         const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
         // At most the previous chunk's products stay in flight: at chunk 1 those of the
         // stage before have completed, and its slot goes back to the producers.

@@ -1,0 +1,81 @@
+"""Where the time of the 4-bit GEMM with producer warps (``csrc/quant_ws.cuh``) goes: the
+kernel rebuilt with ``AG_QWS_PROBE`` = 1 (the consumers leave out their products: the
+ring of copies and barriers alone) and 2 (the producers leave out their copies: the
+products alone), timed beside the kernel as it is and the warpgroup kernel without
+producer warps, at the Llama-2-7B layer shapes, per call in CUDA graphs over weight
+copies cycled past L2. The probes' results are wrong by design; only the kernel as it is
+gets checked (by ``quant_gemm_sweep.py`` and ``tests/gpu/check_quant_ops.py``).
+
+    PYTHONPATH=. python3 benchmarks/quant_ws_probe.py [--rows 16,64] [--configs 8x-1,4x-2,8x8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_variants import graph_us, row_case, shape_weights  # noqa: E402
+from quant_gemm_sweep import BINDING, CSRC, GROUP, SHAPES  # noqa: E402
+
+
+def build(probe: int):
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=f"ag_qws_probe{probe}", cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
+        functions=["run"], extra_include_paths=[str(CSRC)],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DAG_WGMMA", f"-DAG_QWS_PROBE={probe}"],
+    )
+
+
+def _build_in_child(probe: int) -> int:
+    build(probe)
+    return probe
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="16,64")
+    ap.add_argument("--configs", default="8x-1,4x-2,8x8,4x8", help="warps x splits of the kernel with producer warps")
+    args = ap.parse_args()
+    rows = [int(v) for v in args.rows.split(",")]
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    with ProcessPoolExecutor(max_workers=3) as pool:
+        list(pool.map(_build_in_child, (0, 1, 2)))  # compile in parallel, before CUDA starts here
+    mods = {probe: build(probe) for probe in (0, 1, 2)}
+
+    from asyncgen._ops import cuda_backend
+
+    scratch = cuda_backend.GemmScratch("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    names = {0: "as is", 1: "no products", 2: "no copies"}
+    print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2")
+    for k, n in SHAPES:
+        weights, _ = shape_weights(k, n, gen)
+        for m in rows:
+            x, out, _ = row_case(m, k, n, weights, gen)
+            cells = []
+            for warps, splits in configs:
+                pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
+                ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
+                for probe, mod in mods.items():
+                    t = graph_us([lambda w=w, mod=mod: mod.run(out, x, *w, GROUP, ws if pieces > 1 else None,
+                                                               ct if pieces > 1 else None, warps, splits, 2)
+                                  for w in weights])
+                    cells.append(f"{warps}x{splits} {names[probe]} {t:.1f}")
+            wg = graph_us([lambda w=w: cuda_backend.launch_quant_gemm_4bit(x, *w, GROUP, out=out, warps=4, splits=4,
+                                                                           wgmma=1, scratch=scratch)
+                           for w in weights])
+            print(f"{k}x{n} M={m}: wgmma 4x4 {wg:.1f} | " + " | ".join(cells), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
