@@ -68,9 +68,8 @@ def main() -> int:
                                                                ct if pieces > 1 else None, warps, splits, 2)
                                   for w in weights])
                     cells.append(f"{warps}x{splits} {names[probe]} {t:.1f}")
-            wg = graph_us([lambda w=w: cuda_backend.launch_quant_gemm_4bit(x, *w, GROUP, out=out, warps=4, splits=4,
-                                                                           wgmma=1, scratch=scratch)
-                           for w in weights])
+            ws, ct = scratch.buffers(4 * m * n, -(-n // 128))
+            wg = graph_us([lambda w=w: mods[0].run(out, x, *w, GROUP, ws, ct, 4, 4, 1) for w in weights])
             print(f"{k}x{n} M={m}: wgmma 4x4 {wg:.1f} | " + " | ".join(cells), flush=True)
         del weights
         torch.cuda.empty_cache()
