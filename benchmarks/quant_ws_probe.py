@@ -45,15 +45,15 @@ def main() -> int:
     args = ap.parse_args()
     rows = [int(v) for v in args.rows.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
-    with ProcessPoolExecutor(max_workers=3) as pool:
-        list(pool.map(_build_in_child, (0, 1, 2)))  # compile in parallel, before CUDA starts here
-    mods = {probe: build(probe) for probe in (0, 1, 2)}
+    with ProcessPoolExecutor(max_workers=4) as pool:
+        list(pool.map(_build_in_child, (0, 1, 2, 3)))  # compile in parallel, before CUDA starts here
+    mods = {probe: build(probe) for probe in (0, 1, 2, 3)}
 
     from asyncgen._ops import cuda_backend
 
     scratch = cuda_backend.GemmScratch("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    names = {0: "as is", 1: "no products", 2: "no copies"}
+    names = {0: "as is", 1: "no products", 2: "no copies", 3: "no wgmma"}
     print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2")
     for k, n in SHAPES:
         weights, _ = shape_weights(k, n, gen)

@@ -31,7 +31,8 @@
 
 // AG_QWS_PROBE (timing only, wrong results): 1 leaves out the consumers' products (they
 // wait for each slot, read its weights and give it back), 2 the producers' copies (they
-// only arrive): what the ring alone, and the products alone, take.
+// only arrive), 3 only the wgmma instructions (the dequantization stays): what the ring
+// alone, the products alone, and the tensor-core work take.
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
 #endif
@@ -295,7 +296,11 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
           for (int t = 0; t < 2; ++t) {
             const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
                                    d[2 * t + 1][2 * step + 1]};
-            wgmma_rs<8 * M_TILES>(acc[t], a, desc);
+            if constexpr (AG_QWS_PROBE == 3) {
+              acc[t][0] += static_cast<float>((a[0] ^ a[1] ^ a[2] ^ a[3] ^ static_cast<uint32_t>(desc)) & 0xFFu);
+            } else {
+              wgmma_rs<8 * M_TILES>(acc[t], a, desc);
+            }
           }
         }
         wgmma_commit();
