@@ -23,37 +23,40 @@ from gemv_variants import graph_us, row_case, shape_weights  # noqa: E402
 from quant_gemm_sweep import BINDING, CSRC, GROUP, SHAPES  # noqa: E402
 
 
-def build(probe: int):
+VARIANTS = {"as is": [], "no products": ["-DAG_QWS_PROBE=1"], "no copies": ["-DAG_QWS_PROBE=2"],
+            "no wgmma": ["-DAG_QWS_PROBE=3"], "no weight copies": ["-DAG_QWS_PROBE=4"], "x6": ["-DAG_QWS_XAHEAD=6"]}
+
+
+def build(name: str):
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name=f"ag_qws_probe{probe}", cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
+        name="ag_qws_" + name.replace(" ", "_"), cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
         functions=["run"], extra_include_paths=[str(CSRC)],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DAG_WGMMA", f"-DAG_QWS_PROBE={probe}"],
+        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DAG_WGMMA", *VARIANTS[name]],
     )
 
 
-def _build_in_child(probe: int) -> int:
-    build(probe)
-    return probe
+def _build_in_child(name: str) -> str:
+    build(name)
+    return name
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="16,64")
-    ap.add_argument("--configs", default="8x-1,4x-2,8x8,4x8", help="warps x splits of the kernel with producer warps")
+    ap.add_argument("--configs", default="8x-1,4x-2,8x8", help="warps x splits of the kernel with producer warps")
     args = ap.parse_args()
     rows = [int(v) for v in args.rows.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
-    with ProcessPoolExecutor(max_workers=4) as pool:
-        list(pool.map(_build_in_child, (0, 1, 2, 3)))  # compile in parallel, before CUDA starts here
-    mods = {probe: build(probe) for probe in (0, 1, 2, 3)}
+    with ProcessPoolExecutor(max_workers=len(VARIANTS)) as pool:
+        list(pool.map(_build_in_child, VARIANTS))  # compile in parallel, before CUDA starts here
+    mods = {name: build(name) for name in VARIANTS}
 
     from asyncgen._ops import cuda_backend
 
     scratch = cuda_backend.GemmScratch("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    names = {0: "as is", 1: "no products", 2: "no copies", 3: "no wgmma"}
     print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2")
     for k, n in SHAPES:
         weights, _ = shape_weights(k, n, gen)
@@ -63,13 +66,13 @@ def main() -> int:
             for warps, splits in configs:
                 pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
                 ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
-                for probe, mod in mods.items():
+                for name, mod in mods.items():
                     t = graph_us([lambda w=w, mod=mod: mod.run(out, x, *w, GROUP, ws if pieces > 1 else None,
                                                                ct if pieces > 1 else None, warps, splits, 2)
                                   for w in weights])
-                    cells.append(f"{warps}x{splits} {names[probe]} {t:.1f}")
+                    cells.append(f"{warps}x{splits} {name} {t:.1f}")
             ws, ct = scratch.buffers(4 * m * n, -(-n // 128))
-            wg = graph_us([lambda w=w: mods[0].run(out, x, *w, GROUP, ws, ct, 4, 4, 1) for w in weights])
+            wg = graph_us([lambda w=w: mods["as is"].run(out, x, *w, GROUP, ws, ct, 4, 4, 1) for w in weights])
             print(f"{k}x{n} M={m}: wgmma 4x4 {wg:.1f} | " + " | ".join(cells), flush=True)
         del weights
         torch.cuda.empty_cache()

@@ -31,8 +31,9 @@
 
 // AG_QWS_PROBE (timing only, wrong results): 1 leaves out the consumers' products (they
 // wait for each slot, read its weights and give it back), 2 the producers' copies (they
-// only arrive), 3 only the wgmma instructions (the dequantization stays): what the ring
-// alone, the products alone, and the tensor-core work take.
+// only arrive), 3 only the wgmma instructions (the dequantization stays), 4 only the bulk
+// copies of the weights (x is still copied): what the ring alone, the products alone, the
+// tensor-core work and the weights' copies take. AG_QWS_XAHEAD sets kXAhead.
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
 #endif
@@ -47,7 +48,11 @@ struct WsLayout {
   static constexpr int kStages = WARPS == 8 ? 8 : 6;
   // Stages whose x a producer thread has in flight: a stage's copies have this many of the
   // consumers' stage times to land, and are ready S - kXAhead - 1 stages before they are used.
+#ifdef AG_QWS_XAHEAD
+  static constexpr int kXAhead = AG_QWS_XAHEAD < kStages - 2 ? AG_QWS_XAHEAD : kStages - 2;
+#else
   static constexpr int kXAhead = kStages / 2;
+#endif
   static constexpr int kThreads = (WARPS + kWsProducerWarps) * kWarpSize;
   static constexpr int kBarriersOffset = kStages * Stage::kStageBytes;  // then full[kStages], empty[kStages]
   static constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + alignment of the ring
@@ -140,7 +145,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       const int slot = j % S;
       const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
       const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
-      if (AG_QWS_PROBE == 2) {
+      if (AG_QWS_PROBE == 2 || AG_QWS_PROBE == 4) {
         if (pt == 0) mbarrier_arrive(full + slot);
         return;
       }
