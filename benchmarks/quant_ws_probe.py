@@ -24,7 +24,8 @@ from quant_gemm_sweep import BINDING, CSRC, GROUP, SHAPES  # noqa: E402
 
 
 VARIANTS = {"as is": [], "no products": ["-DAG_QWS_PROBE=1"], "no copies": ["-DAG_QWS_PROBE=2"],
-            "no wgmma": ["-DAG_QWS_PROBE=3"], "no weight copies": ["-DAG_QWS_PROBE=4"], "x6": ["-DAG_QWS_XAHEAD=6"]}
+            "no wgmma": ["-DAG_QWS_PROBE=3"], "no weight copies": ["-DAG_QWS_PROBE=4"], "x6": ["-DAG_QWS_XAHEAD=6"],
+            "thread arrivals": ["-DAG_QWS_THREAD_ARRIVALS=1"]}
 
 
 def build(name: str):

@@ -12,8 +12,8 @@
 //   block's BN columns) and its group's zero points and scales as bulk copies
 //   (cp.async.bulk) that complete on the slot's "full" barrier; each producer thread with
 //   a piece of x (row r, 32 of the stage's 64 K) copies it with cp.async, and STAGES / 2
-//   stages later puts it into the order of A's k-slots (as quant_wgmma.cuh does), fences it for
-//   the tensor cores and arrives on the same barrier.
+//   stages later puts it into the order of A's k-slots (as quant_wgmma.cuh does) and fences
+//   it for the tensor cores; then one lane of each producer warp arrives on the same barrier.
 // - WARPS consumer warps (1 or 2 warpgroups, BN = 32 WARPS columns) wait for a slot's
 //   full barrier and compute the stage exactly as the warpgroup kernel does (the same
 //   dequantization, wgmma m64nNk16 with A in registers and B = x in shared memory, the
@@ -36,6 +36,9 @@
 // tensor-core work and the weights' copies take. AG_QWS_XAHEAD sets kXAhead.
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
+#endif
+#ifndef AG_QWS_THREAD_ARRIVALS
+#define AG_QWS_THREAD_ARRIVALS 0
 #endif
 
 namespace asyncgen {
@@ -113,7 +116,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   };
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbarrier_init(full + s, kProducers + 1);  // every producer thread, and the bulk copies' announcement
+      // A lane of every producer warp (or every producer thread), and the bulk copies' announcement.
+      mbarrier_init(full + s, (AG_QWS_THREAD_ARRIVALS ? kProducers : kWsProducerWarps) + 1);
       mbarrier_init(empty + s, WARPS);          // a lane of every consumer warp
     }
     mbarrier_init_fence();
@@ -193,7 +197,14 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         *reinterpret_cast<uint4*>(xs + x_dst[3]) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
         fence_proxy_async();
       }
+      // One arrival a warp, once every lane's x is in place, rather than one a thread on
+      // the same barrier word (AG_QWS_THREAD_ARRIVALS, for timing).
+#if AG_QWS_THREAD_ARRIVALS
       mbarrier_arrive(full + slot);
+#else
+      __syncwarp();
+      if (pt % kWarpSize == 0) mbarrier_arrive(full + slot);
+#endif
     };
 
     // The first slots' weights need no wait: nothing ahead writes them.
