@@ -154,7 +154,8 @@ def main() -> int:
                 x, q, s, z, GROUP, out=o, kernel=2))
             for name, (mod, wgmma) in tiled_runs.items():
                 times = {}
-                for warps, splits, _ in (c for c in cuda_backend.QUANT_GEMM_CONFIGS if c[2] == wgmma):
+                all_configs = cuda_backend.QUANT_GEMM_CONFIGS + cuda_backend.QUANT_GEMM_WS_CONFIGS
+                for warps, splits, _ in (c for c in all_configs if c[2] == wgmma):
                     if mod is None:
                         fn = lambda o, x, q, s, z, a=warps, b=splits, g=wgmma: (  # noqa: E731
                             cuda_backend.launch_quant_gemm_4bit(x, q, s, z, GROUP, out=o, warps=a, splits=b, wgmma=g,

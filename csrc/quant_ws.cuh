@@ -25,6 +25,13 @@
 // store (or leave partials for) the one they finished while the producers go on filling
 // the ring. The result store and the split sum are the tiled kernels', among the consumer
 // threads (named barrier 1).
+//
+// Measured on an H200 (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py) it is slower than
+// the warpgroup kernel in every 7B shape at 16 and 64 rows, and the engine does not route
+// to it (cuda_backend.QUANT_GEMM_WS_CONFIGS): the weights' bulk copies, ten of 0.5-1 KB a
+// stage, cost most of the gap (without them q|k|v at 16 rows took 20.3 against 35.3 us;
+// with no copies at all the products and barriers alone took 15.5, the warpgroup kernel
+// 18.5). Per-thread cp.async for the weights, as for x, is the next step.
 #pragma once
 
 #include "quant_wgmma.cuh"

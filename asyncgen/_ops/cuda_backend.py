@@ -61,7 +61,7 @@ __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
     "dense_gemv_supported", "dense_gemv_weight_ok", "gemv_input_ok", "is_available", "launch_dense_gemv", "launch_quant_gemv_4bit", "ops", "quant_gemv_4bit",
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
-    "GemmScratch", "QUANT_GEMM_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
+    "GemmScratch", "QUANT_GEMM_CONFIGS", "QUANT_GEMM_WS_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
     "quant_gemm_config_indices", "quant_gemm_pieces", "stream_gemm_plan",
     "LT_MAX_ROWS", "choose_dense_algos",
 ]
@@ -859,14 +859,18 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
 # The tiled 4-bit GEMM's launch shapes, (warps a block, K splits, kernel), that the engine
 # times per weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps
 # owns 32 w columns, with s splits s blocks share each column range's K. Kernel 0 is the
-# mma.sync one (csrc/quant_gemm.cuh); where the device has them (:func:`has_wgmma`), 1 is
-# the warpgroup kernel (csrc/quant_wgmma.cuh) and 2 the warpgroup kernel with producer
-# warps (csrc/quant_ws.cuh; w is then its consumer warps, and the block has 4 more).
-# Splits -b (the warpgroup kernels only) launch b blocks an SM that share the product's
-# column blocks x stages evenly (a balanced launch, :func:`stream_gemm_plan`).
+# mma.sync one (csrc/quant_gemm.cuh); where the device has it (:func:`has_wgmma`), 1 is
+# the warpgroup kernel (csrc/quant_wgmma.cuh). Splits -b (the warpgroup kernels only)
+# launch b blocks an SM that share the product's column blocks x stages evenly (a balanced
+# launch, :func:`stream_gemm_plan`).
 QUANT_GEMM_CONFIGS = tuple(
     (warps, splits, kernel) for kernel in (0, 1) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
-) + ((8, -1, 1), (4, -2, 1)) + tuple(
+) + ((8, -1, 1), (4, -2, 1))
+# The launch shapes of kernel 2, the warpgroup kernel with producer warps (csrc/quant_ws.cuh;
+# w is then its consumer warps, and the block has 4 more), which the GPU checks and
+# benchmarks run but the engine does not time: slower than kernel 1 in every shape on an
+# H200 (docs/BENCHMARKS.md, "Tried, not routed: the warpgroup 4-bit GEMM with producer warps").
+QUANT_GEMM_WS_CONFIGS = tuple(
     (warps, splits, 2) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8)
 ) + ((8, -1, 2), (4, -2, 2))
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it

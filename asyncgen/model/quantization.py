@@ -78,7 +78,7 @@ CUDA_GEMV_MAX_ROWS = 64
 # and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
 TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
 # Route values from TILED on: the tiled csrc GEMM with launch shape
-# cuda_backend.QUANT_GEMM_CONFIGS[value - TILED] (the mma.sync or a warpgroup kernel);
+# cuda_backend.QUANT_GEMM_CONFIGS[value - TILED] (the mma.sync or the warpgroup kernel);
 # choose_kernels times it from TILED_MIN_ROWS rows.
 TILED = 16
 TILED_MIN_ROWS = 8
@@ -579,7 +579,7 @@ class QuantLinearMethod(LinearMethod):
 
             warps, splits, wgmma = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
             shape = f"-split{splits}" if splits > 1 else f"-balanced{-splits}" if splits < 0 else ""
-            return f"csrc-{('tiled', 'wgmma', 'wgmma-ws')[wgmma]}-{warps}w{shape}"
+            return f"csrc-{'wgmma' if wgmma else 'tiled'}-{warps}w{shape}"
         return ("triton", "csrc-cuda-cores", "csrc-tensor-cores")[kernel]
 
     @staticmethod
