@@ -371,10 +371,10 @@ AG_DEVICE void named_barrier_sync(int id, int threads) {
 // Whether this block is the last of `num_parts` blocks sharing `counter` to finish (each
 // takes a ticket with an atomic add once its partial results are written; the one that
 // draws the last ticket may read them all) and, if so, resets the counter to 0 for the
-// next launch. Called by every thread of the block.
+// next launch. Called by every thread of the block, or with named_threads > 0 by threads
+// 0 .. named_threads - 1 only (they meet at named barrier 1).
 AG_DEVICE bool takes_last_ticket(int* counter, int num_parts, int named_threads = 0) {
   __shared__ int ticket;
-  // named_threads > 0: only threads 0 .. named_threads - 1 take part (named barrier 1).
   const auto sync = [&] {
     if (named_threads > 0) {
       named_barrier_sync(1, named_threads);
@@ -456,14 +456,14 @@ AG_DEVICE void cp_async_wait() {
 #endif
 }
 
-
 // ---------------------------------------------------------------------------------------
 // Barriers in shared memory (mbarrier, sm_90) and bulk copies that complete on them, for
 // kernels whose warps take roles (some copy, the others compute) and meet at a ring of
 // such barriers instead of block-wide ones. A barrier's phase completes when `count`
 // arrivals have been made and the bytes announced with arrive_expect_tx have landed;
-// waiting names the parity of the phase waited for. In the CPU emulation (emu_runtime.h) the copies are immediate and a waiting thread
-// yields to the others until the phase completes.
+// waiting names the parity of the phase waited for. In the CPU emulation (emu_runtime.h)
+// the copies are immediate and a waiting thread yields to the others until the phase
+// completes.
 
 AG_DEVICE void mbarrier_init(uint64_t* bar, int count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
