@@ -4,7 +4,8 @@ ring of copies and barriers alone) and 2 (the producers leave out their copies: 
 products alone), timed beside the kernel as it is and the warpgroup kernel without
 producer warps, at the Llama-2-7B layer shapes, per call in CUDA graphs over weight
 copies cycled past L2. The probes' results are wrong by design; only the kernel as it is
-gets checked (by ``quant_gemm_sweep.py`` and ``tests/gpu/check_quant_ops.py``).
+gets checked (by ``quant_gemm_sweep.py`` and ``tests/gpu/check_quant_ops.py``); the
+other variants are checked here against dequantize-then-matmul before they are timed.
 
     PYTHONPATH=. python3 benchmarks/quant_ws_probe.py [--rows 16,64] [--configs 8x-1,4x-2,8x8]
 """
@@ -25,7 +26,7 @@ from quant_gemm_sweep import BINDING, CSRC, GROUP, SHAPES  # noqa: E402
 
 VARIANTS = {"as is": [], "no products": ["-DAG_QWS_PROBE=1"], "no copies": ["-DAG_QWS_PROBE=2"],
             "no wgmma": ["-DAG_QWS_PROBE=3"], "no weight copies": ["-DAG_QWS_PROBE=4"], "x6": ["-DAG_QWS_XAHEAD=6"],
-            "thread arrivals": ["-DAG_QWS_THREAD_ARRIVALS=1"]}
+            "thread arrivals": ["-DAG_QWS_THREAD_ARRIVALS=1"], "cp.async weights": ["-DAG_QWS_CPASYNC_WEIGHTS=1"]}
 
 
 def build(name: str):
@@ -47,27 +48,41 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="16,64")
     ap.add_argument("--configs", default="8x-1,4x-2,8x8", help="warps x splits of the kernel with producer warps")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="builds to time, comma-separated")
     args = ap.parse_args()
     rows = [int(v) for v in args.rows.split(",")]
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
-    with ProcessPoolExecutor(max_workers=len(VARIANTS)) as pool:
-        list(pool.map(_build_in_child, VARIANTS))  # compile in parallel, before CUDA starts here
-    mods = {name: build(name) for name in VARIANTS}
+    names = [v for v in args.variants.split(",") if v]
+    if "as is" not in names:
+        names.insert(0, "as is")  # its build also times the warpgroup kernel
+    with ProcessPoolExecutor(max_workers=len(names)) as pool:
+        list(pool.map(_build_in_child, names))  # compile in parallel, before CUDA starts here
+    mods = {name: build(name) for name in names}
 
     from asyncgen._ops import cuda_backend
 
     scratch = cuda_backend.GemmScratch("cuda")
+    failures = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2")
     for k, n in SHAPES:
         weights, _ = shape_weights(k, n, gen)
         for m in rows:
-            x, out, _ = row_case(m, k, n, weights, gen)
+            x, out, want = row_case(m, k, n, weights, gen)
             cells = []
             for warps, splits in configs:
                 pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
                 ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
                 for name, mod in mods.items():
+                    if not any("PROBE" in flag for flag in VARIANTS[name]):
+                        out.fill_(float("nan"))
+                        mod.run(out, x, *weights[0], GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None,
+                                warps, splits, 2)
+                        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+                        if not err < 2e-3:
+                            print(f"  FAIL {name} {warps}x{splits} {k}x{n} M={m}: rel err {err:.2e}", flush=True)
+                            failures += 1
+                            continue
                     t = graph_us([lambda w=w, mod=mod: mod.run(out, x, *w, GROUP, ws if pieces > 1 else None,
                                                                ct if pieces > 1 else None, warps, splits, 2)
                                   for w in weights])
@@ -77,7 +92,7 @@ def main() -> int:
             print(f"{k}x{n} M={m}: wgmma 4x4 {wg:.1f} | " + " | ".join(cells), flush=True)
         del weights
         torch.cuda.empty_cache()
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@
 #ifndef AG_QWS_THREAD_ARRIVALS
 #define AG_QWS_THREAD_ARRIVALS 0
 #endif
+// AG_QWS_CPASYNC_WEIGHTS 1: the producer threads copy the weights and group constants with
+// cp.async, in the commit group of the stage's x, instead of asking for bulk copies.
+#ifndef AG_QWS_CPASYNC_WEIGHTS
+#define AG_QWS_CPASYNC_WEIGHTS 0
+#endif
 
 namespace asyncgen {
 
@@ -124,7 +129,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       // A lane of every producer warp (or every producer thread), and the bulk copies' announcement.
-      mbarrier_init(full + s, (AG_QWS_THREAD_ARRIVALS ? kProducers : kWsProducerWarps) + 1);
+      mbarrier_init(full + s, (AG_QWS_THREAD_ARRIVALS ? kProducers : kWsProducerWarps) + !AG_QWS_CPASYNC_WEIGHTS);
       mbarrier_init(empty + s, WARPS);          // a lane of every consumer warp
     }
     mbarrier_init_fence();
@@ -156,6 +161,24 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       const int slot = j % S;
       const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
       const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
+      if (AG_QWS_CPASYNC_WEIGHTS) {
+        const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
+        for (int i = pt; i < kTiledPackedRows * (BN / 4); i += kProducers) {
+          const int r = i / (BN / 4), col = 4 * (i % (BN / 4));
+          const bool ok = col < cols;
+          const int32_t* src = p.qweight + static_cast<int64_t>(s * kTiledPackedRows + r) * p.qweight_stride + cb * BN;
+          cp_async16(weights_at(slot) + r * L::kWordsPerRow + col, ok ? src + col : p.qweight, ok);
+        }
+        for (int i = pt; i < 2 * (BN / 8); i += kProducers) {
+          const bool zero_points = i < BN / 8;
+          const int col = 8 * (i % (BN / 8));
+          const bool ok = col < cols;
+          const __half* src = static_cast<const __half*>(zero_points ? p.zeros : p.scales) +
+                              group * (zero_points ? p.zeros_stride : p.scales_stride) + cb * BN;
+          cp_async16(groups_at(slot) + (zero_points ? 0 : BN) + col, ok ? src + col : src - cb * BN, ok);
+        }
+        return;
+      }
       if (AG_QWS_PROBE == 2 || AG_QWS_PROBE == 4) {
         if (pt == 0) mbarrier_arrive(full + slot);
         return;
@@ -215,7 +238,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     };
 
     // The first slots' weights need no wait: nothing ahead writes them.
-    if (issuer) {
+    if (issuer || AG_QWS_CPASYNC_WEIGHTS) {
       for (int j = 0; j < count && j < S; ++j) issue_weights(j);
     }
     grid_dependency_wait();
@@ -230,7 +253,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       if (j < count) {
         if (j >= S) {
           mbarrier_wait(empty + j % S, (j / S - 1) & 1);
-          if (issuer) issue_weights(j);
+          if (issuer || AG_QWS_CPASYNC_WEIGHTS) issue_weights(j);
         }
         issue_x(j);
       }
