@@ -33,7 +33,7 @@ def build(name: str):
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="ag_qws_" + name.replace(" ", "_"), cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
+        name="ag_qws_" + "".join(ch if ch.isalnum() else "_" for ch in name), cpp_sources=BINDING, cuda_sources=(CSRC / "gemv.cu").read_text(),
         functions=["run"], extra_include_paths=[str(CSRC)],
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DAG_WGMMA", *VARIANTS[name]],
     )

@@ -28,10 +28,10 @@
 //
 // Measured on an H200 (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py) it is slower than
 // the warpgroup kernel in every 7B shape at 16 and 64 rows, and the engine does not route
-// to it (cuda_backend.QUANT_GEMM_WS_CONFIGS): the weights' bulk copies, ten of 0.5-1 KB a
-// stage, cost most of the gap (without them q|k|v at 16 rows took 20.3 against 35.3 us;
-// with no copies at all the products and barriers alone took 15.5, the warpgroup kernel
-// 18.5). Per-thread cp.async for the weights, as for x, is the next step.
+// to it (cuda_backend.QUANT_GEMM_WS_CONFIGS): the weights' copies cost most of the gap
+// (without them q|k|v at 16 rows took 20.3 against 35.3 us; with no copies at all the
+// products and barriers alone took 15.5, the warpgroup kernel 18.5), whether bulk copies
+// or the producers' cp.async (AG_QWS_CPASYNC_WEIGHTS) make them.
 #pragma once
 
 #include "quant_wgmma.cuh"
