@@ -120,6 +120,7 @@ def main() -> int:
     tiled_runs = {"tiled": (None, 0), **({"wgmma": (None, 1), "ws": (None, 2)} if cuda_backend.has_wgmma("cuda") else {}),
                   **variants}
     scratch = cuda_backend.GemmScratch("cuda")
+    all_configs = cuda_backend.QUANT_GEMM_CONFIGS + cuda_backend.QUANT_GEMM_WS_CONFIGS
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2; tiled: best launch shape (warps x splits)")
     results = []
@@ -154,7 +155,6 @@ def main() -> int:
                 x, q, s, z, GROUP, out=o, kernel=2))
             for name, (mod, wgmma) in tiled_runs.items():
                 times = {}
-                all_configs = cuda_backend.QUANT_GEMM_CONFIGS + cuda_backend.QUANT_GEMM_WS_CONFIGS
                 for warps, splits, _ in (c for c in all_configs if c[2] == wgmma):
                     if mod is None:
                         fn = lambda o, x, q, s, z, a=warps, b=splits, g=wgmma: (  # noqa: E731

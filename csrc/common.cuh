@@ -371,13 +371,14 @@ AG_DEVICE void named_barrier_sync(int id, int threads) {
 // Whether this block is the last of `num_parts` blocks sharing `counter` to finish (each
 // takes a ticket with an atomic add once its partial results are written; the one that
 // draws the last ticket may read them all) and, if so, resets the counter to 0 for the
-// next launch. Called by every thread of the block, or with named_threads > 0 by threads
-// 0 .. named_threads - 1 only (they meet at named barrier 1).
-AG_DEVICE bool takes_last_ticket(int* counter, int num_parts, int named_threads = 0) {
+// next launch. Called by every thread of the block, or with NAMED_THREADS > 0 by threads
+// 0 .. NAMED_THREADS - 1 only (they meet at named barrier 1).
+template <int NAMED_THREADS = 0>
+AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
   __shared__ int ticket;
-  const auto sync = [&] {
-    if (named_threads > 0) {
-      named_barrier_sync(1, named_threads);
+  const auto sync = [] {
+    if constexpr (NAMED_THREADS > 0) {
+      named_barrier_sync(1, NAMED_THREADS);
     } else {
       __syncthreads();
     }

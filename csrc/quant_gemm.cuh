@@ -287,10 +287,10 @@ struct TiledWeightCopies {
 // r + 2 are two neighbouring columns of one row, stored as a pair. The block computed
 // `piece` of the `pieces` that share the column block's stages: with more than one, each
 // writes its fp32 partials and the last to take a ticket of counter `counter` adds them.
-// named_threads > 0: only the block's first named_threads threads (THREADS) call this.
-template <int M_TILES, int THREADS, int BN, typename Acc>
+// NAMED: only the block's first THREADS threads call this (they meet at named barrier 1).
+template <int M_TILES, int THREADS, int BN, bool NAMED = false, typename Acc>
 AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, int piece, int pieces,
-                                  int counter, Acc acc, int named_threads = 0) {
+                                  int counter, Acc acc) {
   const QuantGemvParams& p = gp.q;
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
@@ -317,7 +317,7 @@ AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int w
         *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
       }
   if (whole) return;
-  if (!takes_last_ticket(gp.counters + counter, pieces, named_threads)) return;
+  if (!takes_last_ticket<NAMED ? THREADS : 0>(gp.counters + counter, pieces)) return;
   add_split_partials<THREADS, BN, 8 * M_TILES>(gp, col_base, pieces);
 }
 

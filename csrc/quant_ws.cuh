@@ -288,8 +288,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       piece = static_cast<int>(blockIdx.y);
       pieces = gp.splits;
     }
-    store_tiled_result<M_TILES, kConsumers, BN>(
-        gp, cb * BN, wc, c, piece, pieces, cb, [&](int mt, int t, int r) { return acc[t][4 * mt + r]; }, kConsumers);
+    store_tiled_result<M_TILES, kConsumers, BN, true>(gp, cb * BN, wc, c, piece, pieces, cb,
+                                                      [&](int mt, int t, int r) { return acc[t][4 * mt + r]; });
   };
   // A split with no stages (more splits than stages) still leaves its (zero) partials and
   // takes its ticket.
