@@ -120,7 +120,8 @@ def main() -> int:
     tiled_runs = {"tiled": (None, 0), **({"wgmma": (None, 1), "ws": (None, 2)} if cuda_backend.has_wgmma("cuda") else {}),
                   **variants}
     scratch = cuda_backend.GemmScratch("cuda")
-    all_configs = cuda_backend.QUANT_GEMM_CONFIGS + cuda_backend.QUANT_GEMM_WS_CONFIGS
+    all_configs = cuda_backend.QUANT_GEMM_CONFIGS + tuple(
+        c for c in cuda_backend.QUANT_GEMM_WS_CONFIGS if c not in cuda_backend.QUANT_GEMM_CONFIGS)
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: per-call us, weights cycled past L2; tiled: best launch shape (warps x splits)")
     results = []

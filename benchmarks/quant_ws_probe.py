@@ -1,11 +1,12 @@
 """Where the time of the 4-bit GEMM with producer warps (``csrc/quant_ws.cuh``) goes: the
 kernel rebuilt with ``AG_QWS_PROBE`` = 1 (the consumers leave out their products: the
-ring of copies and barriers alone) and 2 (the producers leave out their copies: the
-products alone), timed beside the kernel as it is and the warpgroup kernel without
-producer warps, at the Llama-2-7B layer shapes, per call in CUDA graphs over weight
-copies cycled past L2. The probes' results are wrong by design; only the kernel as it is
-gets checked (by ``quant_gemm_sweep.py`` and ``tests/gpu/check_quant_ops.py``); the
-other variants are checked here against dequantize-then-matmul before they are timed.
+ring of copies and barriers alone), 2 (the producers leave out their copies and the
+reordering of x: the products alone) and 3 (no ``wgmma``), and with a deeper ring, timed
+beside the kernel as it is and the warpgroup kernel without producer warps, at the
+Llama-2-7B layer shapes, per call in CUDA graphs over weight copies cycled past L2. The
+probes' results are wrong by design; only the kernel as it is gets checked (by
+``quant_gemm_sweep.py`` and ``tests/gpu/check_quant_ops.py``); the other variants are
+checked here against dequantize-then-matmul before they are timed.
 
     PYTHONPATH=. python3 benchmarks/quant_ws_probe.py [--rows 16,64] [--configs 8x-1,4x-2,8x8]
 """
@@ -25,8 +26,7 @@ from quant_gemm_sweep import BINDING, CSRC, GROUP, SHAPES  # noqa: E402
 
 
 VARIANTS = {"as is": [], "no products": ["-DAG_QWS_PROBE=1"], "no copies": ["-DAG_QWS_PROBE=2"],
-            "no wgmma": ["-DAG_QWS_PROBE=3"], "no weight copies": ["-DAG_QWS_PROBE=4"], "x6": ["-DAG_QWS_XAHEAD=6"],
-            "thread arrivals": ["-DAG_QWS_THREAD_ARRIVALS=1"], "cp.async weights": ["-DAG_QWS_CPASYNC_WEIGHTS=1"]}
+            "no wgmma": ["-DAG_QWS_PROBE=3"], "11 slots": ["-DAG_QWS_STAGES8=11"]}
 
 
 def build(name: str):

@@ -501,6 +501,18 @@ AG_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
 #endif
 }
 
+// `bytes` more to land before the current phase completes, without an arrival.
+AG_DEVICE void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  emu::mbarrier_expect_tx(bar, bytes);
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
 AG_DEVICE bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t done;

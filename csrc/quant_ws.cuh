@@ -7,50 +7,44 @@
 // 1.5 us of a block's time at 64 rows on an H200, far more than its loads or its tensor
 // work, and draining every copy at every stage cost only 8 % more (docs/BENCHMARKS.md).
 // Here the roles are apart:
-// - 4 producer warps (one warpgroup, its registers lowered with setmaxnreg) fill a ring of
-//   STAGES slots. Lanes of the first warp ask for a slot's packed weights (8 rows of the
-//   block's BN columns) and its group's zero points and scales as bulk copies
-//   (cp.async.bulk) that complete on the slot's "full" barrier; each producer thread with
-//   a piece of x (row r, 32 of the stage's 64 K) copies it with cp.async, and STAGES / 2
-//   stages later puts it into the order of A's k-slots (as quant_wgmma.cuh does) and fences
-//   it for the tensor cores; then one lane of each producer warp arrives on the same barrier.
+// - 4 producer warps (one warpgroup, its registers lowered with setmaxnreg). The first
+//   asks for a slot's packed weights (8 rows of the block's BN columns), its group's zero
+//   points and scales, and the stage's 64 K of every x row (128 bytes a row, unswizzled)
+//   as bulk copies (cp.async.bulk) that complete on the slot's "full" barrier; it waits
+//   for nothing but the slot's release. The other three wait for "full", put each x row
+//   into the order of A's k-slots in the swizzled places of quant_wgmma.cuh, fence it for
+//   the tensor cores and arrive on the slot's "ready" barrier. So no thread that fences
+//   (MEMBAR.ALL.CTA in the SASS) has a copy of its own in flight.
 // - WARPS consumer warps (1 or 2 warpgroups, BN = 32 WARPS columns) wait for a slot's
-//   full barrier and compute the stage exactly as the warpgroup kernel does (the same
-//   dequantization, wgmma m64nNk16 with A in registers and B = x in shared memory, the
-//   same fp32 accumulators), and once a stage's products have completed each warp
-//   arrives on the slot's "empty" barrier, which the producers wait for before refilling
-//   it. No barrier spans the block inside the loop.
+//   "full" and "ready" barriers and compute the stage exactly as the warpgroup kernel does
+//   (the same dequantization, wgmma m64nNk16 with A in registers and B = x in shared
+//   memory, the same fp32 accumulators), and once a stage's products have completed each
+//   warp arrives on the slot's "empty" barrier, which the copying warp waits for before
+//   refilling it. No barrier spans the block inside the loop.
 // A block takes a run of (column block, stage) units, as the warpgroup kernel's split and
 // balanced launches deal them; where the run moves to another column block the consumers
 // store (or leave partials for) the one they finished while the producers go on filling
 // the ring. The result store and the split sum are the tiled kernels', among the consumer
 // threads (named barrier 1).
 //
-// Measured on an H200 (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py) it is slower than
-// the warpgroup kernel in every 7B shape at 16 and 64 rows, and the engine does not route
-// to it (cuda_backend.QUANT_GEMM_WS_CONFIGS): the weights' copies cost most of the gap
-// (without them q|k|v at 16 rows took 20.3 against 35.3 us; with no copies at all the
-// products and barriers alone took 15.5, the warpgroup kernel 18.5), whether bulk copies
-// or the producers' cp.async (AG_QWS_CPASYNC_WEIGHTS) make them.
+// A first version, whose producer threads each copied x with cp.async and later reordered
+// and fenced it themselves (the first warp also asking for the weights' bulk copies), was
+// slower than the warpgroup kernel in every 7B shape on an H200: its ring streamed q|k|v's
+// 25 MB in 29 us with no products at all (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py).
 #pragma once
 
 #include "quant_wgmma.cuh"
 
 // AG_QWS_PROBE (timing only, wrong results): 1 leaves out the consumers' products (they
-// wait for each slot, read its weights and give it back), 2 the producers' copies (they
-// only arrive), 3 only the wgmma instructions (the dequantization stays), 4 only the bulk
-// copies of the weights (x is still copied): what the ring alone, the products alone, the
-// tensor-core work and the weights' copies take. AG_QWS_XAHEAD sets kXAhead.
+// wait for each slot, read its weights and give it back), 2 the producers' copies and
+// reordering (they only arrive), 3 only the wgmma instructions (the dequantization stays):
+// what the ring alone, the products alone and the tensor-core work take.
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
 #endif
-#ifndef AG_QWS_THREAD_ARRIVALS
-#define AG_QWS_THREAD_ARRIVALS 0
-#endif
-// AG_QWS_CPASYNC_WEIGHTS 1: the producer threads copy the weights and group constants with
-// cp.async, in the commit group of the stage's x, instead of asking for bulk copies.
-#ifndef AG_QWS_CPASYNC_WEIGHTS
-#define AG_QWS_CPASYNC_WEIGHTS 0
+// The ring's slots with 8 consumer warps (one block an SM; up to 11 fit at 64 rows).
+#ifndef AG_QWS_STAGES8
+#define AG_QWS_STAGES8 8
 #endif
 
 namespace asyncgen {
@@ -60,17 +54,10 @@ constexpr int kWsProducerWarps = 4;
 template <int M_TILES, int WARPS>
 struct WsLayout {
   using Stage = WgmmaLayout<M_TILES, WARPS>;  // a slot: x (1024-byte aligned), weights, groups
-  static constexpr int kStages = WARPS == 8 ? 8 : 6;
-  // Stages whose x a producer thread has in flight: a stage's copies have this many of the
-  // consumers' stage times to land, and are ready S - kXAhead - 1 stages before they are used.
-#ifdef AG_QWS_XAHEAD
-  static constexpr int kXAhead = AG_QWS_XAHEAD < kStages - 2 ? AG_QWS_XAHEAD : kStages - 2;
-#else
-  static constexpr int kXAhead = kStages / 2;
-#endif
+  static constexpr int kStages = WARPS == 8 ? AG_QWS_STAGES8 : 6;
   static constexpr int kThreads = (WARPS + kWsProducerWarps) * kWarpSize;
-  static constexpr int kBarriersOffset = kStages * Stage::kStageBytes;  // then full[kStages], empty[kStages]
-  static constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;  // + alignment of the ring
+  static constexpr int kBarriersOffset = kStages * Stage::kStageBytes;  // then full, ready, empty [kStages]
+  static constexpr int kSmemBytes = kBarriersOffset + 3 * kStages * 8 + 1024;  // + alignment of the ring
 };
 static_assert(WsLayout<8, 8>::kSmemBytes <= 227 * 1024 && 2 * WsLayout<8, 4>::kSmemBytes <= 227 * 1024,
               "one block of 8 consumer warps, or two of 4, an SM");
@@ -107,20 +94,18 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   using W = WsLayout<M_TILES, WARPS>;
   using L = typename W::Stage;
   constexpr int S = W::kStages;
-  constexpr int kXAhead = W::kXAhead;
   constexpr int kConsumers = WARPS * kWarpSize;
   constexpr int kProducers = kWsProducerWarps * kWarpSize;
   constexpr int kRows = L::kRows;
   constexpr int BN = L::kCols;
-  static_assert(2 * kRows <= kProducers, "one x piece a producer thread at most");
   static_assert(kTiledPackedRows + 2 <= kWarpSize, "a lane a bulk copy");
-  static_assert(S >= kXAhead + 2, "the producers finish a stage's x before they wait for its slot's reuse");
   const QuantGemvParams& p = gp.q;
 
   AG_DYNAMIC_SMEM(smem_raw);
   unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + W::kBarriersOffset);
-  uint64_t* empty = full + S;
+  uint64_t* ready = full + S;
+  uint64_t* empty = ready + S;
   auto x_at = [&](int slot) { return smem + slot * L::kStageBytes; };
   auto weights_at = [&](int slot) { return reinterpret_cast<uint32_t*>(smem + slot * L::kStageBytes + L::kXBytes); };
   auto groups_at = [&](int slot) {
@@ -128,9 +113,9 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   };
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      // A lane of every producer warp (or every producer thread), and the bulk copies' announcement.
-      mbarrier_init(full + s, (AG_QWS_THREAD_ARRIVALS ? kProducers : kWsProducerWarps) + !AG_QWS_CPASYNC_WEIGHTS);
-      mbarrier_init(empty + s, WARPS);          // a lane of every consumer warp
+      mbarrier_init(full + s, 1);                         // the copying warp's, with the copies' bytes
+      mbarrier_init(ready + s, kWsProducerWarps - 1);     // a lane of every reordering warp
+      mbarrier_init(empty + s, WARPS);                    // a lane of every consumer warp
     }
     mbarrier_init_fence();
   }
@@ -154,112 +139,96 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     // ---- producers ----
     setmaxnreg_dec<kWsProducerRegisters>();
     const int pt = threadIdx.x - kConsumers;
-    const bool issuer = pt < kWarpSize;  // the first producer warp asks for the bulk copies
-    auto issue_weights = [&](int j) {
-      const int64_t u = u_begin + j;
-      const int cb = static_cast<int>(u / stages), s = static_cast<int>(u % stages);
-      const int slot = j % S;
-      const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
-      const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
-      if (AG_QWS_CPASYNC_WEIGHTS) {
-        const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
-        for (int i = pt; i < kTiledPackedRows * (BN / 4); i += kProducers) {
-          const int r = i / (BN / 4), col = 4 * (i % (BN / 4));
-          const bool ok = col < cols;
-          const int32_t* src = p.qweight + static_cast<int64_t>(s * kTiledPackedRows + r) * p.qweight_stride + cb * BN;
-          cp_async16(weights_at(slot) + r * L::kWordsPerRow + col, ok ? src + col : p.qweight, ok);
-        }
-        for (int i = pt; i < 2 * (BN / 8); i += kProducers) {
-          const bool zero_points = i < BN / 8;
-          const int col = 8 * (i % (BN / 8));
-          const bool ok = col < cols;
+    if (pt < kWarpSize) {
+      // The copying warp: a slot's weights, group constants and x rows, all bulk copies
+      // that complete on its "full" barrier. It waits for nothing but the slot's release.
+      const int lane = pt;
+      const __half* x = static_cast<const __half*>(p.x);
+      auto issue_weights = [&](int j) {
+        if (AG_QWS_PROBE == 2) return;
+        const int64_t u = u_begin + j;
+        const int cb = static_cast<int>(u / stages), s = static_cast<int>(u % stages);
+        const int slot = j % S;
+        const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
+        const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
+        if (lane == 0) mbarrier_expect_tx(full + slot, kTiledPackedRows * w_bytes + 2 * g_bytes);
+        __syncwarp();
+        if (lane < kTiledPackedRows) {
+          const int32_t* src =
+              p.qweight + static_cast<int64_t>(s * kTiledPackedRows + lane) * p.qweight_stride + cb * BN;
+          bulk_copy_g2s(weights_at(slot) + lane * L::kWordsPerRow, src, w_bytes, full + slot);
+        } else if (lane < kTiledPackedRows + 2) {
+          const bool zero_points = lane == kTiledPackedRows;
+          const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
           const __half* src = static_cast<const __half*>(zero_points ? p.zeros : p.scales) +
                               group * (zero_points ? p.zeros_stride : p.scales_stride) + cb * BN;
-          cp_async16(groups_at(slot) + (zero_points ? 0 : BN) + col, ok ? src + col : src - cb * BN, ok);
+          bulk_copy_g2s(groups_at(slot) + (zero_points ? 0 : BN), src, g_bytes, full + slot);
         }
-        return;
-      }
-      if (AG_QWS_PROBE == 2 || AG_QWS_PROBE == 4) {
-        if (pt == 0) mbarrier_arrive(full + slot);
-        return;
-      }
-      if (pt == 0) mbarrier_arrive_expect_tx(full + slot, kTiledPackedRows * w_bytes + 2 * g_bytes);
-      if (pt < kTiledPackedRows) {
-        const int32_t* src = p.qweight + static_cast<int64_t>(s * kTiledPackedRows + pt) * p.qweight_stride + cb * BN;
-        bulk_copy_g2s(weights_at(slot) + pt * L::kWordsPerRow, src, w_bytes, full + slot);
-      } else if (pt < kTiledPackedRows + 2) {
-        const bool zero_points = pt == kTiledPackedRows;
-        const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
-        const __half* src = static_cast<const __half*>(zero_points ? p.zeros : p.scales) +
-                            group * (zero_points ? p.zeros_stride : p.scales_stride) + cb * BN;
-        bulk_copy_g2s(groups_at(slot) + (zero_points ? 0 : BN), src, g_bytes, full + slot);
-      }
-    };
-    // Thread pt < 2 kRows copies the 32-K chunk pt % 2 of x row pt / 2 (rows past x's are
-    // zero-filled), in the swizzled places of quant_wgmma.cuh.
-    const __half* x = static_cast<const __half*>(p.x);
-    const bool x_task = pt < 2 * kRows;
-    const int x_row = pt / 2, x_half = pt % 2;
-    const bool x_ok = x_task && x_row < p.m;
-    const __half* x_src = x_ok ? x + static_cast<int64_t>(x_row) * p.x_stride + 32 * x_half : x;
-    int x_dst[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) x_dst[q] = x_row * 128 + 16 * ((4 * x_half + q) ^ (x_row & 7));
-    auto issue_x = [&](int j) {
-      if (!x_task || AG_QWS_PROBE == 2) return;
-      const int s = static_cast<int>((u_begin + j) % stages);
-      unsigned char* xs = x_at(j % S);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) cp_async16(xs + x_dst[q], x_ok ? x_src + s * kTiledK + 8 * q : x, x_ok);
-    };
-    auto finish_x = [&](int j) {
-      const int slot = j % S;
-      if (x_task && AG_QWS_PROBE != 2) {
-        unsigned char* xs = x_at(slot);
-        uint4 e[4], r[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) e[q] = *reinterpret_cast<const uint4*>(xs + x_dst[q]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[q]);
-        *reinterpret_cast<uint4*>(xs + x_dst[0]) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
-        *reinterpret_cast<uint4*>(xs + x_dst[1]) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
-        *reinterpret_cast<uint4*>(xs + x_dst[2]) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
-        *reinterpret_cast<uint4*>(xs + x_dst[3]) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
-        fence_proxy_async();
-      }
-      // One arrival a warp, once every lane's x is in place, rather than one a thread on
-      // the same barrier word (AG_QWS_THREAD_ARRIVALS, for timing).
-#if AG_QWS_THREAD_ARRIVALS
-      mbarrier_arrive(full + slot);
-#else
-      __syncwarp();
-      if (pt % kWarpSize == 0) mbarrier_arrive(full + slot);
-#endif
-    };
-
-    // The first slots' weights need no wait: nothing ahead writes them.
-    if (issuer || AG_QWS_CPASYNC_WEIGHTS) {
+      };
+      // Row r of the stage's 64 K of x lands unswizzled in the 128 bytes that row r
+      // takes in the slot; the reordering warps put it in place.
+      auto issue_x = [&](int j) {
+        const int s = static_cast<int>((u_begin + j) % stages);
+        const int slot = j % S;
+        if (AG_QWS_PROBE != 2) {
+          for (int r = lane; r < p.m; r += kWarpSize)
+            bulk_copy_g2s(x_at(slot) + 128 * r, x + static_cast<int64_t>(r) * p.x_stride + s * kTiledK, 128,
+                          full + slot);
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive_expect_tx(full + slot, AG_QWS_PROBE == 2 ? 0 : 128 * p.m);
+      };
+      // The first slots' weights need no wait: nothing ahead writes them.
       for (int j = 0; j < count && j < S; ++j) issue_weights(j);
-    }
-    grid_dependency_wait();
-    launch_dependents();
-    // Iteration j finishes stage j - kXAhead's x (its copies were the commit group of
-    // iteration j - kXAhead) and fills slot j % S once the consumers are done with it.
-    for (int j = 0; j < count + kXAhead; ++j) {
-      if (j >= kXAhead) {
-        cp_async_wait<kXAhead - 1>();
-        finish_x(j - kXAhead);
-      }
-      if (j < count) {
+      grid_dependency_wait();
+      launch_dependents();
+      for (int j = 0; j < count; ++j) {
         if (j >= S) {
           mbarrier_wait(empty + j % S, (j / S - 1) & 1);
-          if (issuer || AG_QWS_CPASYNC_WEIGHTS) issue_weights(j);
+          issue_weights(j);
         }
         issue_x(j);
       }
-      cp_async_commit();
+      return;
     }
-    cp_async_wait<0>();
+    // The reordering warps: thread t < rows of x puts row t of each stage's x into the
+    // order of A's k-slots, in the swizzled places of quant_wgmma.cuh, and fences it for
+    // the tensor cores. They copy nothing, so their fences wait for no copies in flight.
+    const int t = pt - kWarpSize;
+    constexpr int kReorderers = kProducers - kWarpSize;
+    static_assert(kRows <= kReorderers, "a row of x a reordering thread");
+    grid_dependency_wait();
+    launch_dependents();
+    // Rows past x's are never copied: zero in every slot, once.
+    for (int i = t; i < S * (kRows - p.m); i += kReorderers) {
+      unsigned char* row = x_at(i / (kRows - p.m)) + 128 * (p.m + i % (kRows - p.m));
+#pragma unroll
+      for (int q = 0; q < 8; ++q) *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(0, 0, 0, 0);
+    }
+    for (int j = 0; j < count; ++j) {
+      const int slot = j % S;
+      mbarrier_wait(full + slot, (j / S) & 1);
+      if (t < p.m && AG_QWS_PROBE != 2) {
+        unsigned char* row = x_at(slot) + 128 * t;
+        uint4 e[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) e[q] = *reinterpret_cast<const uint4*>(row + 16 * q);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint4 r[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[4 * h + q]);
+          auto at = [&](int q) { return reinterpret_cast<uint4*>(row + 16 * ((4 * h + q) ^ (t & 7))); };
+          *at(0) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
+          *at(1) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
+          *at(2) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
+          *at(3) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
+        }
+      }
+      fence_proxy_async();
+      __syncwarp();
+      if (t % kWarpSize == 0) mbarrier_arrive(ready + slot);
+    }
     return;
   }
 
@@ -308,7 +277,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     clear();
     for (const int j_end = j + run; j < j_end; ++j) {
       const int slot = j % S;
-      mbarrier_wait(full + slot, (j / S) & 1);
+      mbarrier_wait(full + slot, (j / S) & 1);  // (the weights' bytes; x is ready after the next)
+      mbarrier_wait(ready + slot, (j / S) & 1);
       const uint32_t* w = weights_at(slot);
       const __half* gs = groups_at(slot);
       const QuantGroup grp = make_group(*reinterpret_cast<const uint2*>(gs + wc),

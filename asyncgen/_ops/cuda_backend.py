@@ -51,6 +51,7 @@ the argument on bad input):
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 import torch
@@ -863,16 +864,15 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
 # the warpgroup kernel (csrc/quant_wgmma.cuh). Splits -b (the warpgroup kernels only)
 # launch b blocks an SM that share the product's column blocks x stages evenly (a balanced
 # launch, :func:`stream_gemm_plan`).
-QUANT_GEMM_CONFIGS = tuple(
-    (warps, splits, kernel) for kernel in (0, 1) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
-) + ((8, -1, 1), (4, -2, 1))
 # The launch shapes of kernel 2, the warpgroup kernel with producer warps (csrc/quant_ws.cuh;
 # w is then its consumer warps, and the block has 4 more), which the GPU checks and
-# benchmarks run but the engine does not time: slower than kernel 1 in every shape on an
-# H200 (docs/BENCHMARKS.md, "Tried, not routed: the warpgroup 4-bit GEMM with producer warps").
+# benchmarks run; the engine times them only with ASYNCGEN_QUANT_WS=1.
 QUANT_GEMM_WS_CONFIGS = tuple(
     (warps, splits, 2) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8)
 ) + ((8, -1, 2), (4, -2, 2))
+QUANT_GEMM_CONFIGS = tuple(
+    (warps, splits, kernel) for kernel in (0, 1) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
+) + ((8, -1, 1), (4, -2, 1)) + (QUANT_GEMM_WS_CONFIGS if os.environ.get("ASYNCGEN_QUANT_WS") == "1" else ())
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
 
 

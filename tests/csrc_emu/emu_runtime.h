@@ -263,6 +263,11 @@ inline void mbarrier_arrive(uint64_t* bar, int64_t expect_bytes) {
   f.tx += static_cast<int32_t>(expect_bytes);
   mbarrier_settle(bar, f);
 }
+inline void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+  MbarrierFields f = mbarrier_read(bar);
+  f.tx += static_cast<int32_t>(bytes);
+  mbarrier_settle(bar, f);
+}
 inline void mbarrier_complete_tx(uint64_t* bar, uint32_t bytes) {
   MbarrierFields f = mbarrier_read(bar);
   f.tx -= static_cast<int32_t>(bytes);

@@ -430,8 +430,8 @@ def check_tiled(rows=(1, 8, 16, 33, 48, 64), bench_rows=(16, 32, 48, 64), copies
         print("  (csrc extension not built: the tiled GEMM is not checked)")
         return
     configs = [cuda_backend.QUANT_GEMM_CONFIGS[i] for i in cuda_backend.quant_gemm_config_indices("cuda")]
-    if cuda_backend.has_wgmma("cuda"):  # and the kernel with producer warps, which the engine does not route to
-        configs += list(cuda_backend.QUANT_GEMM_WS_CONFIGS)
+    if cuda_backend.has_wgmma("cuda"):  # and the kernel with producer warps, where the engine does not route to it
+        configs += [c for c in cuda_backend.QUANT_GEMM_WS_CONFIGS if c not in configs]
     gen = torch.Generator(device="cuda").manual_seed(5)
     print(f"\ntiled 4-bit GEMM against dequantize-then-matmul (group 128); warpgroup kernel: "
           f"{cuda_backend.has_wgmma('cuda')}")
