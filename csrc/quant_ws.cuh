@@ -151,7 +151,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         const int slot = j % S;
         const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
         const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
-        if (lane == 0) mbarrier_expect_tx(full + slot, kTiledPackedRows * w_bytes + 2 * g_bytes);
+        // Every byte of the slot (x's too) is announced before any copy is asked for.
+        if (lane == 0) mbarrier_expect_tx(full + slot, kTiledPackedRows * w_bytes + 2 * g_bytes + 128 * p.m);
         __syncwarp();
         if (lane < kTiledPackedRows) {
           const int32_t* src =
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
                           full + slot);
         }
         __syncwarp();
-        if (lane == 0) mbarrier_arrive_expect_tx(full + slot, AG_QWS_PROBE == 2 ? 0 : 128 * p.m);
+        if (lane == 0) mbarrier_arrive(full + slot);
       };
       // The first slots' weights need no wait: nothing ahead writes them.
       for (int j = 0; j < count && j < S; ++j) issue_weights(j);
