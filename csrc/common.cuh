@@ -9,6 +9,9 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#if defined(__CUDACC__)
+#include <cuda.h>  // CUtensorMap
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -556,5 +559,53 @@ AG_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint6
 #endif
 }
 
+// ---------------------------------------------------------------------------------------
+// Tensor maps (sm_90 TMA): a 2-D box of a row-major matrix copied to shared memory by one
+// instruction, the box's rows packed one after another, elements past the matrix's edges
+// filled with zeros (and counted in the bytes that complete the barrier); optionally in
+// the 128-byte swizzle (16-byte piece j of a 128-byte row r at j ^ (r % 8)). On the GPU
+// the map is the driver's CUtensorMap, built on the host (make_tma_map_2d) and passed to
+// the kernel as a __grid_constant__ parameter; in the CPU emulation, this struct.
+#if defined(__CUDACC__)
+using TmaMap = CUtensorMap;
+#else
+struct alignas(64) TmaMap {
+  const void* base;
+  uint64_t cols, rows, row_bytes;  // the matrix: cols elements a row (the inner dimension)
+  uint32_t box_cols, box_rows, elem_bytes;
+  bool swizzle128;
+};
+#endif
+
+// The box whose first element is (column c, row r) of the matrix, into `smem` (128-byte
+// aligned; 1024 with the swizzle), completing on `bar` (whose bytes the caller announced).
+AG_DEVICE void tma_load_2d(void* smem, const TmaMap* map, int c, int r, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_address(smem)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c), "r"(r), "r"(smem_address(bar))
+      : "memory");
+#elif defined(AG_EMU_MBARRIER)
+  unsigned char* dst = static_cast<unsigned char*>(smem);
+  const unsigned char* src = static_cast<const unsigned char*>(map->base);
+  const uint32_t e = map->elem_bytes, row_bytes = map->box_cols * e;
+  for (uint32_t i = 0; i < map->box_rows; ++i) {
+    for (uint32_t j = 0; j < map->box_cols; ++j) {
+      const int64_t gr = static_cast<int64_t>(r) + i, gc = static_cast<int64_t>(c) + j;
+      uint32_t off = i * row_bytes + j * e;
+      if (map->swizzle128) off ^= ((off >> 7) & 7) << 4;
+      if (gr < static_cast<int64_t>(map->rows) && gc < static_cast<int64_t>(map->cols)) {
+        std::memcpy(dst + off, src + gr * map->row_bytes + gc * e, e);
+      } else {
+        std::memset(dst + off, 0, e);
+      }
+    }
+  }
+  emu::mbarrier_complete_tx(bar, map->box_rows * row_bytes);
+#else
+  (void)smem, (void)map, (void)c, (void)r, (void)bar;
+#endif
+}
 
 }  // namespace asyncgen

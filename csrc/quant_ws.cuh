@@ -7,14 +7,14 @@
 // 1.5 us of a block's time at 64 rows on an H200, far more than its loads or its tensor
 // work, and draining every copy at every stage cost only 8 % more (docs/BENCHMARKS.md).
 // Here the roles are apart:
-// - 4 producer warps (one warpgroup, its registers lowered with setmaxnreg). The first
-//   asks for a slot's packed weights (8 rows of the block's BN columns), its group's zero
-//   points and scales, and the stage's 64 K of every x row (128 bytes a row, unswizzled)
-//   as bulk copies (cp.async.bulk) that complete on the slot's "full" barrier; it waits
-//   for nothing but the slot's release. The other three wait for "full", put each x row
-//   into the order of A's k-slots in the swizzled places of quant_wgmma.cuh, fence it for
-//   the tensor cores and arrive on the slot's "ready" barrier. So no thread that fences
-//   (MEMBAR.ALL.CTA in the SASS) has a copy of its own in flight.
+// - 4 producer warps (one warpgroup, its registers lowered with setmaxnreg). A lane of the
+//   first asks for a slot's bytes as four TMA copies through tensor maps (WsMaps): the
+//   stage's 64 K of x for every row (in the 128-byte swizzle; rows past x's land as zeros),
+//   its packed weights (8 rows of the block's BN columns), its group's zero points and its
+//   scales, all completing on the slot's "full" barrier; it waits for nothing but the
+//   slot's release. The other three wait for "full", put each x row into the order of A's
+//   k-slots in place, fence it for the tensor cores and arrive on the slot's "ready"
+//   barrier; no thread that fences (MEMBAR.ALL.CTA in the SASS) has a copy in flight.
 // - WARPS consumer warps (1 or 2 warpgroups, BN = 32 WARPS columns) wait for a slot's
 //   "full" and "ready" barriers and compute the stage exactly as the warpgroup kernel does
 //   (the same dequantization, wgmma m64nNk16 with A in registers and B = x in shared
@@ -27,10 +27,11 @@
 // the ring. The result store and the split sum are the tiled kernels', among the consumer
 // threads (named barrier 1).
 //
-// A first version, whose producer threads each copied x with cp.async and later reordered
-// and fenced it themselves (the first warp also asking for the weights' bulk copies), was
-// slower than the warpgroup kernel in every 7B shape on an H200: its ring streamed q|k|v's
-// 25 MB in 29 us with no products at all (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py).
+// Two earlier versions were slower than the warpgroup kernel in every 7B shape on an H200
+// (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py): one whose producers asked for each
+// packed row of weights as its own bulk copy (10 a stage) and copied x with cp.async, and
+// one that also asked for each row of x as a bulk copy (26 a stage at 16 rows, 74 at 64):
+// the more copies a stage, the slower the ring, whatever their bytes.
 #pragma once
 
 #include "quant_wgmma.cuh"
@@ -51,16 +52,64 @@ namespace asyncgen {
 
 constexpr int kWsProducerWarps = 4;
 
+// A slot: x (1024-byte aligned: kRows rows of 128 bytes, the stage's 64 K, in the 128-byte
+// swizzle), the packed weights (8 rows of BN words, unpadded, as the tensor map's box lands
+// them), the group's zero points then scales (BN halves each).
 template <int M_TILES, int WARPS>
 struct WsLayout {
-  using Stage = WgmmaLayout<M_TILES, WARPS>;  // a slot: x (1024-byte aligned), weights, groups
+  static constexpr int kRows = 8 * M_TILES;
+  static constexpr int kCols = 32 * WARPS;  // BN
+  static constexpr int kXBytes = kRows * kTiledK * 2;
+  static constexpr int kWordsPerRow = kCols;
+  static constexpr int kWeightBytes = kTiledPackedRows * kWordsPerRow * 4;
+  static constexpr int kGroupBytes = 2 * kCols * 2;
+  static constexpr int kSlotBytes = kXBytes + kWeightBytes + kGroupBytes;  // as the copies announce them
+  static constexpr int kStageBytes = (kSlotBytes + 1023) / 1024 * 1024;
   static constexpr int kStages = WARPS == 8 ? AG_QWS_STAGES8 : 6;
   static constexpr int kThreads = (WARPS + kWsProducerWarps) * kWarpSize;
-  static constexpr int kBarriersOffset = kStages * Stage::kStageBytes;  // then full, ready, empty [kStages]
+  static constexpr int kBarriersOffset = kStages * kStageBytes;  // then full, ready, empty [kStages]
   static constexpr int kSmemBytes = kBarriersOffset + 3 * kStages * 8 + 1024;  // + alignment of the ring
 };
 static_assert(WsLayout<8, 8>::kSmemBytes <= 227 * 1024 && 2 * WsLayout<8, 4>::kSmemBytes <= 227 * 1024,
               "one block of 8 consumer warps, or two of 4, an SM");
+
+// The tensor maps of a launch: x [m, K] in boxes of 64 K by the kernel's rows (rows past m
+// land as zeros), swizzled; the packed weights [K / 8, N] in boxes of 8 rows by BN words;
+// zero points and scales [G, N] in boxes of one row by BN.
+struct WsMaps {
+  TmaMap x, qweight, zeros, scales;
+};
+
+// Fills `map` for a row-major matrix of `rows` x `cols` elements of `elem_bytes` (2 or 4),
+// rows `row_bytes` apart, in boxes of box_rows x box_cols. False where the driver refuses it.
+inline bool make_tma_map_2d(TmaMap* map, const void* base, int elem_bytes, uint64_t cols, uint64_t rows,
+                            uint64_t row_bytes, uint32_t box_cols, uint32_t box_rows, bool swizzle128) {
+#if defined(__CUDACC__)
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                     &found) == cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<Encode>(fn) : nullptr;
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_INT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+#else
+  *map = TmaMap{base, cols, rows, row_bytes, box_cols, box_rows, static_cast<uint32_t>(elem_bytes), swizzle128};
+  return true;
+#endif
+}
 
 // Registers a thread after the roles split (setmaxnreg; the block's total stays within
 // the 64 K registers of an SM at 1 block of 8 consumer warps or 2 of 4).
@@ -90,15 +139,14 @@ AG_DEVICE void mbarrier_init_fence() {
 
 template <int M_TILES, int WARPS>
 __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS == 8 ? 1 : 2)
-    quant_gemm_4bit_ws_kernel(const QuantGemmParams gp) {
+    quant_gemm_4bit_ws_kernel(const QuantGemmParams gp, const __grid_constant__ WsMaps maps) {
   using W = WsLayout<M_TILES, WARPS>;
-  using L = typename W::Stage;
+  using L = W;
   constexpr int S = W::kStages;
   constexpr int kConsumers = WARPS * kWarpSize;
   constexpr int kProducers = kWsProducerWarps * kWarpSize;
   constexpr int kRows = L::kRows;
   constexpr int BN = L::kCols;
-  static_assert(kTiledPackedRows + 2 <= kWarpSize, "a lane a bulk copy");
   const QuantGemvParams& p = gp.q;
 
   AG_DYNAMIC_SMEM(smem_raw);
@@ -140,44 +188,27 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     setmaxnreg_dec<kWsProducerRegisters>();
     const int pt = threadIdx.x - kConsumers;
     if (pt < kWarpSize) {
-      // The copying warp: a slot's weights, group constants and x rows, all bulk copies
-      // that complete on its "full" barrier. It waits for nothing but the slot's release.
-      const int lane = pt;
-      const __half* x = static_cast<const __half*>(p.x);
+      // The copying warp (its first lane): a slot's x, weights and group constants, four
+      // tensor-map copies that complete on its "full" barrier. It waits for nothing but the
+      // slot's release.
       auto issue_weights = [&](int j) {
-        if (AG_QWS_PROBE == 2) return;
+        if (AG_QWS_PROBE == 2 || pt != 0) return;
         const int64_t u = u_begin + j;
         const int cb = static_cast<int>(u / stages), s = static_cast<int>(u % stages);
         const int slot = j % S;
-        const int cols = imin(BN, p.n - cb * BN);  // a multiple of 8
-        const uint32_t w_bytes = 4 * cols, g_bytes = 2 * cols;
+        const int group = s * kTiledK / p.group_size;
         // Every byte of the slot (x's too) is announced before any copy is asked for.
-        if (lane == 0) mbarrier_expect_tx(full + slot, kTiledPackedRows * w_bytes + 2 * g_bytes + 128 * p.m);
-        __syncwarp();
-        if (lane < kTiledPackedRows) {
-          const int32_t* src =
-              p.qweight + static_cast<int64_t>(s * kTiledPackedRows + lane) * p.qweight_stride + cb * BN;
-          bulk_copy_g2s(weights_at(slot) + lane * L::kWordsPerRow, src, w_bytes, full + slot);
-        } else if (lane < kTiledPackedRows + 2) {
-          const bool zero_points = lane == kTiledPackedRows;
-          const int64_t group = static_cast<int64_t>(s) * kTiledK / p.group_size;
-          const __half* src = static_cast<const __half*>(zero_points ? p.zeros : p.scales) +
-                              group * (zero_points ? p.zeros_stride : p.scales_stride) + cb * BN;
-          bulk_copy_g2s(groups_at(slot) + (zero_points ? 0 : BN), src, g_bytes, full + slot);
-        }
+        mbarrier_expect_tx(full + slot, L::kSlotBytes);
+        tma_load_2d(weights_at(slot), &maps.qweight, cb * BN, s * kTiledPackedRows, full + slot);
+        tma_load_2d(groups_at(slot), &maps.zeros, cb * BN, group, full + slot);
+        tma_load_2d(groups_at(slot) + BN, &maps.scales, cb * BN, group, full + slot);
       };
-      // Row r of the stage's 64 K of x lands unswizzled in the 128 bytes that row r
-      // takes in the slot; the reordering warps put it in place.
       auto issue_x = [&](int j) {
-        const int s = static_cast<int>((u_begin + j) % stages);
+        if (pt != 0) return;
         const int slot = j % S;
-        if (AG_QWS_PROBE != 2) {
-          for (int r = lane; r < p.m; r += kWarpSize)
-            bulk_copy_g2s(x_at(slot) + 128 * r, x + static_cast<int64_t>(r) * p.x_stride + s * kTiledK, 128,
-                          full + slot);
-        }
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(full + slot);
+        if (AG_QWS_PROBE != 2)
+          tma_load_2d(x_at(slot), &maps.x, static_cast<int>((u_begin + j) % stages) * kTiledK, 0, full + slot);
+        mbarrier_arrive(full + slot);
       };
       // The first slots' weights need no wait: nothing ahead writes them.
       for (int j = 0; j < count && j < S; ++j) issue_weights(j);
@@ -192,38 +223,32 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       }
       return;
     }
-    // The reordering warps: thread t < rows of x puts row t of each stage's x into the
-    // order of A's k-slots, in the swizzled places of quant_wgmma.cuh, and fences it for
-    // the tensor cores. They copy nothing, so their fences wait for no copies in flight.
+    // The reordering warps: thread t < m puts row t of each stage's x (landed in the
+    // 128-byte swizzle) into the order of A's k-slots, in the same places, and fences it
+    // for the tensor cores; rows past m landed as zeros. They copy nothing, so their fences
+    // wait for no copies in flight.
     const int t = pt - kWarpSize;
-    constexpr int kReorderers = kProducers - kWarpSize;
-    static_assert(kRows <= kReorderers, "a row of x a reordering thread");
+    static_assert(kRows <= kProducers - kWarpSize, "a row of x a reordering thread");
     grid_dependency_wait();
     launch_dependents();
-    // Rows past x's are never copied: zero in every slot, once.
-    for (int i = t; i < S * (kRows - p.m); i += kReorderers) {
-      unsigned char* row = x_at(i / (kRows - p.m)) + 128 * (p.m + i % (kRows - p.m));
-#pragma unroll
-      for (int q = 0; q < 8; ++q) *reinterpret_cast<uint4*>(row + 16 * q) = make_uint4(0, 0, 0, 0);
-    }
     for (int j = 0; j < count; ++j) {
       const int slot = j % S;
       mbarrier_wait(full + slot, (j / S) & 1);
       if (t < p.m && AG_QWS_PROBE != 2) {
         unsigned char* row = x_at(slot) + 128 * t;
+        auto at = [&](int q) { return reinterpret_cast<uint4*>(row + 16 * (q ^ (t & 7))); };
         uint4 e[8];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) e[q] = *reinterpret_cast<const uint4*>(row + 16 * q);
+        for (int q = 0; q < 8; ++q) e[q] = *at(q);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           uint4 r[4];
 #pragma unroll
           for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[4 * h + q]);
-          auto at = [&](int q) { return reinterpret_cast<uint4*>(row + 16 * ((4 * h + q) ^ (t & 7))); };
-          *at(0) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
-          *at(1) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
-          *at(2) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
-          *at(3) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
+          *at(4 * h) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
+          *at(4 * h + 1) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
+          *at(4 * h + 2) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
+          *at(4 * h + 3) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
         }
       }
       fence_proxy_async();
@@ -341,20 +366,33 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 // device is sm_90). gp.warps is its consumer warps. Returns false otherwise.
 inline bool launch_quant_gemm_4bit_ws(const QuantGemmParams& p, cudaStream_t stream, bool dependent = false) {
   if (!kWgmmaBuilt || !quant_gemm_4bit_ok(p)) return false;
+  bool mapped = true;
   dispatch_tiled_shape(p, [&](auto m_tiles, auto warps) {
     constexpr int M_TILES = decltype(m_tiles)::value, WARPS = decltype(warps)::value;
     using W = WsLayout<M_TILES, WARPS>;
-    void (*kernel)(const QuantGemmParams) = quant_gemm_4bit_ws_kernel<M_TILES, WARPS>;
+    const QuantGemvParams& q = p.q;
+    WsMaps maps;
+    const uint64_t groups = q.k / q.group_size;
+    mapped = make_tma_map_2d(&maps.x, q.x, 2, q.k, q.m, 2 * static_cast<uint64_t>(q.x_stride), kTiledK, W::kRows,
+                             true) &&
+             make_tma_map_2d(&maps.qweight, q.qweight, 4, q.n, q.k / 8, 4 * static_cast<uint64_t>(q.qweight_stride),
+                             W::kCols, kTiledPackedRows, false) &&
+             make_tma_map_2d(&maps.zeros, q.zeros, 2, q.n, groups, 2 * static_cast<uint64_t>(q.zeros_stride),
+                             W::kCols, 1, false) &&
+             make_tma_map_2d(&maps.scales, q.scales, 2, q.n, groups, 2 * static_cast<uint64_t>(q.scales_stride),
+                             W::kCols, 1, false);
+    if (!mapped) return;
+    void (*kernel)(const QuantGemmParams, const WsMaps) = quant_gemm_4bit_ws_kernel<M_TILES, WARPS>;
     allow_dynamic_smem<quant_gemm_4bit_ws_kernel<M_TILES, WARPS>>(W::kSmemBytes);
     const dim3 grid = p.stream_blocks > 0 ? dim3(p.stream_blocks) : dim3(ceil_div(p.q.n, 32 * WARPS), p.splits);
     const dim3 block(W::kThreads);
     if (dependent) {
-      AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, W::kSmemBytes, stream, p);
+      AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, W::kSmemBytes, stream, p, maps);
     } else {
-      AG_LAUNCH_KERNEL(kernel, grid, block, W::kSmemBytes, stream, p);
+      AG_LAUNCH_KERNEL(kernel, grid, block, W::kSmemBytes, stream, p, maps);
     }
   });
-  return true;
+  return mapped;
 }
 
 // The tiled GEMM's product by the kernel p.wgmma names: 0 the mma.sync kernel

@@ -14,6 +14,7 @@
 
 #define __shared__ static
 #define __launch_bounds__(...)
+#define __grid_constant__
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
