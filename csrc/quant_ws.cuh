@@ -43,6 +43,12 @@
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
 #endif
+// AG_QWS_TILE_PROBE 1 (timing only, wrong results): each stage's packed weights come from
+// where a tile-major layout (column block, stage, 8 rows of BN words) would hold them, one
+// contiguous 4-8 KB read, instead of 8 rows a row of the matrix apart.
+#ifndef AG_QWS_TILE_PROBE
+#define AG_QWS_TILE_PROBE 0
+#endif
 // The ring's slots with 8 consumer warps (one block an SM; up to 11 fit at 64 rows).
 #ifndef AG_QWS_STAGES8
 #define AG_QWS_STAGES8 8
@@ -199,7 +205,11 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         const int group = s * kTiledK / p.group_size;
         // Every byte of the slot (x's too) is announced before any copy is asked for.
         mbarrier_expect_tx(full + slot, L::kSlotBytes);
-        tma_load_2d(weights_at(slot), &maps.qweight, cb * BN, s * kTiledPackedRows, full + slot);
+        if (AG_QWS_TILE_PROBE) {  // (timing only) the bytes a tile-major layout would hold here, as one bulk copy
+          bulk_copy_g2s(weights_at(slot), p.qweight + u * kTiledPackedRows * BN, L::kWeightBytes, full + slot);
+        } else {
+          tma_load_2d(weights_at(slot), &maps.qweight, cb * BN, s * kTiledPackedRows, full + slot);
+        }
         tma_load_2d(groups_at(slot), &maps.zeros, cb * BN, group, full + slot);
         tma_load_2d(groups_at(slot) + BN, &maps.scales, cb * BN, group, full + slot);
       };
