@@ -31,7 +31,9 @@
 // (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py): one whose producers asked for each
 // packed row of weights as its own bulk copy (10 a stage) and copied x with cp.async, and
 // one that also asked for each row of x as a bulk copy (26 a stage at 16 rows, 74 at 64):
-// the more copies a stage, the slower the ring, whatever their bytes.
+// the more copies a stage, the slower the ring, whatever their bytes. With four copies a
+// stage the ring runs twice as fast, and the kernel is level with the warpgroup kernel at
+// 64 rows and slower at 16; the engine times it only with ASYNCGEN_QUANT_WS=1.
 #pragma once
 
 #include "quant_wgmma.cuh"
