@@ -26,9 +26,7 @@ from quant_gemm_sweep import BINDING, CSRC, GROUP, SHAPES  # noqa: E402
 
 
 VARIANTS = {"as is": [], "no products": ["-DAG_QWS_PROBE=1"], "no copies": ["-DAG_QWS_PROBE=2"],
-            "no wgmma": ["-DAG_QWS_PROBE=3"], "11 slots": ["-DAG_QWS_STAGES8=11"],
-            "tile-major weights": ["-DAG_QWS_TILE_PROBE=1", "-DAG_QWS_PROBE=0"],
-            "tile-major weights no products": ["-DAG_QWS_TILE_PROBE=1", "-DAG_QWS_PROBE=1"]}
+            "no wgmma": ["-DAG_QWS_PROBE=3"], "11 slots": ["-DAG_QWS_STAGES8=11"]}
 
 
 def build(name: str):

@@ -45,12 +45,6 @@
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
 #endif
-// AG_QWS_TILE_PROBE 1 (timing only, wrong results): each stage's packed weights come from
-// where a tile-major layout (column block, stage, 8 rows of BN words) would hold them, one
-// contiguous 4-8 KB read, instead of 8 rows a row of the matrix apart.
-#ifndef AG_QWS_TILE_PROBE
-#define AG_QWS_TILE_PROBE 0
-#endif
 // The ring's slots with 8 consumer warps (one block an SM; up to 11 fit at 64 rows).
 #ifndef AG_QWS_STAGES8
 #define AG_QWS_STAGES8 8
@@ -61,15 +55,20 @@ namespace asyncgen {
 constexpr int kWsProducerWarps = 4;
 
 // A slot: x (1024-byte aligned: kRows rows of 128 bytes, the stage's 64 K, in the 128-byte
-// swizzle), the packed weights (8 rows of BN words, unpadded, as the tensor map's box lands
-// them), the group's zero points then scales (BN halves each).
+// swizzle), the packed weights (BN / 128 boxes of 8 rows of 136 words, as the tensor map
+// lands them), the group's zero points then scales (BN halves each).
 template <int M_TILES, int WARPS>
 struct WsLayout {
   static constexpr int kRows = 8 * M_TILES;
   static constexpr int kCols = 32 * WARPS;  // BN
   static constexpr int kXBytes = kRows * kTiledK * 2;
-  static constexpr int kWordsPerRow = kCols;
-  static constexpr int kWeightBytes = kTiledPackedRows * kWordsPerRow * 4;
+  // The weights come in boxes of 128 columns and 8 more (the next block's, or zeros past
+  // N), so that a box's rows lie 136 words apart: the four rows a phase of a warp's loads
+  // reads start 32 bytes apart in the banks (rows 128 words apart would share them).
+  static constexpr int kBoxCols = 128, kWordsPerRow = kBoxCols + 8;
+  static constexpr int kBoxes = kCols / kBoxCols;
+  static constexpr int kBoxWords = kTiledPackedRows * kWordsPerRow;
+  static constexpr int kWeightBytes = kBoxes * kBoxWords * 4;
   static constexpr int kGroupBytes = 2 * kCols * 2;
   static constexpr int kSlotBytes = kXBytes + kWeightBytes + kGroupBytes;  // as the copies announce them
   static constexpr int kStageBytes = (kSlotBytes + 1023) / 1024 * 1024;
@@ -82,7 +81,7 @@ static_assert(WsLayout<8, 8>::kSmemBytes <= 227 * 1024 && 2 * WsLayout<8, 4>::kS
               "one block of 8 consumer warps, or two of 4, an SM");
 
 // The tensor maps of a launch: x [m, K] in boxes of 64 K by the kernel's rows (rows past m
-// land as zeros), swizzled; the packed weights [K / 8, N] in boxes of 8 rows by BN words;
+// land as zeros), swizzled; the packed weights [K / 8, N] in boxes of 8 rows by 136 words;
 // zero points and scales [G, N] in boxes of one row by BN.
 struct WsMaps {
   TmaMap x, qweight, zeros, scales;
@@ -196,7 +195,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     setmaxnreg_dec<kWsProducerRegisters>();
     const int pt = threadIdx.x - kConsumers;
     if (pt < kWarpSize) {
-      // The copying warp (its first lane): a slot's x, weights and group constants, four
+      // The copying warp (its first lane): a slot's x, weights and group constants, 4-5
       // tensor-map copies that complete on its "full" barrier. It waits for nothing but the
       // slot's release.
       auto issue_weights = [&](int j) {
@@ -207,11 +206,10 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         const int group = s * kTiledK / p.group_size;
         // Every byte of the slot (x's too) is announced before any copy is asked for.
         mbarrier_expect_tx(full + slot, L::kSlotBytes);
-        if (AG_QWS_TILE_PROBE) {  // (timing only) the bytes a tile-major layout would hold here, as one bulk copy
-          bulk_copy_g2s(weights_at(slot), p.qweight + u * kTiledPackedRows * BN, L::kWeightBytes, full + slot);
-        } else {
-          tma_load_2d(weights_at(slot), &maps.qweight, cb * BN, s * kTiledPackedRows, full + slot);
-        }
+#pragma unroll
+        for (int b = 0; b < L::kBoxes; ++b)
+          tma_load_2d(weights_at(slot) + b * L::kBoxWords, &maps.qweight, cb * BN + b * L::kBoxCols,
+                      s * kTiledPackedRows, full + slot);
         tma_load_2d(groups_at(slot), &maps.zeros, cb * BN, group, full + slot);
         tma_load_2d(groups_at(slot) + BN, &maps.scales, cb * BN, group, full + slot);
       };
@@ -324,7 +322,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       const uint32_t x_slot = x_base + slot * L::kStageBytes;
 #pragma unroll
       for (int ch = 0; ch < kTiledChunks; ++ch) {
-        const uint4 wv = *reinterpret_cast<const uint4*>(w + (4 * ch + c) * L::kWordsPerRow + wc);
+        const uint4 wv = *reinterpret_cast<const uint4*>(w + (wc / L::kBoxCols) * L::kBoxWords +
+                                                         (4 * ch + c) * L::kWordsPerRow + wc % L::kBoxCols);
         if constexpr (AG_QWS_PROBE == 1) {
           acc[0][0] += static_cast<float>((wv.x ^ wv.y ^ wv.z ^ wv.w) & 0xFFu) + grp.scale[0];
           if (ch == 1 && j > 0 && lane == 0) mbarrier_arrive(empty + (j - 1) % S);
@@ -388,7 +387,7 @@ inline bool launch_quant_gemm_4bit_ws(const QuantGemmParams& p, cudaStream_t str
     mapped = make_tma_map_2d(&maps.x, q.x, 2, q.k, q.m, 2 * static_cast<uint64_t>(q.x_stride), kTiledK, W::kRows,
                              true) &&
              make_tma_map_2d(&maps.qweight, q.qweight, 4, q.n, q.k / 8, 4 * static_cast<uint64_t>(q.qweight_stride),
-                             W::kCols, kTiledPackedRows, false) &&
+                             W::kWordsPerRow, kTiledPackedRows, false) &&
              make_tma_map_2d(&maps.zeros, q.zeros, 2, q.n, groups, 2 * static_cast<uint64_t>(q.zeros_stride),
                              W::kCols, 1, false) &&
              make_tma_map_2d(&maps.scales, q.scales, 2, q.n, groups, 2 * static_cast<uint64_t>(q.scales_stride),
