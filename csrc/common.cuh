@@ -461,10 +461,10 @@ AG_DEVICE void cp_async_wait() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Barriers in shared memory (mbarrier, sm_90) and bulk copies that complete on them, for
+// Barriers in shared memory (mbarrier, sm_90) and the copies that complete on them, for
 // kernels whose warps take roles (some copy, the others compute) and meet at a ring of
 // such barriers instead of block-wide ones. A barrier's phase completes when `count`
-// arrivals have been made and the bytes announced with arrive_expect_tx have landed;
+// arrivals have been made and the bytes announced with expect_tx have landed;
 // waiting names the parity of the phase waited for. In the CPU emulation (emu_runtime.h)
 // the copies are immediate and a waiting thread yields to the others until the phase
 // completes.
@@ -487,20 +487,6 @@ AG_DEVICE void mbarrier_arrive(uint64_t* bar) {
   emu::mbarrier_arrive(bar, 0);
 #else
   (void)bar;
-#endif
-}
-
-// One arrival, and `bytes` more to land before the phase completes.
-AG_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
-                   smem_address(bar)),
-               "r"(bytes)
-               : "memory");
-#elif defined(AG_EMU_MBARRIER)
-  emu::mbarrier_arrive(bar, static_cast<int64_t>(bytes));
-#else
-  (void)bar, (void)bytes;
 #endif
 }
 
@@ -540,23 +526,6 @@ AG_DEVICE void mbarrier_wait(uint64_t* bar, uint32_t parity) {
     emu::yield();
 #endif
   }
-}
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory,
-// counted against `bar`'s announced bytes as they land.
-AG_DEVICE void bulk_copy_g2s(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          smem_address(smem)),
-      "l"(gmem), "r"(bytes), "r"(smem_address(bar))
-      : "memory");
-#elif defined(AG_EMU_MBARRIER)
-  std::memcpy(smem, gmem, bytes);
-  emu::mbarrier_complete_tx(bar, bytes);
-#else
-  (void)smem, (void)gmem, (void)bytes, (void)bar;
-#endif
 }
 
 // ---------------------------------------------------------------------------------------

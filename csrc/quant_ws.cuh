@@ -8,13 +8,14 @@
 // work, and draining every copy at every stage cost only 8 % more (docs/BENCHMARKS.md).
 // Here the roles are apart:
 // - 4 producer warps (one warpgroup, its registers lowered with setmaxnreg). A lane of the
-//   first asks for a slot's bytes as four TMA copies through tensor maps (WsMaps): the
+//   first asks for a slot's bytes as 4-5 TMA copies through tensor maps (WsMaps): the
 //   stage's 64 K of x for every row (in the 128-byte swizzle; rows past x's land as zeros),
-//   its packed weights (8 rows of the block's BN columns), its group's zero points and its
-//   scales, all completing on the slot's "full" barrier; it waits for nothing but the
-//   slot's release. The other three wait for "full", put each x row into the order of A's
-//   k-slots in place, fence it for the tensor cores and arrive on the slot's "ready"
-//   barrier; no thread that fences (MEMBAR.ALL.CTA in the SASS) has a copy in flight.
+//   its packed weights (8 rows of the block's BN columns, in boxes of 128 + 8), its group's
+//   zero points and its scales, all completing on the slot's "full" barrier; it waits for
+//   nothing but the slot's release. The other three wait for "full", put each x row into
+//   the order of A's k-slots in place, fence it for the tensor cores and arrive on the
+//   slot's "ready" barrier; no thread that fences (MEMBAR.ALL.CTA in the SASS) has a copy
+//   in flight.
 // - WARPS consumer warps (1 or 2 warpgroups, BN = 32 WARPS columns) wait for a slot's
 //   "full" and "ready" barriers and compute the stage exactly as the warpgroup kernel does
 //   (the same dequantization, wgmma m64nNk16 with A in registers and B = x in shared
@@ -31,9 +32,11 @@
 // (docs/BENCHMARKS.md, benchmarks/quant_ws_probe.py): one whose producers asked for each
 // packed row of weights as its own bulk copy (10 a stage) and copied x with cp.async, and
 // one that also asked for each row of x as a bulk copy (26 a stage at 16 rows, 74 at 64):
-// the more copies a stage, the slower the ring, whatever their bytes. With four copies a
+// the more copies a stage, the slower the ring, whatever their bytes. With 4-5 copies a
 // stage the ring runs twice as fast, and the kernel is level with the warpgroup kernel at
-// 64 rows and slower at 16; the engine times it only with ASYNCGEN_QUANT_WS=1.
+// 64 rows and slower at 16; the engine times it only with ASYNCGEN_QUANT_WS=1. What the
+// ring still waits for between a slot's release and its refill is not known: not its
+// depth, the weights' layout in DRAM, or bank conflicts (docs/BENCHMARKS.md, runs 40-45).
 #pragma once
 
 #include "quant_wgmma.cuh"
