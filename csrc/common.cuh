@@ -484,7 +484,7 @@ AG_DEVICE void mbarrier_arrive(uint64_t* bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(smem_address(bar))
                : "memory");
 #elif defined(AG_EMU_MBARRIER)
-  emu::mbarrier_arrive(bar, 0);
+  emu::mbarrier_arrive(bar);
 #else
   (void)bar;
 #endif

@@ -206,6 +206,23 @@ AG_DEVICE uint4 pair_halves(const uint4& e) {
   return make_uint4(pair_lo(e.x, e.z), pair_hi(e.x, e.z), pair_lo(e.y, e.w), pair_hi(e.y, e.w));
 }
 
+// A 32-K chunk of an x row, its four 16-byte pieces e[0..3] as copied, stored in the order
+// of A's k-slots (quant_ws.cuh): out piece j holds as its register q the pair
+// (x[8q + j], x[8q + j + 4]) of the chunk, i.e. halves j and j + 4 of in-piece q; at(j) is
+// where out piece j goes. quant_wgmma.cuh writes the same steps inline: through this
+// helper its kernels' SASS comes out different (register numbering), and they are the
+// routed, measured ones.
+template <typename At>
+AG_DEVICE void store_in_k_slots(const uint4* e, At at) {
+  uint4 r[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[q]);
+  *at(0) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
+  *at(1) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
+  *at(2) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
+  *at(3) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
+}
+
 // A thread's place in a tiled kernel's block: its lane (g, c), the block's first column, the
 // lane's 4 columns within the block (wc .. wc + 3), and the block's stages: split blockIdx.y
 // of gp.splits, as even as whole stages allow.

@@ -62,9 +62,10 @@ constexpr int kWsProducerWarps = 4;
 // lands them), the group's zero points then scales (BN halves each).
 template <int M_TILES, int WARPS>
 struct WsLayout {
-  static constexpr int kRows = 8 * M_TILES;
-  static constexpr int kCols = 32 * WARPS;  // BN
-  static constexpr int kXBytes = kRows * kTiledK * 2;
+  using Wgmma = WgmmaLayout<M_TILES, WARPS>;  // the same rows, columns, x and group constants a slot
+  static constexpr int kRows = Wgmma::kRows;
+  static constexpr int kCols = Wgmma::kCols;  // BN
+  static constexpr int kXBytes = Wgmma::kXBytes;
   // The weights come in boxes of 128 columns and 8 more (the next block's, or zeros past
   // N), so that a box's rows lie 136 words apart: the four rows a phase of a warp's loads
   // reads start 32 bytes apart in the banks (rows 128 words apart would share them).
@@ -72,7 +73,7 @@ struct WsLayout {
   static constexpr int kBoxes = kCols / kBoxCols;
   static constexpr int kBoxWords = kTiledPackedRows * kWordsPerRow;
   static constexpr int kWeightBytes = kBoxes * kBoxWords * 4;
-  static constexpr int kGroupBytes = 2 * kCols * 2;
+  static constexpr int kGroupBytes = Wgmma::kGroupBytes;
   static constexpr int kSlotBytes = kXBytes + kWeightBytes + kGroupBytes;  // as the copies announce them
   static constexpr int kStageBytes = (kSlotBytes + 1023) / 1024 * 1024;
   static constexpr int kStages = WARPS == 8 ? AG_QWS_STAGES8 : 6;
@@ -151,12 +152,11 @@ template <int M_TILES, int WARPS>
 __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS == 8 ? 1 : 2)
     quant_gemm_4bit_ws_kernel(const QuantGemmParams gp, const __grid_constant__ WsMaps maps) {
   using W = WsLayout<M_TILES, WARPS>;
-  using L = W;
   constexpr int S = W::kStages;
   constexpr int kConsumers = WARPS * kWarpSize;
   constexpr int kProducers = kWsProducerWarps * kWarpSize;
-  constexpr int kRows = L::kRows;
-  constexpr int BN = L::kCols;
+  constexpr int kRows = W::kRows;
+  constexpr int BN = W::kCols;
   const QuantGemvParams& p = gp.q;
 
   AG_DYNAMIC_SMEM(smem_raw);
@@ -164,10 +164,10 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + W::kBarriersOffset);
   uint64_t* ready = full + S;
   uint64_t* empty = ready + S;
-  auto x_at = [&](int slot) { return smem + slot * L::kStageBytes; };
-  auto weights_at = [&](int slot) { return reinterpret_cast<uint32_t*>(smem + slot * L::kStageBytes + L::kXBytes); };
+  auto x_at = [&](int slot) { return smem + slot * W::kStageBytes; };
+  auto weights_at = [&](int slot) { return reinterpret_cast<uint32_t*>(smem + slot * W::kStageBytes + W::kXBytes); };
   auto groups_at = [&](int slot) {
-    return reinterpret_cast<__half*>(smem + slot * L::kStageBytes + L::kXBytes + L::kWeightBytes);
+    return reinterpret_cast<__half*>(smem + slot * W::kStageBytes + W::kXBytes + W::kWeightBytes);
   };
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -208,10 +208,10 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         const int slot = j % S;
         const int group = s * kTiledK / p.group_size;
         // Every byte of the slot (x's too) is announced before any copy is asked for.
-        mbarrier_expect_tx(full + slot, L::kSlotBytes);
+        mbarrier_expect_tx(full + slot, W::kSlotBytes);
 #pragma unroll
-        for (int b = 0; b < L::kBoxes; ++b)
-          tma_load_2d(weights_at(slot) + b * L::kBoxWords, &maps.qweight, cb * BN + b * L::kBoxCols,
+        for (int b = 0; b < W::kBoxes; ++b)
+          tma_load_2d(weights_at(slot) + b * W::kBoxWords, &maps.qweight, cb * BN + b * W::kBoxCols,
                       s * kTiledPackedRows, full + slot);
         tma_load_2d(groups_at(slot), &maps.zeros, cb * BN, group, full + slot);
         tma_load_2d(groups_at(slot) + BN, &maps.scales, cb * BN, group, full + slot);
@@ -254,15 +254,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 #pragma unroll
         for (int q = 0; q < 8; ++q) e[q] = *at(q);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint4 r[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) r[q] = pair_halves(e[4 * h + q]);
-          *at(4 * h) = make_uint4(r[0].x, r[1].x, r[2].x, r[3].x);
-          *at(4 * h + 1) = make_uint4(r[0].y, r[1].y, r[2].y, r[3].y);
-          *at(4 * h + 2) = make_uint4(r[0].z, r[1].z, r[2].z, r[3].z);
-          *at(4 * h + 3) = make_uint4(r[0].w, r[1].w, r[2].w, r[3].w);
-        }
+        for (int h = 0; h < 2; ++h) store_in_k_slots(e + 4 * h, [&](int q) { return at(4 * h + q); });
       }
       fence_proxy_async();
       __syncwarp();
@@ -322,11 +314,11 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       const __half* gs = groups_at(slot);
       const QuantGroup grp = make_group(*reinterpret_cast<const uint2*>(gs + wc),
                                         *reinterpret_cast<const uint2*>(gs + BN + wc));
-      const uint32_t x_slot = x_base + slot * L::kStageBytes;
+      const uint32_t x_slot = x_base + slot * W::kStageBytes;
 #pragma unroll
       for (int ch = 0; ch < kTiledChunks; ++ch) {
-        const uint4 wv = *reinterpret_cast<const uint4*>(w + (wc / L::kBoxCols) * L::kBoxWords +
-                                                         (4 * ch + c) * L::kWordsPerRow + wc % L::kBoxCols);
+        const uint4 wv = *reinterpret_cast<const uint4*>(w + (wc / W::kBoxCols) * W::kBoxWords +
+                                                         (4 * ch + c) * W::kWordsPerRow + wc % W::kBoxCols);
         if constexpr (AG_QWS_PROBE == 1) {
           acc[0][0] += static_cast<float>((wv.x ^ wv.y ^ wv.z ^ wv.w) & 0xFFu) + grp.scale[0];
           if (ch == 1 && j > 0 && lane == 0) mbarrier_arrive(empty + (j - 1) % S);

@@ -254,14 +254,13 @@ inline void mbarrier_settle(uint64_t* bar, MbarrierFields f) {
   mbarrier_write(bar, f);
   ++g_run->events;
 }
-inline void mbarrier_arrive(uint64_t* bar, int64_t expect_bytes) {
+inline void mbarrier_arrive(uint64_t* bar) {
   MbarrierFields f = mbarrier_read(bar);
   if (f.pending == 0) {
     std::fprintf(stderr, "emu: arrival at an mbarrier with none pending\n");
     std::abort();
   }
   --f.pending;
-  f.tx += static_cast<int32_t>(expect_bytes);
   mbarrier_settle(bar, f);
 }
 inline void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
