@@ -41,10 +41,11 @@
 
 #include "quant_wgmma.cuh"
 
-// AG_QWS_PROBE (timing only, wrong results): 1 leaves out the consumers' products (they
-// wait for each slot, read its weights and give it back), 2 the producers' copies and
-// reordering (they only arrive), 3 only the wgmma instructions (the dequantization stays):
-// what the ring alone, the products alone and the tensor-core work take.
+// AG_QWS_PROBE (timing only, wrong results), a sum of: 1 leaves out the consumers'
+// products (they wait for each slot, read its weights and give it back), 2 the producers'
+// copies and reordering (they only arrive), 4 only the wgmma instructions (the
+// dequantization stays): what the ring alone, the products alone, the tensor-core work and
+// (3) the barriers, launch and store alone take.
 #ifndef AG_QWS_PROBE
 #define AG_QWS_PROBE 0
 #endif
@@ -52,10 +53,72 @@
 #ifndef AG_QWS_STAGES8
 #define AG_QWS_STAGES8 8
 #endif
+// AG_QWS_TIMELINE (timing only): every block writes its start and end (%globaltimer) and
+// SM, and the first and last blocks of a launch the clock (clock64) at each wait and
+// arrival of their first kTlUnits units, into qws_timeline (benchmarks/quant_ws_probe.py
+// --timeline reads it).
+#ifndef AG_QWS_TIMELINE
+#define AG_QWS_TIMELINE 0
+#endif
 
 namespace asyncgen {
 
 constexpr int kWsProducerWarps = 4;
+
+constexpr bool kQwsNoProducts = (AG_QWS_PROBE & 1) != 0;
+constexpr bool kQwsNoCopies = (AG_QWS_PROBE & 2) != 0;
+constexpr bool kQwsNoWgmma = (AG_QWS_PROBE & 4) != 0;
+
+// The events a traced block stamps (AG_QWS_TIMELINE), by unit.
+enum TlEvent {
+  kTlEmptyWait = 0, kTlIssued = 1, kTlXIssued = 2,     // the copying lane: before and after a slot's release, after x
+  kTlLanded = 3, kTlReady = 4,                         // a reordering lane: "full" passed, "ready" arrived
+  kTlC0Start = 5, kTlC0Full = 6, kTlC0Ready = 7,       // consumer warp 0: before the waits, after "full", "ready"
+  kTlC0Chunk0 = 8, kTlC0Chunk1 = 9, kTlC0End = 10,     // after each chunk's wgmma wait (1: the slot before released), end
+  kTlC1Start = 11, kTlC1Full = 12, kTlC1Ready = 13,    // the last consumer warp: the same
+  kTlC1Chunk1 = 14, kTlC1End = 15,
+};
+#if AG_QWS_TIMELINE
+// Words of qws_timeline: per block b (blockIdx.x + gridDim.x * blockIdx.y, up to
+// kTlBlocks) its start and end in ns, SM and unit count; then per traced block (0: the
+// first, 1: the last) its clock and %globaltimer at the start and at the end, then per unit
+// j < kTlUnits kTlUnitWords clocks (the TlEvent indices), then the start and end clock of
+// each result store.
+constexpr int kTlBlocks = 1024, kTlUnits = 64, kTlUnitWords = 16, kTlStores = 16;
+constexpr int kTlTraceWords = 4 + kTlUnits * kTlUnitWords + 2 * kTlStores;
+constexpr int kTlWords = 4 * kTlBlocks + 2 * kTlTraceWords;
+__device__ unsigned long long qws_timeline[kTlWords];
+
+// Copies qws_timeline to `dst` (kTlWords words) and clears it. False on a CUDA error.
+inline bool read_qws_timeline(unsigned long long* dst) {
+  void* at = nullptr;
+  return cudaMemcpyFromSymbol(dst, qws_timeline, sizeof(qws_timeline)) == cudaSuccess &&
+         cudaGetSymbolAddress(&at, qws_timeline) == cudaSuccess &&
+         cudaMemset(at, 0, sizeof(qws_timeline)) == cudaSuccess;
+}
+#endif
+
+AG_DEVICE unsigned long long tl_clock() {
+#if defined(__CUDA_ARCH__)
+  return clock64();
+#else
+  return 0;
+#endif
+}
+AG_DEVICE unsigned long long tl_globaltimer() {
+  unsigned long long t = 0;
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+#endif
+  return t;
+}
+AG_DEVICE unsigned tl_smid() {
+  unsigned id = 0;
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+#endif
+  return id;
+}
 
 // A slot: x (1024-byte aligned: kRows rows of 128 bytes, the stage's 64 K, in the 128-byte
 // swizzle), the packed weights (BN / 128 boxes of 8 rows of 136 words, as the tensor map
@@ -192,6 +255,28 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     u_end = first + static_cast<int64_t>(stages) * (blockIdx.y + 1) / gp.splits;
   }
   const int count = static_cast<int>(u_end - u_begin);
+#if AG_QWS_TIMELINE
+  const unsigned block_linear = blockIdx.x + gridDim.x * blockIdx.y, blocks = gridDim.x * gridDim.y;
+  unsigned long long* trace =
+      block_linear == 0 ? qws_timeline + 4 * kTlBlocks
+                        : (block_linear == blocks - 1 ? qws_timeline + 4 * kTlBlocks + kTlTraceWords : nullptr);
+  if (threadIdx.x == 0) {
+    if (block_linear < kTlBlocks) {
+      qws_timeline[4 * block_linear] = tl_globaltimer();
+      qws_timeline[4 * block_linear + 2] = tl_smid();
+      qws_timeline[4 * block_linear + 3] = static_cast<unsigned long long>(count);
+    }
+    if (trace != nullptr) trace[0] = tl_clock(), trace[1] = tl_globaltimer();
+  }
+#endif
+  // The clock at event `event` of unit j, where this block is traced (AG_QWS_TIMELINE).
+  const auto stamp = [&](bool on, int j, int event) {
+#if AG_QWS_TIMELINE
+    if (on && trace != nullptr && j < kTlUnits) trace[4 + j * kTlUnitWords + event] = tl_clock();
+#else
+    (void)on, (void)j, (void)event;
+#endif
+  };
 
   if (threadIdx.x >= kConsumers) {
     // ---- producers ----
@@ -202,7 +287,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       // tensor-map copies that complete on its "full" barrier. It waits for nothing but the
       // slot's release.
       auto issue_weights = [&](int j) {
-        if (AG_QWS_PROBE == 2 || pt != 0) return;
+        if (kQwsNoCopies || pt != 0) return;
         const int64_t u = u_begin + j;
         const int cb = static_cast<int>(u / stages), s = static_cast<int>(u % stages);
         const int slot = j % S;
@@ -219,9 +304,10 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       auto issue_x = [&](int j) {
         if (pt != 0) return;
         const int slot = j % S;
-        if (AG_QWS_PROBE != 2)
+        if (!kQwsNoCopies)
           tma_load_2d(x_at(slot), &maps.x, static_cast<int>((u_begin + j) % stages) * kTiledK, 0, full + slot);
         mbarrier_arrive(full + slot);
+        stamp(true, j, kTlXIssued);
       };
       // The first slots' weights need no wait: nothing ahead writes them.
       for (int j = 0; j < count && j < S; ++j) issue_weights(j);
@@ -229,8 +315,13 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       launch_dependents();
       for (int j = 0; j < count; ++j) {
         if (j >= S) {
+          stamp(pt == 0, j, kTlEmptyWait);
           mbarrier_wait(empty + j % S, (j / S - 1) & 1);
+          stamp(pt == 0, j, kTlIssued);
           issue_weights(j);
+        } else {
+          stamp(pt == 0, j, kTlEmptyWait);
+          stamp(pt == 0, j, kTlIssued);
         }
         issue_x(j);
       }
@@ -247,7 +338,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     for (int j = 0; j < count; ++j) {
       const int slot = j % S;
       mbarrier_wait(full + slot, (j / S) & 1);
-      if (t < p.m && AG_QWS_PROBE != 2) {
+      stamp(t == 0, j, kTlLanded);
+      if (t < p.m && !kQwsNoCopies) {
         unsigned char* row = x_at(slot) + 128 * t;
         auto at = [&](int q) { return reinterpret_cast<uint4*>(row + 16 * (q ^ (t & 7))); };
         uint4 e[8];
@@ -259,6 +351,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       fence_proxy_async();
       __syncwarp();
       if (t % kWarpSize == 0) mbarrier_arrive(ready + slot);
+      stamp(t == 0, j, kTlReady);
     }
     return;
   }
@@ -275,6 +368,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       for (int r = 0; r < 4 * M_TILES; ++r) acc[t][r] = 0.f;
   };
   const uint32_t x_base = smem_address(smem);
+  const bool c0 = threadIdx.x == 0, c1 = threadIdx.x == (WARPS - 1) * kWarpSize;  // the traced consumer lanes
+  int stores = 0;
   // Column block cb's result, or its partials, once its last stage of this block's run is done.
   const auto store = [&](int cb) {
     grid_dependency_wait();  // (returned long ago in the producers, whose x this used)
@@ -288,8 +383,15 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       piece = static_cast<int>(blockIdx.y);
       pieces = gp.splits;
     }
+#if AG_QWS_TIMELINE
+    if (c0 && trace != nullptr && stores < kTlStores) trace[4 + kTlUnits * kTlUnitWords + 2 * stores] = tl_clock();
+#endif
     store_tiled_result<M_TILES, kConsumers, BN, true>(gp, cb * BN, wc, c, piece, pieces, cb,
                                                       [&](int mt, int t, int r) { return acc[t][4 * mt + r]; });
+#if AG_QWS_TIMELINE
+    if (c0 && trace != nullptr && stores < kTlStores) trace[5 + kTlUnits * kTlUnitWords + 2 * stores] = tl_clock();
+#endif
+    ++stores;
   };
   // A split with no stages (more splits than stages) still leaves its (zero) partials and
   // takes its ticket.
@@ -308,8 +410,14 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     clear();
     for (const int j_end = j + run; j < j_end; ++j) {
       const int slot = j % S;
+      stamp(c0, j, kTlC0Start);
+      stamp(c1, j, kTlC1Start);
       mbarrier_wait(full + slot, (j / S) & 1);  // (the weights' bytes; x is ready after the next)
+      stamp(c0, j, kTlC0Full);
+      stamp(c1, j, kTlC1Full);
       mbarrier_wait(ready + slot, (j / S) & 1);
+      stamp(c0, j, kTlC0Ready);
+      stamp(c1, j, kTlC1Ready);
       const uint32_t* w = weights_at(slot);
       const __half* gs = groups_at(slot);
       const QuantGroup grp = make_group(*reinterpret_cast<const uint2*>(gs + wc),
@@ -319,9 +427,11 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       for (int ch = 0; ch < kTiledChunks; ++ch) {
         const uint4 wv = *reinterpret_cast<const uint4*>(w + (wc / W::kBoxCols) * W::kBoxWords +
                                                          (4 * ch + c) * W::kWordsPerRow + wc % W::kBoxCols);
-        if constexpr (AG_QWS_PROBE == 1) {
+        if constexpr (kQwsNoProducts) {
           acc[0][0] += static_cast<float>((wv.x ^ wv.y ^ wv.z ^ wv.w) & 0xFFu) + grp.scale[0];
           if (ch == 1 && j > 0 && lane == 0) mbarrier_arrive(empty + (j - 1) % S);
+          stamp(c0, j, ch == 0 ? kTlC0Chunk0 : kTlC0Chunk1);
+          if (ch == 1) stamp(c1, j, kTlC1Chunk1);
           continue;
         }
         const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
@@ -329,6 +439,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         // stage before have completed, and its slot goes back to the producers.
         wgmma_wait<1>();
         if (ch == 1 && j > 0 && lane == 0) mbarrier_arrive(empty + (j - 1) % S);
+        stamp(c0, j, ch == 0 ? kTlC0Chunk0 : kTlC0Chunk1);
+        if (ch == 1) stamp(c1, j, kTlC1Chunk1);
         uint32_t d[4][4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) dequant_word<true, true>(d[q], words[q], grp, q);
@@ -344,7 +456,7 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
           for (int t = 0; t < 2; ++t) {
             const uint32_t a[4] = {d[2 * t][2 * step], d[2 * t + 1][2 * step], d[2 * t][2 * step + 1],
                                    d[2 * t + 1][2 * step + 1]};
-            if constexpr (AG_QWS_PROBE == 3) {
+            if constexpr (kQwsNoWgmma) {
               acc[t][0] += static_cast<float>((a[0] ^ a[1] ^ a[2] ^ a[3] ^ static_cast<uint32_t>(desc)) & 0xFFu);
             } else {
               wgmma_rs<8 * M_TILES>(acc[t], a, desc);
@@ -357,6 +469,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 #pragma unroll
           for (int r = 0; r < 4 * M_TILES; ++r) fence_register(acc[t][r]);
       }
+      stamp(c0, j, kTlC0End);
+      stamp(c1, j, kTlC1End);
     }
     wgmma_wait<0>();
 #pragma unroll
@@ -365,6 +479,12 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       for (int r = 0; r < 4 * M_TILES; ++r) fence_register(acc[t][r]);
     store(cb);
   }
+#if AG_QWS_TIMELINE
+  if (threadIdx.x == 0) {
+    if (block_linear < kTlBlocks) qws_timeline[4 * block_linear + 1] = tl_globaltimer();
+    if (trace != nullptr) trace[2] = tl_clock(), trace[3] = tl_globaltimer();
+  }
+#endif
 }
 
 // The tiled GEMM's product by the kernel with warp roles: takes what quant_gemm_4bit_ok
