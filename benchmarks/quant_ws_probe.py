@@ -44,8 +44,8 @@ TIMELINE_VARIANTS = {"timeline": TIMELINE, "timeline, no products": [*TIMELINE, 
                      "timeline, barriers only": [*TIMELINE, "-DAG_QWS_PROBE=3"]}
 ALL_VARIANTS = {**VARIANTS, **TIMELINE_VARIANTS}
 # qws_timeline's layout (csrc/quant_ws.cuh: kTlBlocks, kTlUnits, kTlUnitWords, kTlStores)
-TL_BLOCKS, TL_UNITS, TL_UNIT_WORDS, TL_STORES = 1024, 64, 16, 16
-TL_TRACE_WORDS = 4 + TL_UNITS * TL_UNIT_WORDS + 2 * TL_STORES
+TL_BLOCKS, TL_UNITS, TL_UNIT_WORDS, TL_STORES, TL_STORE_WORDS = 1024, 64, 16, 8, 6
+TL_TRACE_WORDS = 4 + TL_UNITS * TL_UNIT_WORDS + TL_STORE_WORDS * TL_STORES
 TL_SLOTS = 8  # the ring's slots at 8 consumer warps (AG_QWS_STAGES8)
 (EMPTY_WAIT, ISSUED, X_ISSUED, LANDED, READY, C0_START, C0_FULL, C0_READY, C0_CHUNK0, C0_CHUNK1, C0_END,
  C1_START, C1_FULL, C1_READY, C1_CHUNK1, C1_END) = range(16)
@@ -104,8 +104,11 @@ def describe_timeline(words: torch.Tensor, table: bool) -> list[str]:
         n = min(int(count[block]), TL_UNITS)
         raw = tr[4:4 + TL_UNITS * TL_UNIT_WORDS].reshape(TL_UNITS, TL_UNIT_WORDS)[:n]
         u = np.where(raw > 0, (raw - clk0) / ghz / 1e3, np.nan)  # us since the block's start
-        stores = tr[4 + TL_UNITS * TL_UNIT_WORDS:].reshape(TL_STORES, 2)
-        stores = [((a - clk0) / ghz / 1e3, (b - clk0) / ghz / 1e3) for a, b in stores if a > 0 and b > 0]
+        stores = []  # (start, then the time to each next point, pieces)
+        for st in tr[4 + TL_UNITS * TL_UNIT_WORDS:].reshape(TL_STORES, TL_STORE_WORDS):
+            if st[0] > 0 and st[4] > 0:
+                points = [st[0], st[1], *(st[2:4] if st[2] > 0 else [st[1], st[1]]), st[4]]
+                stores.append(((st[0] - clk0) / ghz / 1e3, np.diff(points) / ghz / 1e3, int(st[5])))
 
         def med(values) -> str:
             values = np.asarray(values, dtype=np.float64)
@@ -118,8 +121,9 @@ def describe_timeline(words: torch.Tensor, table: bool) -> list[str]:
         lines.append(
             f"  block {block} ({ghz:.2f} GHz, {(clk1 - clk0) / ghz / 1e3:.2f} us, {n} units): first copies asked "
             f"{u[0, ISSUED]:.2f}, landed {u[0, LANDED]:.2f}, reordered {u[0, READY]:.2f}, consumer 0 done with unit 0 "
-            f"{u[0, C0_END]:.2f}, with the last {u[n - 1, C0_END]:.2f} us; stores (start-end) "
-            + ", ".join(f"{a:.2f}-{b:.2f}" for a, b in stores))
+            f"{u[0, C0_END]:.2f}, with the last {u[n - 1, C0_END]:.2f} us; stores at (wait for the kernel "
+            "ahead + partials written + ticket taken + rest, pieces) "
+            + ", ".join(f"{a:.2f} ({' + '.join(f'{d:.2f}' for d in parts)}, {pieces})" for a, parts, pieces in stores))
         lines.append(
             "    medians, us: producer's wait for a slot " + med(u[later, ISSUED] - u[later, EMPTY_WAIT])
             + " | slot released -> refill asked " + med(refill)

@@ -548,6 +548,15 @@ struct alignas(64) TmaMap {
 
 // The box whose first element is (column c, row r) of the matrix, into `smem` (128-byte
 // aligned; 1024 with the swizzle), completing on `bar` (whose bytes the caller announced).
+// Fetches a tensor map into the copy engine's cache ahead of its first copy.
+AG_DEVICE void tma_prefetch_map(const TmaMap* map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#else
+  (void)map;
+#endif
+}
+
 AG_DEVICE void tma_load_2d(void* smem, const TmaMap* map, int c, int r, uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(

@@ -305,9 +305,14 @@ struct TiledWeightCopies {
 // `piece` of the `pieces` that share the column block's stages: with more than one, each
 // writes its fp32 partials and the last to take a ticket of counter `counter` adds them.
 // NAMED: only the block's first THREADS threads call this (they meet at named barrier 1).
-template <int M_TILES, int THREADS, int BN, bool NAMED = false, typename Acc>
+// mark(0) is called once the partials are written, mark(1) once the ticket is taken, with
+// pieces (quant_ws.cuh's timeline).
+struct NoMark {
+  AG_DEVICE void operator()(int) const {}
+};
+template <int M_TILES, int THREADS, int BN, bool NAMED = false, typename Acc, typename Mark = NoMark>
 AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int wc, int c, int piece, int pieces,
-                                  int counter, Acc acc) {
+                                  int counter, Acc acc, Mark mark = Mark{}) {
   const QuantGemvParams& p = gp.q;
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
@@ -334,7 +339,10 @@ AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int w
         *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
       }
   if (whole) return;
-  if (!takes_last_ticket<NAMED ? THREADS : 0>(gp.counters + counter, pieces)) return;
+  mark(0);
+  const bool last = takes_last_ticket<NAMED ? THREADS : 0>(gp.counters + counter, pieces);
+  mark(1);
+  if (!last) return;
   add_split_partials<THREADS, BN, 8 * M_TILES>(gp, col_base, pieces);
 }
 

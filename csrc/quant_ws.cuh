@@ -82,10 +82,11 @@ enum TlEvent {
 // Words of qws_timeline: per block b (blockIdx.x + gridDim.x * blockIdx.y, up to
 // kTlBlocks) its start and end in ns, SM and unit count; then per traced block (0: the
 // first, 1: the last) its clock and %globaltimer at the start and at the end, then per unit
-// j < kTlUnits kTlUnitWords clocks (the TlEvent indices), then the start and end clock of
-// each result store.
-constexpr int kTlBlocks = 1024, kTlUnits = 64, kTlUnitWords = 16, kTlStores = 16;
-constexpr int kTlTraceWords = 4 + kTlUnits * kTlUnitWords + 2 * kTlStores;
+// j < kTlUnits kTlUnitWords clocks (the TlEvent indices), then per result store the clock
+// at its start, past the wait for the kernel ahead, with the partials written, with the
+// ticket taken and at its end, and its pieces (ticket words 0 where it has none).
+constexpr int kTlBlocks = 1024, kTlUnits = 64, kTlUnitWords = 16, kTlStores = 8, kTlStoreWords = 6;
+constexpr int kTlTraceWords = 4 + kTlUnits * kTlUnitWords + kTlStoreWords * kTlStores;
 constexpr int kTlWords = 4 * kTlBlocks + 2 * kTlTraceWords;
 __device__ unsigned long long qws_timeline[kTlWords];
 
@@ -285,44 +286,61 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
     if (pt < kWarpSize) {
       // The copying warp (its first lane): a slot's x, weights and group constants, 4-5
       // tensor-map copies that complete on its "full" barrier. It waits for nothing but the
-      // slot's release.
+      // slot's release. Where a unit lies (column block, stage, group) it advances a unit
+      // at a time: a 64-bit division a unit, on this one lane, took longer than the
+      // consumers' products of the unit (docs/BENCHMARKS.md, run 47).
+      struct Cursor {
+        int cb, s, group, left;  // column block, stage, group, stages left in the group
+      };
+      const int stages_per_group = p.group_size / kTiledK;
+      Cursor w;  // the next unit whose weights are asked for
+      w.cb = static_cast<int>(u_begin / stages);
+      w.s = static_cast<int>(u_begin % stages);
+      w.group = w.s / stages_per_group;
+      w.left = stages_per_group - w.s % stages_per_group;
+      int x_s = w.s;  // the stage of the next unit whose x is asked for
+      if (pt == 0) {
+        tma_prefetch_map(&maps.qweight);
+        tma_prefetch_map(&maps.zeros);
+        tma_prefetch_map(&maps.scales);
+        tma_prefetch_map(&maps.x);
+      }
       auto issue_weights = [&](int j) {
-        if (kQwsNoCopies || pt != 0) return;
-        const int64_t u = u_begin + j;
-        const int cb = static_cast<int>(u / stages), s = static_cast<int>(u % stages);
         const int slot = j % S;
-        const int group = s * kTiledK / p.group_size;
-        // Every byte of the slot (x's too) is announced before any copy is asked for.
-        mbarrier_expect_tx(full + slot, W::kSlotBytes);
+        if (!kQwsNoCopies && pt == 0) {
+          // Every byte of the slot (x's too) is announced before any copy is asked for.
+          mbarrier_expect_tx(full + slot, W::kSlotBytes);
 #pragma unroll
-        for (int b = 0; b < W::kBoxes; ++b)
-          tma_load_2d(weights_at(slot) + b * W::kBoxWords, &maps.qweight, cb * BN + b * W::kBoxCols,
-                      s * kTiledPackedRows, full + slot);
-        tma_load_2d(groups_at(slot), &maps.zeros, cb * BN, group, full + slot);
-        tma_load_2d(groups_at(slot) + BN, &maps.scales, cb * BN, group, full + slot);
+          for (int b = 0; b < W::kBoxes; ++b)
+            tma_load_2d(weights_at(slot) + b * W::kBoxWords, &maps.qweight, w.cb * BN + b * W::kBoxCols,
+                        w.s * kTiledPackedRows, full + slot);
+          tma_load_2d(groups_at(slot), &maps.zeros, w.cb * BN, w.group, full + slot);
+          tma_load_2d(groups_at(slot) + BN, &maps.scales, w.cb * BN, w.group, full + slot);
+        }
+        if (++w.s == stages) {
+          w.s = 0, ++w.cb, w.group = 0, w.left = stages_per_group;
+        } else if (--w.left == 0) {
+          ++w.group, w.left = stages_per_group;
+        }
       };
       auto issue_x = [&](int j) {
-        if (pt != 0) return;
         const int slot = j % S;
-        if (!kQwsNoCopies)
-          tma_load_2d(x_at(slot), &maps.x, static_cast<int>((u_begin + j) % stages) * kTiledK, 0, full + slot);
-        mbarrier_arrive(full + slot);
-        stamp(true, j, kTlXIssued);
+        if (pt == 0) {
+          if (!kQwsNoCopies) tma_load_2d(x_at(slot), &maps.x, x_s * kTiledK, 0, full + slot);
+          mbarrier_arrive(full + slot);
+          stamp(true, j, kTlXIssued);
+        }
+        if (++x_s == stages) x_s = 0;
       };
       // The first slots' weights need no wait: nothing ahead writes them.
       for (int j = 0; j < count && j < S; ++j) issue_weights(j);
       grid_dependency_wait();
       launch_dependents();
       for (int j = 0; j < count; ++j) {
-        if (j >= S) {
-          stamp(pt == 0, j, kTlEmptyWait);
-          mbarrier_wait(empty + j % S, (j / S - 1) & 1);
-          stamp(pt == 0, j, kTlIssued);
-          issue_weights(j);
-        } else {
-          stamp(pt == 0, j, kTlEmptyWait);
-          stamp(pt == 0, j, kTlIssued);
-        }
+        stamp(pt == 0, j, kTlEmptyWait);
+        if (j >= S) mbarrier_wait(empty + j % S, (j / S - 1) & 1);
+        stamp(pt == 0, j, kTlIssued);
+        if (j >= S) issue_weights(j);
         issue_x(j);
       }
       return;
@@ -372,7 +390,16 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   int stores = 0;
   // Column block cb's result, or its partials, once its last stage of this block's run is done.
   const auto store = [&](int cb) {
+#if AG_QWS_TIMELINE
+    unsigned long long* st = c0 && trace != nullptr && stores < kTlStores
+                                 ? trace + 4 + kTlUnits * kTlUnitWords + kTlStoreWords * stores
+                                 : nullptr;
+    if (st != nullptr) st[0] = tl_clock();
+#endif
     grid_dependency_wait();  // (returned long ago in the producers, whose x this used)
+#if AG_QWS_TIMELINE
+    if (st != nullptr) st[1] = tl_clock();
+#endif
     int piece, pieces;
     if (gp.stream_blocks > 0) {
       const int64_t first = stream_block_of(static_cast<int64_t>(cb) * stages, units, gp.stream_blocks);
@@ -384,12 +411,16 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
       pieces = gp.splits;
     }
 #if AG_QWS_TIMELINE
-    if (c0 && trace != nullptr && stores < kTlStores) trace[4 + kTlUnits * kTlUnitWords + 2 * stores] = tl_clock();
+    const auto mark = [&](int k) {
+      if (st != nullptr) st[2 + k] = tl_clock();
+    };
+#else
+    const NoMark mark;
 #endif
-    store_tiled_result<M_TILES, kConsumers, BN, true>(gp, cb * BN, wc, c, piece, pieces, cb,
-                                                      [&](int mt, int t, int r) { return acc[t][4 * mt + r]; });
+    store_tiled_result<M_TILES, kConsumers, BN, true>(
+        gp, cb * BN, wc, c, piece, pieces, cb, [&](int mt, int t, int r) { return acc[t][4 * mt + r]; }, mark);
 #if AG_QWS_TIMELINE
-    if (c0 && trace != nullptr && stores < kTlStores) trace[5 + kTlUnits * kTlUnitWords + 2 * stores] = tl_clock();
+    if (st != nullptr) st[4] = tl_clock(), st[5] = static_cast<unsigned long long>(pieces);
 #endif
     ++stores;
   };
