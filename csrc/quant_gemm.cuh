@@ -318,26 +318,33 @@ AG_DEVICE void store_tiled_result(const QuantGemmParams& gp, int col_base, int w
   const __half* bias = static_cast<const __half*>(p.bias);
   const bool whole = pieces == 1;  // else the fp32 partials of this piece
   float* part = gp.workspace + static_cast<int64_t>(piece) * p.m * p.n;
+  // A lane holds columns col .. col + 3 of its rows (col a multiple of 4, N of 8: all four
+  // exist where col does): partials go as one 16-byte store a row, so that the 8 lanes of a
+  // row fill a 128-byte line (pairs of 8 bytes wrote half of each of twice as many sectors:
+  // 2.7 us of a block's 64-row store on an H200, docs/BENCHMARKS.md run 48).
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int row = 8 * mt + 2 * c + rr;
-        const int col = col_base + wc + 2 * t;
-        if (row >= p.m || col >= p.n) continue;
-        float v0 = acc(mt, t, rr), v1 = acc(mt, t, rr + 2);
-        if (!whole) {
-          *reinterpret_cast<float2*>(part + static_cast<int64_t>(row) * p.n + col) = make_float2(v0, v1);
-          continue;
-        }
-        if (bias != nullptr) {
-          v0 += __half2float(bias[col]);
-          v1 += __half2float(bias[col + 1]);
-        }
-        *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col) = __floats2half2_rn(v0, v1);
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = 8 * mt + 2 * c + rr;
+      const int col = col_base + wc;
+      if (row >= p.m || col >= p.n) continue;
+      if (!whole) {
+        *reinterpret_cast<float4*>(part + static_cast<int64_t>(row) * p.n + col) =
+            make_float4(acc(mt, 0, rr), acc(mt, 0, rr + 2), acc(mt, 1, rr), acc(mt, 1, rr + 2));
+        continue;
       }
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        float v0 = acc(mt, t, rr), v1 = acc(mt, t, rr + 2);
+        if (bias != nullptr) {
+          v0 += __half2float(bias[col + 2 * t]);
+          v1 += __half2float(bias[col + 2 * t + 1]);
+        }
+        *reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col + 2 * t) =
+            __floats2half2_rn(v0, v1);
+      }
+    }
   if (whole) return;
   mark(0);
   const bool last = takes_last_ticket<NAMED ? THREADS : 0>(gp.counters + counter, pieces);

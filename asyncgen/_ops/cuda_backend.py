@@ -858,8 +858,8 @@ def quant_gemv1_gated_ok(qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
 
 
 # The launch shapes of kernel 2, the warpgroup kernel with producer warps (csrc/quant_ws.cuh;
-# w is then its consumer warps, and the block has 4 more), which the GPU checks and
-# benchmarks run; the engine times them only with ASYNCGEN_QUANT_WS=1 (below).
+# w is then its consumer warps, and the block has 4 more). The engine times them beside the
+# others unless ASYNCGEN_QUANT_WS=0 (below).
 QUANT_GEMM_WS_CONFIGS = tuple(
     (warps, splits, 2) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8)
 ) + ((8, -1, 2), (4, -2, 2))
@@ -867,12 +867,12 @@ QUANT_GEMM_WS_CONFIGS = tuple(
 # times per weight shape and row count (QuantLinearMethod.choose_kernels): a block of w warps
 # owns 32 w columns, with s splits s blocks share each column range's K. Kernel 0 is the
 # mma.sync one (csrc/quant_gemm.cuh); where the device has it (:func:`has_wgmma`), 1 is
-# the warpgroup kernel (csrc/quant_wgmma.cuh). Splits -b (the warpgroup kernels only)
-# launch b blocks an SM that share the product's column blocks x stages evenly (a balanced
-# launch, :func:`stream_gemm_plan`).
+# the warpgroup kernel (csrc/quant_wgmma.cuh) and 2 the one with producer warps. Splits -b
+# (the warpgroup kernels only) launch b blocks an SM that share the product's column blocks
+# x stages evenly (a balanced launch, :func:`stream_gemm_plan`).
 QUANT_GEMM_CONFIGS = tuple(
     (warps, splits, kernel) for kernel in (0, 1) for warps in (4, 8) for splits in (1, 2, 3, 4, 6, 8, 12, 16)
-) + ((8, -1, 1), (4, -2, 1)) + (QUANT_GEMM_WS_CONFIGS if os.environ.get("ASYNCGEN_QUANT_WS") == "1" else ())
+) + ((8, -1, 1), (4, -2, 1)) + (QUANT_GEMM_WS_CONFIGS if os.environ.get("ASYNCGEN_QUANT_WS") != "0" else ())
 _GEMM_STAGE_K = 64  # K rows per stage of the tiled GEMM; K and the group size are multiples of it
 
 

@@ -579,7 +579,7 @@ class QuantLinearMethod(LinearMethod):
 
             warps, splits, wgmma = cuda_backend.QUANT_GEMM_CONFIGS[kernel - TILED]
             shape = f"-split{splits}" if splits > 1 else f"-balanced{-splits}" if splits < 0 else ""
-            return f"csrc-{'wgmma' if wgmma else 'tiled'}-{warps}w{shape}"
+            return f"csrc-{('tiled', 'wgmma', 'ws')[wgmma]}-{warps}w{shape}"
         return ("triton", "csrc-cuda-cores", "csrc-tensor-cores")[kernel]
 
     @staticmethod
