@@ -371,6 +371,18 @@ AG_DEVICE void named_barrier_sync(int id, int threads) {
 #endif
 }
 
+// atomicAdd with acquire and release semantics at GPU scope (the relaxed atomicAdd orders
+// nothing by itself).
+AG_DEVICE int atomic_add_acq_rel(int* address, int value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
+  return old;
+#else
+  return atomicAdd(address, value);
+#endif
+}
+
 // Whether this block is the last of `num_parts` blocks sharing `counter` to finish (each
 // takes a ticket with an atomic add once its partial results are written; the one that
 // draws the last ticket may read them all) and, if so, resets the counter to 0 for the
@@ -386,15 +398,16 @@ AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
       __syncthreads();
     }
   };
-  __threadfence();  // this thread's partials are visible device-wide before the ticket
+  // The barrier orders every thread's partials before thread 0's ticket, whose acq_rel add
+  // releases them device-wide (a fence is cumulative) and, for the last block, acquires the
+  // other blocks' (each released with its ticket); the second barrier passes that on to
+  // the threads that read them. A fence in every thread before the barrier, as before,
+  // took 0.8-1.5 us of a 64-row GEMM block's store on an H200 (docs/BENCHMARKS.md, run 49).
   sync();
-  if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
+  if (threadIdx.x == 0) ticket = atomic_add_acq_rel(counter, 1);
   sync();
   const bool last = ticket == num_parts - 1;
-  if (last) {
-    __threadfence();  // and the other blocks' partials are read after it
-    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-  }
+  if (last && threadIdx.x == 0) *counter = 0;  // ready for the next launch
   return last;
 }
 

@@ -157,6 +157,7 @@ AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) {
 template <int THREADS, int BN, int ROWS>
 AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base, int splits) {
   constexpr int kItems = (ROWS * (BN / 4) + THREADS - 1) / THREADS;
+  static_assert(THREADS % (BN / 4) == 0, "a thread's items share their columns");
   const QuantGemvParams& p = gp.q;
   __half* out = static_cast<__half*>(p.out);
   const __half* bias = static_cast<const __half*>(p.bias);
@@ -186,7 +187,9 @@ AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base, int s
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
     if (offset[j] < 0) continue;
-    const int row = offset[j] / p.n, col = offset[j] % p.n;
+    // (item j's row and columns without a division by n: THREADS is a multiple of BN / 4)
+    const int row = static_cast<int>(threadIdx.x) / (BN / 4) + j * (THREADS / (BN / 4));
+    const int col = col_base + 4 * (static_cast<int>(threadIdx.x) % (BN / 4));
     float4 r = v[j];
     if (bias != nullptr) {
       r.x += __half2float(bias[col]);
