@@ -72,18 +72,39 @@ struct QuantGemmParams {
 };
 
 // Balanced ("stream") launches: the product's T = column blocks x stages units of work,
-// column block by column block, are dealt to G blocks in even runs, block b taking units
-// [stream_start(b), stream_start(b + 1)), so that every SM gets as much work when the
-// column blocks do not divide evenly among them. A column block whose stages several blocks
-// share is summed from their fp32 partials by the last of them to finish (as with splits),
-// in block order. Host and device compute the same plan.
-__host__ __device__ __forceinline__ int64_t stream_start(int64_t b, int64_t units, int64_t blocks) {
-  return b * units / blocks;
-}
-// The block whose run holds unit u: the largest b with stream_start(b) <= u.
-__host__ __device__ __forceinline__ int64_t stream_block_of(int64_t u, int64_t units, int64_t blocks) {
-  return ((u + 1) * blocks - 1) / units;
-}
+// column block by column block, are dealt to G blocks in runs, block b taking units
+// [start(b), start(b + 1)), so that every SM gets as much work when the column blocks do
+// not divide evenly among them. A column block whose stages several blocks share is summed
+// from their fp32 partials by the last of them to finish (as with splits), in block order.
+// A block stores once per column block its run touches, and a store costs about as much as
+// kStreamStoreUnits units (a 64-row store of partials and its ticket took 2.3 us against
+// 0.62 us a unit on an H200, docs/BENCHMARKS.md run 50): the runs are even over a line of
+// column blocks x (stages + that many units), whose added units no block computes, so that
+// a run which finishes a column block and goes on into the next is that much shorter. Where
+// a block's share of the line would not exceed the added units (a run could then be
+// empty), none are added. Host and device compute the same plan (and Python's
+// cuda_backend.stream_gemm_plan).
+constexpr int64_t kStreamStoreUnits = 4;
+struct StreamMap {
+  int64_t stages, period, line, blocks;  // period: stages + the units added after each column block
+  __host__ __device__ __forceinline__ StreamMap(int64_t col_blocks, int64_t stages_, int64_t blocks_)
+      : stages(stages_), blocks(blocks_) {
+    const int64_t extra =
+        col_blocks * (stages_ + kStreamStoreUnits) / blocks_ > kStreamStoreUnits ? kStreamStoreUnits : 0;
+    period = stages_ + extra;
+    line = col_blocks * period;
+  }
+  // The first unit of block b's run (b = G: T).
+  __host__ __device__ __forceinline__ int64_t start(int64_t b) const {
+    const int64_t v = b * line / blocks, s = v % period;
+    return v / period * stages + (s < stages ? s : stages);
+  }
+  // The block whose run holds unit u: the largest b with start(b) <= u.
+  __host__ __device__ __forceinline__ int64_t block_of(int64_t u) const {
+    const int64_t v = u / stages * period + u % stages;
+    return ((v + 1) * blocks - 1) / line;
+  }
+};
 struct StreamPlan {
   int blocks;        // G: min(units, the blocks wanted)
   int max_segments;  // the most blocks sharing one column block's stages
@@ -91,9 +112,11 @@ struct StreamPlan {
 inline StreamPlan plan_stream_gemm(int n, int k, int warps, int64_t blocks_wanted) {
   const int64_t col_blocks = ceil_div(n, 32 * warps), stages = k / kTiledK, units = col_blocks * stages;
   const int64_t g = units < blocks_wanted ? units : blocks_wanted;
+  if (g <= 0) return {0, 0};
+  const StreamMap map(col_blocks, stages, g);
   int64_t most = 0;
-  for (int64_t cb = 0; cb < col_blocks && g > 0; ++cb) {
-    const int64_t segs = stream_block_of(cb * stages + stages - 1, units, g) - stream_block_of(cb * stages, units, g) + 1;
+  for (int64_t cb = 0; cb < col_blocks; ++cb) {
+    const int64_t segs = map.block_of(cb * stages + stages - 1) - map.block_of(cb * stages) + 1;
     most = segs > most ? segs : most;
   }
   return {static_cast<int>(g), static_cast<int>(most)};

@@ -348,13 +348,14 @@ __global__ void __launch_bounds__(WARPS * kWarpSize, WARPS == 8 ? 1 : 2)
   constexpr int BN = 32 * WARPS;
   AG_DYNAMIC_SMEM(smem_raw);
   unsigned char* smem = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
-  const int64_t stages = gp.q.k / kTiledK, units = ceil_div(gp.q.n, BN) * stages, blocks = gp.stream_blocks;
-  const int64_t end = stream_start(blockIdx.x + 1, units, blocks);
-  for (int64_t u = stream_start(blockIdx.x, units, blocks); u < end;) {
+  const int64_t stages = gp.q.k / kTiledK;
+  const StreamMap map(ceil_div(gp.q.n, BN), stages, gp.stream_blocks);
+  const int64_t end = map.start(blockIdx.x + 1);
+  for (int64_t u = map.start(blockIdx.x); u < end;) {
     const int64_t col_block = u / stages, s_begin = u % stages;
     const int count = static_cast<int>(end - u < stages - s_begin ? end - u : stages - s_begin);
-    const int64_t first = stream_block_of(col_block * stages, units, blocks);
-    const int64_t last = stream_block_of(col_block * stages + stages - 1, units, blocks);
+    const int64_t first = map.block_of(col_block * stages);
+    const int64_t last = map.block_of(col_block * stages + stages - 1);
     wgmma_gemm_piece<M_TILES, WARPS>(gp, smem,
                                      TiledPlace::at<BN>(static_cast<int>(col_block), static_cast<int>(s_begin), count),
                                      static_cast<int>(blockIdx.x - first), static_cast<int>(last - first + 1),

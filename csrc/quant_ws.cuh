@@ -245,11 +245,12 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 
   // The block's units u = column block * stages + stage, u_begin .. u_end - 1.
   const int stages = p.k / kTiledK;
-  const int64_t col_blocks = ceil_div(p.n, BN), units = col_blocks * stages;
+  const int64_t col_blocks = ceil_div(p.n, BN);
   int64_t u_begin, u_end;
+  const StreamMap map(col_blocks, stages, gp.stream_blocks > 0 ? gp.stream_blocks : 1);
   if (gp.stream_blocks > 0) {
-    u_begin = stream_start(blockIdx.x, units, gp.stream_blocks);
-    u_end = stream_start(blockIdx.x + 1, units, gp.stream_blocks);
+    u_begin = map.start(blockIdx.x);
+    u_end = map.start(blockIdx.x + 1);
   } else {
     const int64_t first = static_cast<int64_t>(blockIdx.x) * stages;
     u_begin = first + static_cast<int64_t>(stages) * blockIdx.y / gp.splits;
@@ -402,8 +403,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
 #endif
     int piece, pieces;
     if (gp.stream_blocks > 0) {
-      const int64_t first = stream_block_of(static_cast<int64_t>(cb) * stages, units, gp.stream_blocks);
-      const int64_t last = stream_block_of(static_cast<int64_t>(cb) * stages + stages - 1, units, gp.stream_blocks);
+      const int64_t first = map.block_of(static_cast<int64_t>(cb) * stages);
+      const int64_t last = map.block_of(static_cast<int64_t>(cb) * stages + stages - 1);
       piece = static_cast<int>(blockIdx.x - first);
       pieces = static_cast<int>(last - first + 1);
     } else {

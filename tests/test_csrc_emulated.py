@@ -530,6 +530,7 @@ def test_quant_gemm_4bit_tiled_matches_reference(emu, m, n, k, group_size, warps
         (8, 256, 256, 256, 4, 7),    # 2 column blocks x 4 stages over 7 blocks: up to 4 share one
         (64, 256, 512, 64, 8, 1),    # one block takes everything: no partials
         (16, 384, 256, 64, 4, 100),  # more blocks wanted than units: one unit a block
+        (24, 768, 1024, 128, 4, 5),  # 6 column blocks x 16 stages: runs that finish a column block are shorter
     ],
 )
 @pytest.mark.parametrize("wgmma", [1, 2], ids=["wgmma", "ws"])

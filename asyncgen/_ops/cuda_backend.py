@@ -920,20 +920,30 @@ def quant_gemm_config_indices(device: torch.device | str) -> list[int]:
     return [i for i, (_, _, uses_wgmma) in enumerate(QUANT_GEMM_CONFIGS) if wgmma or not uses_wgmma]
 
 
+# Units a balanced launch adds after each column block for its store (kStreamStoreUnits).
+_STREAM_STORE_UNITS = 4
+
+
 @functools.lru_cache(maxsize=None)
 def stream_gemm_plan(n: int, k: int, warps: int, blocks_wanted: int) -> tuple[int, int]:
     """A balanced launch's (blocks, most blocks sharing one column block) for an N x K
     product, as ``plan_stream_gemm`` (csrc/quant_gemm.cuh) computes it: the column blocks'
-    stages (of 64 K rows), column block by column block, dealt to min(units, blocks_wanted)
-    blocks in even runs, block b taking units [b T // G, (b + 1) T // G)."""
+    stages (of 64 K rows), column block by column block, dealt to G = min(units,
+    blocks_wanted) blocks in runs even over a line with :data:`_STREAM_STORE_UNITS` more
+    units after each column block (none where a block's share of the line would not exceed
+    them), so that a run that also stores the column block it finishes is shorter."""
     col_blocks, stages = -(-n // (32 * warps)), k // _GEMM_STAGE_K
     units = col_blocks * stages
     blocks = min(units, blocks_wanted)
     if blocks <= 0:
         return 0, 0
+    extra = _STREAM_STORE_UNITS if col_blocks * (stages + _STREAM_STORE_UNITS) // blocks > _STREAM_STORE_UNITS else 0
+    period = stages + extra
+    line = col_blocks * period
 
     def block_of(u: int) -> int:
-        return ((u + 1) * blocks - 1) // units
+        v = u // stages * period + u % stages
+        return ((v + 1) * blocks - 1) // line
 
     most = max(block_of(cb * stages + stages - 1) - block_of(cb * stages) + 1 for cb in range(col_blocks))
     return blocks, most
