@@ -33,10 +33,12 @@
 // packed row of weights as its own bulk copy (10 a stage) and copied x with cp.async, and
 // one that also asked for each row of x as a bulk copy (26 a stage at 16 rows, 74 at 64):
 // the more copies a stage, the slower the ring, whatever their bytes. With 4-5 copies a
-// stage the ring runs twice as fast, and the kernel is level with the warpgroup kernel at
-// 64 rows and slower at 16; the engine times it only with ASYNCGEN_QUANT_WS=1. What the
-// ring still waits for between a slot's release and its refill is not known: not its
-// depth, the weights' layout in DRAM, or bank conflicts (docs/BENCHMARKS.md, runs 40-45).
+// stage the ring ran twice as fast, yet a slot was refilled about 4 us after its release:
+// the copying lane computed each unit's place with 64-bit divisions, and the ring ran at
+// that one lane's pace (the AG_QWS_TIMELINE stamps, docs/BENCHMARKS.md run 47). Since it
+// advances the place a unit at a time the consumers are the limit, and the kernel is the
+// fastest 4-bit GEMM of most 7B products at 32-64 rows on an H200; the engine times it
+// beside the others unless ASYNCGEN_QUANT_WS=0.
 #pragma once
 
 #include "quant_wgmma.cuh"
