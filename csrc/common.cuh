@@ -378,6 +378,11 @@ AG_DEVICE int atomic_add_acq_rel(int* address, int value) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
   return old;
+#elif defined(__CUDA_ARCH__)
+  __threadfence();
+  const int old = atomicAdd(address, value);
+  __threadfence();
+  return old;
 #else
   return atomicAdd(address, value);
 #endif
@@ -559,8 +564,6 @@ struct alignas(64) TmaMap {
 };
 #endif
 
-// The box whose first element is (column c, row r) of the matrix, into `smem` (128-byte
-// aligned; 1024 with the swizzle), completing on `bar` (whose bytes the caller announced).
 // Fetches a tensor map into the copy engine's cache ahead of its first copy.
 AG_DEVICE void tma_prefetch_map(const TmaMap* map) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -570,6 +573,8 @@ AG_DEVICE void tma_prefetch_map(const TmaMap* map) {
 #endif
 }
 
+// The box whose first element is (column c, row r) of the matrix, into `smem` (128-byte
+// aligned; 1024 with the swizzle), completing on `bar` (whose bytes the caller announced).
 AG_DEVICE void tma_load_2d(void* smem, const TmaMap* map, int c, int r, uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(

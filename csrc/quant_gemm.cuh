@@ -78,7 +78,7 @@ struct QuantGemmParams {
 // from their fp32 partials by the last of them to finish (as with splits), in block order.
 // A block stores once per column block its run touches, and a store costs about as much as
 // kStreamStoreUnits units (a 64-row store of partials and its ticket took 2.3 us against
-// 0.62 us a unit on an H200, docs/BENCHMARKS.md run 50): the runs are even over a line of
+// 0.62 us a unit on an H200, docs/BENCHMARKS.md runs 48-50): the runs are even over a line of
 // column blocks x (stages + that many units), whose added units no block computes, so that
 // a run which finishes a column block and goes on into the next is that much shorter. Where
 // a block's share of the line would not exceed the added units (a run could then be
@@ -331,8 +331,8 @@ struct TiledWeightCopies {
 // `piece` of the `pieces` that share the column block's stages: with more than one, each
 // writes its fp32 partials and the last to take a ticket of counter `counter` adds them.
 // NAMED: only the block's first THREADS threads call this (they meet at named barrier 1).
-// mark(0) is called once the partials are written, mark(1) once the ticket is taken, with
-// pieces (quant_ws.cuh's timeline).
+// With pieces, mark(0) is called once the partials are written and mark(1) once the ticket
+// is taken (quant_ws.cuh's timeline).
 struct NoMark {
   AG_DEVICE void operator()(int) const {}
 };
