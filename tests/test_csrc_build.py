@@ -204,6 +204,21 @@ def test_the_warpgroup_gemm_is_timed_only_where_the_build_and_the_gpu_have_it(mo
     assert cuda_backend.has_wgmma("cuda") is expected
     indices = cuda_backend.quant_gemm_config_indices("cuda")
     kernels = {cuda_backend.QUANT_GEMM_CONFIGS[i][2] for i in indices}
-    assert kernels == ({0, 1} if expected else {0})
+    assert kernels == ({0, 1, 2} if expected else {0})  # 2: with producer warps (unless ASYNCGEN_QUANT_WS=0)
     without = [i for i, config in enumerate(cuda_backend.QUANT_GEMM_CONFIGS) if not config[2]]
     assert indices == (list(range(len(cuda_backend.QUANT_GEMM_CONFIGS))) if expected else without)
+
+
+@pytest.mark.parametrize("setting, timed", [(None, True), ("1", True), ("0", False)])
+def test_the_producer_warp_gemm_is_timed_unless_switched_off(setting, timed):
+    """ASYNCGEN_QUANT_WS=0 leaves the producer-warp kernel's launch shapes out of those the
+    engine times (read once, when cuda_backend is imported: a fresh process)."""
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCGEN_QUANT_WS"}
+    if setting is not None:
+        env["ASYNCGEN_QUANT_WS"] = setting
+    code = ("from asyncgen._ops import cuda_backend as c; "
+            "print(sorted({k for _, _, k in c.QUANT_GEMM_CONFIGS}), all(x in c.QUANT_GEMM_CONFIGS "
+            "for x in c.QUANT_GEMM_WS_CONFIGS))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.split()
+    assert out == (["[0,", "1,", "2]", "True"] if timed else ["[0,", "1]", "False"])
