@@ -79,6 +79,27 @@ def _build_in_child(name: str) -> str:
     return name
 
 
+def launch_args(out, x, weights, scratch, n: int, k: int, warps: int, splits: int) -> tuple:
+    """``run``'s arguments for the producer-warp kernel in launch shape warps x splits with
+    ``weights`` (qweight, scales, zeros), its workspace and counters from ``scratch``."""
+    from asyncgen._ops import cuda_backend
+
+    m = x.shape[0]
+    pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
+    ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
+    return (out, x, *weights, GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None, warps, splits, 2)
+
+
+def is_wrong(mod, args: tuple, want: torch.Tensor) -> float | None:
+    """The relative error of ``mod.run(*args)`` against ``want`` where it is 2e-3 or more
+    (or NaN), else None."""
+    out = args[0]
+    out.fill_(float("nan"))
+    mod.run(*args)
+    err = ((out.float() - want).abs().max() / want.abs().max()).item()
+    return None if err < 2e-3 else err
+
+
 def describe_timeline(words: torch.Tensor, table: bool) -> list[str]:
     """What a timeline build's last launch wrote (qws_timeline), as text."""
     import numpy as np
@@ -163,23 +184,18 @@ def timeline_main(args, rows, configs) -> int:
         weights, _ = shape_weights(k, n, gen)
         for m in rows:
             x, out, want = row_case(m, k, n, weights, gen)
-            pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
-            ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
-            args_of = lambda w: (out, x, *w, GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None,  # noqa: E731
-                                 warps, splits, 2)
+            calls = [launch_args(out, x, w, scratch, n, k, warps, splits) for w in weights]
             for name, mod in mods.items():
                 if not any("PROBE" in flag for flag in TIMELINE_VARIANTS[name]):
-                    out.fill_(float("nan"))
-                    mod.run(*args_of(weights[0]))
-                    err = ((out.float() - want).abs().max() / want.abs().max()).item()
-                    if not err < 2e-3:
+                    err = is_wrong(mod, calls[0], want)
+                    if err is not None:
                         print(f"FAIL {name} {k}x{n} M={m}: rel err {err:.2e}", flush=True)
                         failures += 1
                         continue
-                t = graph_us([lambda w=w, mod=mod: mod.run(*args_of(w)) for w in weights])
+                t = graph_us([lambda a=a, mod=mod: mod.run(*a) for a in calls])
                 mod.timeline()  # cleared
-                for w in weights:
-                    mod.run(*args_of(w))
+                for a in calls:
+                    mod.run(*a)
                 torch.cuda.synchronize()
                 print(f"{k}x{n} M={m} {name}: {t:.1f} us a call in the graph", flush=True)
                 print("\n".join(describe_timeline(mod.timeline(), table=name == "timeline")), flush=True)
@@ -218,21 +234,15 @@ def main() -> int:
             x, out, want = row_case(m, k, n, weights, gen)
             cells = []
             for warps, splits in configs:
-                pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
-                ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
+                calls = [launch_args(out, x, w, scratch, n, k, warps, splits) for w in weights]
                 for name, mod in mods.items():
                     if not any("PROBE" in flag for flag in ALL_VARIANTS[name]):
-                        out.fill_(float("nan"))
-                        mod.run(out, x, *weights[0], GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None,
-                                warps, splits, 2)
-                        err = ((out.float() - want).abs().max() / want.abs().max()).item()
-                        if not err < 2e-3:
+                        err = is_wrong(mod, calls[0], want)
+                        if err is not None:
                             print(f"  FAIL {name} {warps}x{splits} {k}x{n} M={m}: rel err {err:.2e}", flush=True)
                             failures += 1
                             continue
-                    t = graph_us([lambda w=w, mod=mod: mod.run(out, x, *w, GROUP, ws if pieces > 1 else None,
-                                                               ct if pieces > 1 else None, warps, splits, 2)
-                                  for w in weights])
+                    t = graph_us([lambda a=a, mod=mod: mod.run(*a) for a in calls])
                     cells.append(f"{warps}x{splits} {name} {t:.1f}")
             ws, ct = scratch.buffers(4 * m * n, -(-n // 128))
             wg = graph_us([lambda w=w: mods["as is"].run(out, x, *w, GROUP, ws, ct, 4, 4, 1) for w in weights])

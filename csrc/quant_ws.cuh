@@ -92,15 +92,6 @@ constexpr int kTlTraceWords = 4 + kTlUnits * kTlUnitWords + kTlStoreWords * kTlS
 constexpr int kTlWords = 4 * kTlBlocks + 2 * kTlTraceWords;
 __device__ unsigned long long qws_timeline[kTlWords];
 
-// Copies qws_timeline to `dst` (kTlWords words) and clears it. False on a CUDA error.
-inline bool read_qws_timeline(unsigned long long* dst) {
-  void* at = nullptr;
-  return cudaMemcpyFromSymbol(dst, qws_timeline, sizeof(qws_timeline)) == cudaSuccess &&
-         cudaGetSymbolAddress(&at, qws_timeline) == cudaSuccess &&
-         cudaMemset(at, 0, sizeof(qws_timeline)) == cudaSuccess;
-}
-#endif
-
 AG_DEVICE unsigned long long tl_clock() {
 #if defined(__CUDA_ARCH__)
   return clock64();
@@ -122,6 +113,15 @@ AG_DEVICE unsigned tl_smid() {
 #endif
   return id;
 }
+
+// Copies qws_timeline to `dst` (kTlWords words) and clears it. False on a CUDA error.
+inline bool read_qws_timeline(unsigned long long* dst) {
+  void* at = nullptr;
+  return cudaMemcpyFromSymbol(dst, qws_timeline, sizeof(qws_timeline)) == cudaSuccess &&
+         cudaGetSymbolAddress(&at, qws_timeline) == cudaSuccess &&
+         cudaMemset(at, 0, sizeof(qws_timeline)) == cudaSuccess;
+}
+#endif
 
 // A slot: x (1024-byte aligned: kRows rows of 128 bytes, the stage's 64 K, in the 128-byte
 // swizzle), the packed weights (BN / 128 boxes of 8 rows of 136 words, as the tensor map
@@ -390,7 +390,9 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
   };
   const uint32_t x_base = smem_address(smem);
   const bool c0 = threadIdx.x == 0, c1 = threadIdx.x == (WARPS - 1) * kWarpSize;  // the traced consumer lanes
+#if AG_QWS_TIMELINE
   int stores = 0;
+#endif
   // Column block cb's result, or its partials, once its last stage of this block's run is done.
   const auto store = [&](int cb) {
 #if AG_QWS_TIMELINE
@@ -424,8 +426,8 @@ __global__ void __launch_bounds__((WARPS + kWsProducerWarps) * kWarpSize, WARPS 
         gp, cb * BN, wc, c, piece, pieces, cb, [&](int mt, int t, int r) { return acc[t][4 * mt + r]; }, mark);
 #if AG_QWS_TIMELINE
     if (st != nullptr) st[4] = tl_clock(), st[5] = static_cast<unsigned long long>(pieces);
-#endif
     ++stores;
+#endif
   };
   // A split with no stages (more splits than stages) still leaves its (zero) partials and
   // takes its ticket.
