@@ -90,14 +90,24 @@ def launch_args(out, x, weights, scratch, n: int, k: int, warps: int, splits: in
     return (out, x, *weights, GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None, warps, splits, 2)
 
 
-def is_wrong(mod, args: tuple, want: torch.Tensor) -> float | None:
-    """The relative error of ``mod.run(*args)`` against ``want`` where it is 2e-3 or more
-    (or NaN), else None."""
-    out = args[0]
-    out.fill_(float("nan"))
-    mod.run(*args)
-    err = ((out.float() - want).abs().max() / want.abs().max()).item()
-    return None if err < 2e-3 else err
+def time_builds(mods: dict, calls: list, want: torch.Tensor, label: str) -> tuple[dict, int]:
+    """({build: per-call µs of its ``run`` over ``calls`` (argument tuples) in a CUDA
+    graph}, failures): a build without probes is first checked against ``want`` with the
+    first call's arguments and left out (its failure printed, named by ``label``) where it
+    is off by 2e-3 or more."""
+    times, failures = {}, 0
+    for name, mod in mods.items():
+        if not any("PROBE" in flag for flag in ALL_VARIANTS[name]):
+            out = calls[0][0]
+            out.fill_(float("nan"))
+            mod.run(*calls[0])
+            err = ((out.float() - want).abs().max() / want.abs().max()).item()
+            if not err < 2e-3:
+                print(f"FAIL {name} {label}: rel err {err:.2e}", flush=True)
+                failures += 1
+                continue
+        times[name] = graph_us([lambda a=a, mod=mod: mod.run(*a) for a in calls])
+    return times, failures
 
 
 def describe_timeline(words: torch.Tensor, table: bool) -> list[str]:
@@ -185,14 +195,10 @@ def timeline_main(args, rows, configs) -> int:
         for m in rows:
             x, out, want = row_case(m, k, n, weights, gen)
             calls = [launch_args(out, x, w, scratch, n, k, warps, splits) for w in weights]
-            for name, mod in mods.items():
-                if not any("PROBE" in flag for flag in TIMELINE_VARIANTS[name]):
-                    err = is_wrong(mod, calls[0], want)
-                    if err is not None:
-                        print(f"FAIL {name} {k}x{n} M={m}: rel err {err:.2e}", flush=True)
-                        failures += 1
-                        continue
-                t = graph_us([lambda a=a, mod=mod: mod.run(*a) for a in calls])
+            times, failed = time_builds(mods, calls, want, f"{k}x{n} M={m}")
+            failures += failed
+            for name, t in times.items():
+                mod = mods[name]
                 mod.timeline()  # cleared
                 for a in calls:
                     mod.run(*a)
@@ -235,15 +241,9 @@ def main() -> int:
             cells = []
             for warps, splits in configs:
                 calls = [launch_args(out, x, w, scratch, n, k, warps, splits) for w in weights]
-                for name, mod in mods.items():
-                    if not any("PROBE" in flag for flag in ALL_VARIANTS[name]):
-                        err = is_wrong(mod, calls[0], want)
-                        if err is not None:
-                            print(f"  FAIL {name} {warps}x{splits} {k}x{n} M={m}: rel err {err:.2e}", flush=True)
-                            failures += 1
-                            continue
-                    t = graph_us([lambda a=a, mod=mod: mod.run(*a) for a in calls])
-                    cells.append(f"{warps}x{splits} {name} {t:.1f}")
+                times, failed = time_builds(mods, calls, want, f"{warps}x{splits} {k}x{n} M={m}")
+                failures += failed
+                cells += [f"{warps}x{splits} {name} {t:.1f}" for name, t in times.items()]
             ws, ct = scratch.buffers(4 * m * n, -(-n // 128))
             wg = graph_us([lambda w=w: mods["as is"].run(out, x, *w, GROUP, ws, ct, 4, 4, 1) for w in weights])
             print(f"{k}x{n} M={m}: wgmma 4x4 {wg:.1f} | " + " | ".join(cells), flush=True)
