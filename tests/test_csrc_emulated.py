@@ -610,6 +610,94 @@ def test_quant_gemm_4bit_tiled_refuses_a_misaligned_workspace(emu):
     assert relative_error(out, exact) < 2e-3
 
 
+def _dense_case(m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(torch.float16)
+    bias = torch.randn(n, generator=g).to(torch.float16)
+    return x, weight, bias, x.float() @ weight.float().T
+
+
+def _run_dense(emu, x, weight, bias, pieces, stream_blocks):
+    """The dense producer-warp GEMM in both block orders; (outputs, counters left)."""
+    m, n = x.shape[0], weight.shape[0]
+    runs = []
+    for reverse in (False, True):  # the block that finishes last adds the partials: either order
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        workspace = torch.full((pieces, m, n), float("nan")) if pieces > 1 else None
+        counters = torch.zeros(64, dtype=torch.int32)
+        emu.lib.ag_set_reverse_blocks(int(reverse))
+        try:
+            assert emu.dense_gemm_ws(out, x, weight, bias, pieces, workspace, counters, stream_blocks)
+        finally:
+            emu.lib.ag_set_reverse_blocks(0)
+        assert int(counters.abs().sum()) == 0  # left ready for the next launch
+        runs.append(out)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "m, n, k, splits",
+    [
+        (5, 256, 128, 1),     # one 64-row tile of x (5 rows real), one column block, 2 stages
+        (64, 520, 256, 3),    # a full tile; a last column block of 8 columns; 4 stages over 3 splits
+        (33, 256, 128, 4),    # 2 stages over 4 splits: two splits without stages
+        (128, 264, 640, 1),   # two tiles of x rows (m64n256); 10 stages through the 4-slot ring
+    ],
+)
+def test_dense_gemm_ws_matches_reference(emu, m, n, k, splits):
+    x, weight, bias, exact = _dense_case(m, n, k, m * n + k + splits)
+    runs = _run_dense(emu, x, weight, bias, splits, 0)
+    assert relative_error(runs[0], exact + bias.float()) < 2e-3
+    assert torch.equal(runs[0], runs[1])  # the splits are added in the same order
+
+
+@pytest.mark.parametrize(
+    "m, n, k, blocks",
+    [
+        (80, 768, 512, 5),    # 3 column blocks x 8 stages over 5 blocks: runs cross column blocks
+        (17, 512, 384, 1),    # one block takes everything: no partials; the ring wraps across column blocks
+        (100, 256, 256, 9),   # more blocks wanted than units: one unit a block
+        (64, 1536, 1024, 7),  # 6 column blocks x 16 stages: runs that finish a column block are shorter
+    ],
+)
+def test_dense_gemm_ws_balanced_matches_reference(emu, m, n, k, blocks):
+    x, weight, bias, exact = _dense_case(m, n, k, m + n + k + blocks)
+    launched, pieces = cuda_backend.stream_gemm_plan(n, k, 8, blocks)
+    assert (launched, pieces) == emu.plan_stream_gemm(n, k, 8, blocks)
+    runs = _run_dense(emu, x, weight, bias, pieces, launched)
+    assert relative_error(runs[0], exact + bias.float()) < 2e-3
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_dense_gemm_ws_without_bias_strided_x_and_wider_output(emu):
+    m, n, k = 70, 256, 192
+    x, weight, _, exact = _dense_case(m, n, k, 11)
+    wide = torch.zeros(m, k + 64, dtype=torch.float16)
+    wide[:, :k] = x
+    out = torch.full((m, n + 8), float("nan"), dtype=torch.float16)
+    assert emu.dense_gemm_ws(out[:, :n], wide[:, :k], weight)
+    assert relative_error(out[:, :n], exact) < 2e-3
+    assert torch.isnan(out[:, n:]).all()  # nothing written past the output's columns
+
+
+@pytest.mark.parametrize(
+    "m, n, k, x_stride, splits, why",
+    [
+        (129, 256, 128, 128, 1, "more than 128 rows"),
+        (4, 256, 96, 96, 1, "K not a multiple of 64"),
+        (4, 60, 128, 128, 1, "N not a multiple of 8"),
+        (4, 256, 128, 132, 1, "x rows not 16-byte aligned"),
+        (4, 256, 128, 128, 2, "splits without a workspace"),
+    ],
+)
+def test_dense_gemm_ws_refuses(emu, m, n, k, x_stride, splits, why):
+    x = torch.zeros(m, x_stride, dtype=torch.float16)[:, :k]
+    weight = torch.zeros(n, k, dtype=torch.float16)
+    out = torch.empty(m, n, dtype=torch.float16)
+    assert not emu.dense_gemm_ws(out, x, weight, splits=splits), why
+
+
 # Prompt-chunk attention (chunk_attention.cuh): (seqs as (new, cached) tokens, num_heads,
 # num_kv_heads, head_dim, block_size).
 CHUNK_SHAPES = [
