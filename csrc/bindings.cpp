@@ -37,7 +37,7 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "int wgmma=0) -> ()");
   m.def(
       "dense_gemm_ws(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, Tensor(b!)? workspace, "
-      "Tensor(c!)? counters, int splits=1) -> ()");
+      "Tensor(c!)? counters, int warps=8, int splits=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {

@@ -5,20 +5,20 @@
 // its weight reads, yet cuBLAS took 77 % (q|k|v) to 51 % (o_proj) of the H200's bandwidth
 // at 80 rows (docs/BENCHMARKS.md): its tiles of columns do not divide among the 132 SMs
 // (96 tiles of 128 for q|k|v, 172 for gate|up), and split-K adds a second kernel. Here the
-// product's units of work (a 256-column block of W by 64 K, 32 KB of weights) are dealt
-// to one block an SM in even runs (StreamMap, as the 4-bit warpgroup kernels deal them), a
+// product's units of work (a block of 128 or 256 columns of W by 64 K, 16 or 32 KB of
+// weights) are dealt to one block an SM in even runs (StreamMap, as the 4-bit warpgroup kernels deal them), a
 // run going on from one column block into the next; the blocks sharing a column block
 // leave fp32 partials that the last one to finish adds (the tiled kernels' ticket and sum).
 //
 // A block has 8 consumer warps (two warpgroups) and a producer warpgroup, one lane of which
-// asks for each unit as two TMA copies into the ring (the weights' 256 rows by 64 K and x's
+// asks for each unit as two TMA copies into the ring (the weights' BN rows by 64 K and x's
 // 64 or 128 rows by 64 K, both in the 128-byte swizzle, rows past x's landing as zeros) that
 // complete on the slot's "full" barrier; it waits for nothing but the slot's release. The
 // consumers issue wgmma.mma_async with both operands in shared memory, A = x (K-major, 64
 // rows a warpgroup) and B = the weights (K-major: W's rows are B's columns), D = 64 rows
-// of x by N columns in fp32 registers. With up to 64 rows each warpgroup takes 128 of the
-// block's columns (m64n128k16); with 65-128 each takes 64 rows and all 256 columns
-// (m64n256k16). A slot goes back to the producer once both warpgroups' products of it have
+// of x by N columns in fp32 registers. With up to 64 rows each warpgroup takes half of the
+// block's columns (m64n64k16 or m64n128k16); with 65-128 each takes 64 rows and all BN
+// columns (m64n128k16 or m64n256k16). A slot goes back to the producer once both warpgroups' products of it have
 // completed, without a block-wide barrier.
 #pragma once
 
@@ -26,25 +26,26 @@
 
 namespace asyncgen {
 
-constexpr int kDenseWsCols = 256;        // BN: weight rows (output columns) a column block
 constexpr int kDenseWsMaxRows = 128;
-constexpr int kDenseWsConsumerWarps = 8;  // plan_stream_gemm's `warps` for the dense kernel
+constexpr int kDenseWsConsumerWarps = 8;
 
-// X_TILES (1 or 2) tiles of 64 rows of x. A slot: x (X_TILES * 64 rows of 128 bytes, the
-// unit's 64 K) then the weights (256 rows of 128 bytes), both 1024-byte aligned.
-template <int X_TILES>
+// X_TILES (1 or 2) tiles of 64 rows of x by column blocks of BN (128 or 256) weight rows
+// (output columns; plan_stream_gemm's `warps` is BN / 32). A slot: x (X_TILES * 64 rows of
+// 128 bytes, the unit's 64 K) then the weights (BN rows of 128 bytes), both 1024-byte
+// aligned; as many slots as fit beside the barriers, up to 8.
+template <int X_TILES, int BN>
 struct DenseWsLayout {
   static constexpr int kRows = 64 * X_TILES;
   static constexpr int kXBytes = kRows * 128;
-  static constexpr int kWeightBytes = kDenseWsCols * 128;
+  static constexpr int kWeightBytes = BN * 128;
   static constexpr int kStageBytes = kXBytes + kWeightBytes;
-  static constexpr int kStages = X_TILES == 1 ? 5 : 4;
-  static constexpr int kN = X_TILES == 1 ? kDenseWsCols / 2 : kDenseWsCols;  // wgmma's N: a warpgroup's columns
+  static constexpr int kStages = (200 * 1024) / kStageBytes < 8 ? (200 * 1024) / kStageBytes : 8;
+  static constexpr int kN = X_TILES == 1 ? BN / 2 : BN;  // wgmma's N: a warpgroup's columns
   static constexpr int kThreads = (kDenseWsConsumerWarps + kWsProducerWarps) * kWarpSize;
   static constexpr int kBarriersOffset = kStages * kStageBytes;  // then full, empty [kStages]
   static constexpr int kSmemBytes = kBarriersOffset + 2 * kStages * 8 + 1024;
 };
-static_assert(DenseWsLayout<1>::kSmemBytes <= 227 * 1024 && DenseWsLayout<2>::kSmemBytes <= 227 * 1024,
+static_assert(DenseWsLayout<2, 256>::kStages >= 4 && DenseWsLayout<2, 256>::kSmemBytes <= 227 * 1024,
               "one block an SM");
 
 struct DenseWsMaps {
@@ -56,6 +57,22 @@ struct DenseWsMaps {
 // d[4i + 2h + e] = D[16w + g + 8h][8i + 2c + e]) += A (64 x 16) * B (16 x N), both K-major
 // in the 128-byte swizzle (wgmma_desc_k128).
 #if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+AG_DEVICE void wgmma_ss_asm(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
 AG_DEVICE void wgmma_ss_asm(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -147,12 +164,11 @@ AG_DEVICE void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
 #endif
 }
 
-template <int X_TILES>
-__global__ void __launch_bounds__(DenseWsLayout<X_TILES>::kThreads, 1)
+template <int X_TILES, int BN>
+__global__ void __launch_bounds__(DenseWsLayout<X_TILES, BN>::kThreads, 1)
     dense_gemm_ws_kernel(const QuantGemmParams gp, const __grid_constant__ DenseWsMaps maps) {
-  using L = DenseWsLayout<X_TILES>;
+  using L = DenseWsLayout<X_TILES, BN>;
   constexpr int S = L::kStages;
-  constexpr int BN = kDenseWsCols;
   constexpr int NW = L::kN;
   constexpr int kConsumers = kDenseWsConsumerWarps * kWarpSize;
   const QuantGemvParams& p = gp.q;
@@ -319,8 +335,8 @@ __global__ void __launch_bounds__(DenseWsLayout<X_TILES>::kThreads, 1)
 // weight_stride elements apart): 1-128 rows, K a multiple of 64, N a multiple of 8, 16-byte
 // aligned x and weight rows (the tensor maps' strides), an even output stride (the results
 // are stored as pairs), and with splits (or a balanced launch whose blocks share a column
-// block) a 16-byte aligned workspace and m * n < 2^31. gp.warps is unused (the kernel's
-// column blocks are kDenseWsCols wide: plan_stream_gemm's warps = kDenseWsConsumerWarps).
+// block) a 16-byte aligned workspace and m * n < 2^31. gp.warps (4 or 8) sets the column
+// blocks' width, 32 gp.warps (as plan_stream_gemm counts them), not the warps.
 inline bool dense_gemm_ws_ok(const QuantGemmParams& gp, const void* weight, int64_t weight_stride) {
   const QuantGemvParams& p = gp.q;
   const auto aligned16 = [](const void* ptr, int64_t stride_elems) {
@@ -329,7 +345,7 @@ inline bool dense_gemm_ws_ok(const QuantGemmParams& gp, const void* weight, int6
   const bool split_ok = gp.splits == 1 || (gp.splits > 1 && gp.splits <= kTiledMaxSplits && gp.workspace != nullptr &&
                                            reinterpret_cast<uintptr_t>(gp.workspace) % 16 == 0 &&
                                            gp.counters != nullptr && static_cast<int64_t>(p.m) * p.n <= INT32_MAX);
-  return gp.stream_blocks >= 0 && p.m >= 1 && p.m <= kDenseWsMaxRows && p.k > 0 && p.k % kTiledK == 0 &&
+  return (gp.warps == 4 || gp.warps == 8) && gp.stream_blocks >= 0 && p.m >= 1 && p.m <= kDenseWsMaxRows && p.k > 0 && p.k % kTiledK == 0 &&
          p.n > 0 && p.n % 8 == 0 && split_ok && aligned16(p.x, p.x_stride) && aligned16(weight, weight_stride) &&
          reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride % 2 == 0;
 }
@@ -337,23 +353,23 @@ inline bool dense_gemm_ws_ok(const QuantGemmParams& gp, const void* weight, int6
 // out = x weight^T (+ bias) by dense_gemm_ws_kernel, in builds that have the warpgroup
 // kernels (kWgmmaBuilt; the caller checks the device is sm_90). With gp.stream_blocks > 0
 // a balanced launch of that many blocks (gp.splits: the most that share a column block,
-// plan_stream_gemm(n, k, kDenseWsConsumerWarps, ...)); else column blocks x gp.splits.
+// plan_stream_gemm(n, k, gp.warps, ...)); else column blocks x gp.splits.
 // Returns false where the kernel does not take the arguments (dense_gemm_ws_ok).
 inline bool launch_dense_gemm_ws(const QuantGemmParams& gp, const void* weight, int64_t weight_stride,
                                  cudaStream_t stream, bool dependent = false) {
   if (!kWgmmaBuilt || !dense_gemm_ws_ok(gp, weight, weight_stride)) return false;
   const QuantGemvParams& q = gp.q;
-  const auto launch = [&](auto x_tiles) {
-    constexpr int X_TILES = decltype(x_tiles)::value;
-    using L = DenseWsLayout<X_TILES>;
+  const auto launch = [&](auto x_tiles, auto bn) {
+    constexpr int X_TILES = decltype(x_tiles)::value, BN = decltype(bn)::value;
+    using L = DenseWsLayout<X_TILES, BN>;
     DenseWsMaps maps;
     if (!make_tma_map_2d(&maps.x, q.x, 2, q.k, q.m, 2 * static_cast<uint64_t>(q.x_stride), kTiledK, L::kRows, true) ||
-        !make_tma_map_2d(&maps.weight, weight, 2, q.k, q.n, 2 * static_cast<uint64_t>(weight_stride), kTiledK,
-                         kDenseWsCols, true))
+        !make_tma_map_2d(&maps.weight, weight, 2, q.k, q.n, 2 * static_cast<uint64_t>(weight_stride), kTiledK, BN,
+                         true))
       return false;
-    void (*kernel)(const QuantGemmParams, const DenseWsMaps) = dense_gemm_ws_kernel<X_TILES>;
-    allow_dynamic_smem<dense_gemm_ws_kernel<X_TILES>>(L::kSmemBytes);
-    const dim3 grid = gp.stream_blocks > 0 ? dim3(gp.stream_blocks) : dim3(ceil_div(q.n, kDenseWsCols), gp.splits);
+    void (*kernel)(const QuantGemmParams, const DenseWsMaps) = dense_gemm_ws_kernel<X_TILES, BN>;
+    allow_dynamic_smem<dense_gemm_ws_kernel<X_TILES, BN>>(L::kSmemBytes);
+    const dim3 grid = gp.stream_blocks > 0 ? dim3(gp.stream_blocks) : dim3(ceil_div(q.n, BN), gp.splits);
     const dim3 block(L::kThreads);
     if (dependent) {
       AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, L::kSmemBytes, stream, gp, maps);
@@ -362,7 +378,12 @@ inline bool launch_dense_gemm_ws(const QuantGemmParams& gp, const void* weight, 
     }
     return true;
   };
-  return q.m <= 64 ? launch(std::integral_constant<int, 1>{}) : launch(std::integral_constant<int, 2>{});
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Narrow = std::integral_constant<int, 128>;
+  using Wide = std::integral_constant<int, 256>;
+  if (gp.warps == 4) return q.m <= 64 ? launch(One{}, Narrow{}) : launch(Two{}, Narrow{});
+  return q.m <= 64 ? launch(One{}, Wide{}) : launch(Two{}, Wide{});
 }
 
 }  // namespace asyncgen

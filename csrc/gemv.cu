@@ -247,7 +247,7 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
 
 void dense_gemm_ws(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
-                   const c10::optional<at::Tensor>& counters, int64_t splits) {
+                   const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits) {
   AG_CHECK_DIM(weight, 2);
   AG_CHECK_CUDA(x, weight);
   AG_CHECK_CUDA(out, weight);
@@ -275,7 +275,8 @@ void dense_gemm_ws(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   p.q.m = static_cast<int>(x.size(0));
   p.q.n = static_cast<int>(n);
   p.q.k = static_cast<int>(k);
-  p.warps = kDenseWsConsumerWarps;  // column blocks of 32 * warps = kDenseWsCols
+  TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8 (column blocks of 128 or 256), got ", warps);
+  p.warps = static_cast<int>(warps);  // column blocks of 32 * warps
   if (splits < 0) splits = plan_balanced(p, splits, x);
   set_split_buffers(p, splits, workspace, counters, weight);
   TORCH_CHECK(dense_gemm_ws_ok(p, weight.data_ptr(), weight.stride(0)), "the dense warpgroup GEMM does not take "

@@ -618,7 +618,7 @@ def _dense_case(m, n, k, seed):
     return x, weight, bias, x.float() @ weight.float().T
 
 
-def _run_dense(emu, x, weight, bias, pieces, stream_blocks):
+def _run_dense(emu, x, weight, bias, pieces, stream_blocks, warps):
     """The dense producer-warp GEMM in both block orders; (outputs, counters left)."""
     m, n = x.shape[0], weight.shape[0]
     runs = []
@@ -628,7 +628,7 @@ def _run_dense(emu, x, weight, bias, pieces, stream_blocks):
         counters = torch.zeros(64, dtype=torch.int32)
         emu.lib.ag_set_reverse_blocks(int(reverse))
         try:
-            assert emu.dense_gemm_ws(out, x, weight, bias, pieces, workspace, counters, stream_blocks)
+            assert emu.dense_gemm_ws(out, x, weight, bias, pieces, workspace, counters, stream_blocks, warps)
         finally:
             emu.lib.ag_set_reverse_blocks(0)
         assert int(counters.abs().sum()) == 0  # left ready for the next launch
@@ -637,35 +637,38 @@ def _run_dense(emu, x, weight, bias, pieces, stream_blocks):
 
 
 @pytest.mark.parametrize(
-    "m, n, k, splits",
+    "m, n, k, splits, warps",
     [
-        (5, 256, 128, 1),     # one 64-row tile of x (5 rows real), one column block, 2 stages
-        (64, 520, 256, 3),    # a full tile; a last column block of 8 columns; 4 stages over 3 splits
-        (33, 256, 128, 4),    # 2 stages over 4 splits: two splits without stages
-        (128, 264, 640, 1),   # two tiles of x rows (m64n256); 10 stages through the 4-slot ring
+        (5, 256, 128, 1, 8),     # one 64-row tile of x (5 rows real), one column block, 2 stages
+        (64, 520, 256, 3, 8),    # a full tile; a last column block of 8 columns; 4 stages over 3 splits
+        (33, 256, 128, 4, 8),    # 2 stages over 4 splits: two splits without stages
+        (128, 264, 640, 1, 8),   # two tiles of x rows (m64n256); 10 stages through the 4-slot ring
+        (40, 264, 256, 3, 4),    # 128-column blocks (m64n64), the last of 8 columns
+        (90, 128, 1152, 1, 4),   # two tiles (m64n128); 18 stages through the 6-slot ring
     ],
 )
-def test_dense_gemm_ws_matches_reference(emu, m, n, k, splits):
+def test_dense_gemm_ws_matches_reference(emu, m, n, k, splits, warps):
     x, weight, bias, exact = _dense_case(m, n, k, m * n + k + splits)
-    runs = _run_dense(emu, x, weight, bias, splits, 0)
+    runs = _run_dense(emu, x, weight, bias, splits, 0, warps)
     assert relative_error(runs[0], exact + bias.float()) < 2e-3
     assert torch.equal(runs[0], runs[1])  # the splits are added in the same order
 
 
 @pytest.mark.parametrize(
-    "m, n, k, blocks",
+    "m, n, k, blocks, warps",
     [
-        (80, 768, 512, 5),    # 3 column blocks x 8 stages over 5 blocks: runs cross column blocks
-        (17, 512, 384, 1),    # one block takes everything: no partials; the ring wraps across column blocks
-        (100, 256, 256, 9),   # more blocks wanted than units: one unit a block
-        (64, 1536, 1024, 7),  # 6 column blocks x 16 stages: runs that finish a column block are shorter
+        (80, 768, 512, 5, 8),    # 3 column blocks x 8 stages over 5 blocks: runs cross column blocks
+        (17, 512, 384, 1, 8),    # one block takes everything: no partials; the ring wraps across column blocks
+        (100, 256, 256, 9, 8),   # more blocks wanted than units: one unit a block
+        (64, 1536, 1024, 7, 8),  # 6 column blocks x 16 stages: runs that finish a column block are shorter
+        (72, 392, 512, 5, 4),    # 4 column blocks of 128 (the last of 8 columns) x 8 stages over 5 blocks
     ],
 )
-def test_dense_gemm_ws_balanced_matches_reference(emu, m, n, k, blocks):
+def test_dense_gemm_ws_balanced_matches_reference(emu, m, n, k, blocks, warps):
     x, weight, bias, exact = _dense_case(m, n, k, m + n + k + blocks)
-    launched, pieces = cuda_backend.stream_gemm_plan(n, k, 8, blocks)
-    assert (launched, pieces) == emu.plan_stream_gemm(n, k, 8, blocks)
-    runs = _run_dense(emu, x, weight, bias, pieces, launched)
+    launched, pieces = cuda_backend.stream_gemm_plan(n, k, warps, blocks)
+    assert (launched, pieces) == emu.plan_stream_gemm(n, k, warps, blocks)
+    runs = _run_dense(emu, x, weight, bias, pieces, launched, warps)
     assert relative_error(runs[0], exact + bias.float()) < 2e-3
     assert torch.equal(runs[0], runs[1])
 
@@ -696,6 +699,8 @@ def test_dense_gemm_ws_refuses(emu, m, n, k, x_stride, splits, why):
     weight = torch.zeros(n, k, dtype=torch.float16)
     out = torch.empty(m, n, dtype=torch.float16)
     assert not emu.dense_gemm_ws(out, x, weight, splits=splits), why
+    assert not emu.dense_gemm_ws(torch.empty(4, 256, dtype=torch.float16), torch.zeros(4, 128, dtype=torch.float16),
+                                 torch.zeros(256, 128, dtype=torch.float16), warps=2), "column blocks of 64"
 
 
 # Prompt-chunk attention (chunk_attention.cuh): (seqs as (new, cached) tokens, num_heads,

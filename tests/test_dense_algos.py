@@ -196,16 +196,16 @@ def test_the_producer_warp_gemm_is_a_candidate_up_to_its_row_limit(fake_lt, monk
     # fastest; 160 rows is past what it takes, so it is not timed there.
     launches = []
 
-    def fake_ws(x, weight, bias=None, *, out=None, scratch=None):
-        launches.append((x.shape[0], scratch))
+    def fake_ws(x, weight, bias=None, *, out=None, warps=8, scratch=None):
+        launches.append((x.shape[0], scratch, warps))
         return torch.nn.functional.linear(x, weight, bias)
 
     monkeypatch.setattr(cuda_backend, "has_wgmma", lambda device: True)
     monkeypatch.setattr(cuda_backend, "dense_gemm_ws_weight_ok", lambda w, b=None: True)
     monkeypatch.setattr(cuda_backend, "dense_gemm_ws_input_ok", lambda x: True)
     monkeypatch.setattr(cuda_backend, "launch_dense_gemm_ws", fake_ws)
-    timings = {(16, None): 10.0, (16, 0): 9.5, (16, 1): 8.0, (16, 2): 9.9, (16, "ws"): 9.0,
-               (96, None): 10.0, (96, 0): 8.0, (96, 1): 9.0, (96, 2): 9.9, (96, "ws"): 6.0,
+    timings = {(16, None): 10.0, (16, 0): 9.5, (16, 1): 8.0, (16, 2): 9.9, (16, 4): 9.0, (16, 8): 9.1,
+               (96, None): 10.0, (96, 0): 8.0, (96, 1): 9.0, (96, 2): 9.9, (96, 4): 6.5, (96, 8): 6.0,
                (160, None): 10.0, (160, 0): 7.0, (160, 1): 8.0, (160, 2): 9.9}
     state = {}
     real_linear = torch.nn.functional.linear
@@ -218,7 +218,7 @@ def test_the_producer_warp_gemm_is_a_candidate_up_to_its_row_limit(fake_lt, monk
         lt_runs, ws_runs = sum(len(p.runs) for p in fake_lt), len(launches)
         fn(items[0])
         if len(launches) > ws_runs:
-            return timings[launches[-1][0], "ws"]
+            return timings[launches[-1][0], launches[-1][2]]
         if sum(len(p.runs) for p in fake_lt) > lt_runs:
             m, rank = [r for p in fake_lt for r in p.runs][-1]
             return timings[m, rank]
@@ -230,12 +230,13 @@ def test_the_producer_warp_gemm_is_a_candidate_up_to_its_row_limit(fake_lt, monk
     scratch = cuda_backend.GemmScratch("cpu")
     chosen = cuda_backend.choose_dense_algos(layers, [16, 96, 160], torch.empty(8192, dtype=torch.uint8), scratch)
     monkeypatch.setattr(torch.nn.functional, "linear", real_linear)
-    assert chosen == {(16, 64, torch.float32, False): {16: 1, 96: "ws", 160: 0}}
-    assert {m for m, _ in launches} == {16, 96} and all(s is scratch for _, s in launches)
+    assert chosen == {(16, 64, torch.float32, False): {16: 1, 96: "ws256", 160: 0}}
+    assert {(m, w) for m, _, w in launches} == {(16, 4), (16, 8), (96, 4), (96, 8)}
+    assert all(s is scratch for _, s, _ in launches)
     assert isinstance(layers[1].lt_routes[96], cuda_backend.DenseWsRoute)
     launches.clear()
     x = torch.randn(96, 64, generator=torch.Generator().manual_seed(2))
-    assert torch.allclose(layers[0](x), real_linear(x, layers[0].weight)) and launches == [(96, scratch)]
+    assert torch.allclose(layers[0](x), real_linear(x, layers[0].weight)) and launches == [(96, scratch, 8)]
     # Without a scratch (or with ASYNCGEN_DENSE_WS=0) the kernel is no candidate.
     layers = layers_of((16, 64))
     chosen = cuda_backend.choose_dense_algos(layers, [96], torch.empty(8192, dtype=torch.uint8))

@@ -1020,9 +1020,9 @@ def launch_quant_gemm_4bit(
 
 
 # The dense fp16 GEMM with a producer warp (csrc/dense_ws.cuh): the most rows of x it takes,
-# its column blocks' width and the consumer warps that plan_stream_gemm counts them by.
+# and the widths of its column blocks as plan_stream_gemm counts them (32 * warps columns).
 DENSE_WS_MAX_ROWS = 128
-_DENSE_WS_WARPS = 8
+DENSE_WS_WARPS = (4, 8)
 
 
 def dense_gemm_ws_available(device: torch.device | str) -> bool:
@@ -1058,11 +1058,13 @@ def launch_dense_gemm_ws(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    warps: int = 8,
     scratch: GemmScratch | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for 1 to :data:`DENSE_WS_MAX_ROWS` rows of fp16 ``x`` by
     the warpgroup GEMM whose producer warp streams the weights (``csrc/dense_ws.cuh``,
-    where :func:`has_wgmma`), in a balanced launch of one block an SM; the partials of
+    where :func:`has_wgmma`), in column blocks of 32 ``warps`` (one of
+    :data:`DENSE_WS_WARPS`) and a balanced launch of one block an SM; the partials of
     column blocks that blocks share go to ``scratch`` (default: one per device, see
     :class:`GemmScratch`). For callers that checked the weight
     (:func:`dense_gemm_ws_weight_ok`) and the input (:func:`dense_gemm_ws_input_ok`);
@@ -1072,31 +1074,35 @@ def launch_dense_gemm_ws(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     workspace = counters = None
-    pieces = stream_gemm_plan(n, k, _DENSE_WS_WARPS, _multiprocessor_count(x.device))[1]
+    pieces = stream_gemm_plan(n, k, warps, _multiprocessor_count(x.device))[1]
     if pieces > 1:
         if scratch is None:
             scratch = _default_scratch.get(x.device) or _default_scratch.setdefault(x.device, GemmScratch(x.device))
-        workspace, counters = scratch.buffers(pieces * m * n, -(-n // (32 * _DENSE_WS_WARPS)))
-    torch.ops.asyncgen_C.dense_gemm_ws(out, x, weight, bias, workspace, counters, -1)
+        workspace, counters = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
+    torch.ops.asyncgen_C.dense_gemm_ws(out, x, weight, bias, workspace, counters, warps, -1)
     return out
 
 
 class DenseWsRoute:
     """A layer's product at one row count through :func:`launch_dense_gemm_ws`, as a
     :class:`asyncgen._ops.cublaslt.LtRoute` runs one through cuBLASLt: ``route(x, weight,
-    bias)`` returns a new ``out``. ``scratch`` is the model's split workspace."""
+    bias)`` returns a new ``out``. ``scratch`` is the model's split workspace; ``warps``
+    sets the column blocks' width (:func:`launch_dense_gemm_ws`)."""
 
-    __slots__ = ("scratch",)
-    name = "ws"
+    __slots__ = ("scratch", "warps")
 
-    def __init__(self, scratch: GemmScratch | None):
-        self.scratch = scratch
+    def __init__(self, scratch: GemmScratch | None, warps: int = 8):
+        self.scratch, self.warps = scratch, warps
+
+    @property
+    def name(self) -> str:
+        return f"ws{32 * self.warps}"
 
     def takes(self, x: torch.Tensor) -> bool:
         return dense_gemm_ws_input_ok(x)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return launch_dense_gemm_ws(x, weight, bias, scratch=self.scratch)
+        return launch_dense_gemm_ws(x, weight, bias, warps=self.warps, scratch=self.scratch)
 
 
 def graph_time_ms(fn, items, passes: int = 3) -> float:
@@ -1190,7 +1196,7 @@ def choose_dense_algos(layers, rows, workspace: torch.Tensor,
     ``workspace``, or a :class:`DenseWsRoute` using ``scratch``). Run before CUDA graphs
     are captured; only which kernels compute changes, not what (up to rounding).
     Returns {(N, K, dtype, has_bias): {rows: the algorithm's rank in cuBLASLt's order, or
-    ``"ws"``}}.
+    the producer-warp route's name (``"ws128"``, ``"ws256"``: its column blocks)}}.
     """
     from . import cublaslt
 
@@ -1223,7 +1229,7 @@ def choose_dense_algos(layers, rows, workspace: torch.Tensor,
                     candidates += [cublaslt.LtRoute(plan, algo, workspace)
                                    for algo in plan.algos(workspace_bytes=workspace.numel())]
             if ws_shape and m <= DENSE_WS_MAX_ROWS:
-                candidates.append(DenseWsRoute(scratch))
+                candidates += [DenseWsRoute(scratch, warps) for warps in DENSE_WS_WARPS]
             if not candidates:
                 continue
             theirs = graph_time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
