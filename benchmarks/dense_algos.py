@@ -1,14 +1,11 @@
-"""Times every cuBLASLt algorithm offered for the dense products of a Llama-2-7B layer,
-and the producer-warp GEMM (csrc/dense_ws.cuh, up to 128 rows, fp16, sm_90a builds),
+"""Times every cuBLASLt algorithm offered for the dense products of a Llama-2-7B layer
 against ``F.linear`` (cuBLAS's own pick) at the row counts of decode batches and prompt
 chunks, on a GPU.
 
 Each algorithm is first checked against ``F.linear`` on random inputs (relative error of
 the whole output), then timed in a CUDA graph that cycles through 8 copies of the weight,
 so that the weight comes from memory as in a forward pass. Prints, per shape and row
-count, cuBLAS's time, the fastest algorithm's, its rank in cuBLASLt's heuristic order,
-and the producer-warp GEMM's time and error (checked again from a CUDA graph replayed
-with new input).
+count, cuBLAS's time, the fastest algorithm's, and its rank in cuBLASLt's heuristic order.
 
     PYTHONPATH=. python3 benchmarks/dense_algos.py [--rows 16 64 128] [--json out.json]
 """
@@ -40,7 +37,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from asyncgen._ops import cublaslt
-    from asyncgen._ops import cuda_backend
     from asyncgen._ops.cuda_backend import graph_time_ms
 
     if not cublaslt.available():
@@ -50,10 +46,7 @@ def main(argv=None) -> dict:
     workspace = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype, "rows": {}}
     print(f"{report['device']}, torch {torch.__version__}, {args.dtype}")
-    ws = dtype == torch.float16 and cuda_backend.has_wgmma("cuda")
-    scratch = cuda_backend.GemmScratch("cuda")
-    print(f"{'shape':>8} {'rows':>5} {'cuBLAS us':>10} {'best Lt us':>10} {'gain':>6} {'rank':>5} {'waves':>6} "
-          f"{'ws MB':>6} {'algos':>5} {'worst err':>10} {'pw us':>8} {'pw gain':>7} {'pw err':>8}")
+    print(f"{'shape':>8} {'rows':>5} {'cuBLAS us':>10} {'best Lt us':>10} {'gain':>6} {'rank':>5} {'waves':>6} {'ws MB':>6} {'algos':>5} {'worst err':>10}")
     for name in args.shapes:
         n, k = SHAPES[name]
         weights = [(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.float32) * k**-0.5).to(dtype)
@@ -87,66 +80,18 @@ def main(argv=None) -> dict:
                              "rel_err": err})
             timed = [r for r in rows if "us" in r]
             best = min(timed, key=lambda r: r["us"]) if timed else None
-            entry = report["rows"].setdefault(name, {})[m] = {"cublas_us": t_ref, "algos": rows}
-            pw = "" if not ws or m > cuda_backend.DENSE_WS_MAX_ROWS else time_ws(entry, x, weights, outs, ref, t_ref,
-                                                                               scratch, graph_time_ms)
+            report["rows"].setdefault(name, {})[m] = {"cublas_us": t_ref, "algos": rows}
             if best is None:
-                print(f"{name:>8} {m:>5} {t_ref:>10.2f} {'-':>10}   (no algorithm ran: {rows[:2]}){pw}")
+                print(f"{name:>8} {m:>5} {t_ref:>10.2f} {'-':>10}   (no algorithm ran: {rows[:2]})")
                 continue
             print(f"{name:>8} {m:>5} {t_ref:>10.2f} {best['us']:>10.2f} {t_ref / best['us']:>5.2f}x {best['rank']:>5} "
-                  f"{best['waves']:>6.2f} {best['workspace'] / 2**20:>6.1f} {len(timed):>5} {worst:>10.1e}{pw}")
+                  f"{best['waves']:>6.2f} {best['workspace'] / 2**20:>6.1f} {len(timed):>5} {worst:>10.1e}")
         del weights
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return report
-
-
-def time_ws(entry: dict, x, weights, outs, ref, t_ref: float, scratch, graph_time_ms) -> str:
-    """Checks the producer-warp GEMM with each width of column blocks against ``ref``
-    (eagerly, then from a CUDA graph replayed with new input), times it as the algorithms
-    are timed, records both in ``entry`` and returns the table's last columns (the faster
-    width's)."""
-    from asyncgen._ops import cuda_backend
-
-    best = None
-    for warps in cuda_backend.DENSE_WS_WARPS:
-        t, err = time_ws_width(x, weights, outs, ref, scratch, graph_time_ms, warps)
-        entry[f"ws{32 * warps}"] = {"us": t, "rel_err": err}
-        if t is not None and (best is None or t < best[0]):
-            best = (t, err, warps)
-    if best is None:
-        return f" {'wrong':>8} {'':>7} {'':>8}"
-    t, err, warps = best
-    return f" {t:>8.2f} {t_ref / t:>6.2f}x {err:>8.1e} ({32 * warps})"
-
-
-def time_ws_width(x, weights, outs, ref, scratch, graph_time_ms, warps: int) -> tuple[float | None, float]:
-    """(µs or None where wrong, relative error) of the producer-warp GEMM with column
-    blocks of 32 ``warps``."""
-    from asyncgen._ops import cuda_backend
-
-    def run(w, out):
-        return cuda_backend.launch_dense_gemm_ws(x, w, out=out, warps=warps, scratch=scratch)
-
-    out = outs[0]
-    out.fill_(float("nan"))
-    run(weights[0], out)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(weights[1], outs[1])
-    x_before = x.clone()
-    x.copy_(torch.randn_like(x))
-    outs[1].fill_(float("nan"))
-    graph.replay()
-    want = torch.nn.functional.linear(x, weights[1])
-    err = max(err, ((outs[1].float() - want.float()).norm() / want.float().norm()).item())
-    x.copy_(x_before)
-    if not err < 1e-2:
-        return None, err
-    return 1e3 * graph_time_ms(lambda p: run(*p), list(zip(weights, outs)), passes=5), err
 
 
 if __name__ == "__main__":

@@ -35,9 +35,6 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, "
       "int wgmma=0) -> ()");
-  m.def(
-      "dense_gemm_ws(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, Tensor(b!)? workspace, "
-      "Tensor(c!)? counters, int warps=8, int splits=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
@@ -49,7 +46,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
   m.impl("quant_gemm_4bit", &asyncgen::quant_gemm_4bit);
-  m.impl("dense_gemm_ws", &asyncgen::dense_gemm_ws);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

@@ -10,7 +10,6 @@
 #include "check.h"
 #include "gemv.cuh"
 #include "quant_gemm.cuh"
-#include "dense_ws.cuh"
 #include "quant_ws.cuh"
 #include "launch_policy.h"
 #include "ops.h"
@@ -145,39 +144,6 @@ QuantGemvParams quant_params(const at::Tensor& out, const at::Tensor& x, const a
   return p;
 }
 
-// A balanced launch of -splits blocks an SM (splits < 0; K a multiple of kTiledK): sets
-// p.stream_blocks and returns the most blocks that share a column block (the splits whose
-// partials the workspace holds).
-int64_t plan_balanced(QuantGemmParams& p, int64_t splits, const at::Tensor& x) {
-  const StreamPlan plan = plan_stream_gemm(p.q.n, p.q.k, p.warps,
-                                           static_cast<int64_t>(-splits) * multiprocessor_count(x.get_device()));
-  TORCH_CHECK(plan.max_segments <= kTiledMaxSplits, "a balanced launch of ", -splits, " blocks an SM shares a "
-              "column block among ", plan.max_segments, " blocks, more than ", kTiledMaxSplits);
-  p.stream_blocks = plan.blocks;
-  return plan.max_segments;
-}
-
-// p.splits, and with more than one the partials' workspace (fp32, splits * m * n) and one
-// counter per column block of 32 * p.warps columns, checked against `ref`'s device.
-void set_split_buffers(QuantGemmParams& p, int64_t splits, const c10::optional<at::Tensor>& workspace,
-                       const c10::optional<at::Tensor>& counters, const at::Tensor& ref) {
-  p.splits = static_cast<int>(splits);
-  if (splits <= 1) return;
-  TORCH_CHECK(workspace.has_value() && counters.has_value(), "splits > 1 needs a workspace and counters");
-  AG_CHECK_CUDA((*workspace), ref);
-  AG_CHECK_CUDA((*counters), ref);
-  AG_CHECK_DTYPE((*workspace), at::kFloat);
-  AG_CHECK_DTYPE((*counters), at::kInt);
-  TORCH_CHECK(workspace->is_contiguous() && workspace->numel() >= splits * p.q.m * p.q.n,
-              "workspace must be contiguous with at least splits * m * n = ", splits * p.q.m * p.q.n,
-              " floats, got ", workspace->numel());
-  const int64_t blocks = (p.q.n + 32 * p.warps - 1) / (32 * p.warps);
-  TORCH_CHECK(counters->is_contiguous() && counters->numel() >= blocks, "counters must be contiguous with at least ",
-              blocks, " entries, got ", counters->numel());
-  p.workspace = workspace->data_ptr<float>();
-  p.counters = counters->data_ptr<int>();
-}
-
 }  // namespace
 
 void dense_gemv(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -230,9 +196,29 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
               "ASYNCGEN_CUDA_ARCHS=90a)");
   if (splits < 0) {
     TORCH_CHECK(p.q.k % kTiledK == 0, "the tiled 4-bit GEMM takes K a multiple of ", kTiledK, ", got ", p.q.k);
-    splits = plan_balanced(p, splits, x);
+    const StreamPlan plan = plan_stream_gemm(p.q.n, p.q.k, p.warps,
+                                             static_cast<int64_t>(-splits) * multiprocessor_count(x.get_device()));
+    TORCH_CHECK(plan.max_segments <= kTiledMaxSplits, "a balanced launch of ", -splits, " blocks an SM shares a "
+                "column block among ", plan.max_segments, " blocks, more than ", kTiledMaxSplits);
+    p.stream_blocks = plan.blocks;
+    splits = plan.max_segments;
   }
-  set_split_buffers(p, splits, workspace, counters, qweight);
+  p.splits = static_cast<int>(splits);
+  if (splits > 1) {
+    TORCH_CHECK(workspace.has_value() && counters.has_value(), "splits > 1 needs a workspace and counters");
+    AG_CHECK_CUDA((*workspace), qweight);
+    AG_CHECK_CUDA((*counters), qweight);
+    AG_CHECK_DTYPE((*workspace), at::kFloat);
+    AG_CHECK_DTYPE((*counters), at::kInt);
+    TORCH_CHECK(workspace->is_contiguous() && workspace->numel() >= splits * p.q.m * p.q.n,
+                "workspace must be contiguous with at least splits * m * n = ", splits * p.q.m * p.q.n,
+                " floats, got ", workspace->numel());
+    const int64_t blocks = (p.q.n + 32 * warps - 1) / (32 * warps);
+    TORCH_CHECK(counters->is_contiguous() && counters->numel() >= blocks, "counters must be contiguous with at least ",
+                blocks, " entries, got ", counters->numel());
+    p.workspace = workspace->data_ptr<float>();
+    p.counters = counters->data_ptr<int>();
+  }
   TORCH_CHECK(quant_gemm_4bit_ok(p), "the tiled 4-bit GEMM takes 1 to ", kTiledMaxRows, " rows, K and group_size "
               "multiples of ", kTiledK, ", N a multiple of 8, 16-byte aligned x rows, scales and zeros, and an even "
               "output stride; got m=", p.q.m, ", n=", p.q.n, ", k=", p.q.k, ", group_size=", p.q.group_size);
@@ -242,51 +228,6 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   TORCH_CHECK(!wgmma || compute_major(x.get_device()) == 9, "wgmma: the warpgroup 4-bit GEMM needs an sm_90 GPU, "
               "got compute capability ", compute_major(x.get_device()), ".x");
   launch_tiled_quant_gemm(p, c10::cuda::getCurrentCUDAStream(), dependent_launch(x.get_device()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void dense_gemm_ws(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
-                   const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits) {
-  AG_CHECK_DIM(weight, 2);
-  AG_CHECK_CUDA(x, weight);
-  AG_CHECK_CUDA(out, weight);
-  const int64_t n = weight.size(0), k = weight.size(1);
-  check_rows(out, x, n, k, kDenseWsMaxRows);
-  AG_CHECK_DTYPE(x, at::kHalf);
-  AG_CHECK_DTYPE(weight, at::kHalf);
-  AG_CHECK_DTYPE(out, at::kHalf);
-  AG_CHECK_LAST_DIM_CONTIGUOUS(weight);
-  TORCH_CHECK(is_aligned16(weight) && weight.stride(0) % 8 == 0, "weight must be 16-byte aligned with a row stride "
-              "that is a multiple of 8, got strides ", weight.strides());
-  check_bias(bias, x, n);
-  TORCH_CHECK(k % kTiledK == 0 && n % 8 == 0, "the dense warpgroup GEMM takes K a multiple of ", kTiledK,
-              " and N a multiple of 8, got n=", n, ", k=", k);
-  TORCH_CHECK(kWgmmaBuilt, "dense_gemm_ws: this build of asyncgen._C has no sm_90a code (build with "
-              "ASYNCGEN_CUDA_ARCHS=90a)");
-  TORCH_CHECK((splits >= 1 && splits <= kTiledMaxSplits) || splits == -1, "splits must be 1 to ", kTiledMaxSplits,
-              " (or -1: a balanced launch of one block an SM), got ", splits);
-  QuantGemmParams p{};
-  p.q.out = out.data_ptr();
-  p.q.x = x.data_ptr();
-  p.q.bias = bias.has_value() ? bias->data_ptr() : nullptr;
-  p.q.out_stride = out.stride(0);
-  p.q.x_stride = x.stride(0);
-  p.q.m = static_cast<int>(x.size(0));
-  p.q.n = static_cast<int>(n);
-  p.q.k = static_cast<int>(k);
-  TORCH_CHECK(warps == 4 || warps == 8, "warps must be 4 or 8 (column blocks of 128 or 256), got ", warps);
-  p.warps = static_cast<int>(warps);  // column blocks of 32 * warps
-  if (splits < 0) splits = plan_balanced(p, splits, x);
-  set_split_buffers(p, splits, workspace, counters, weight);
-  TORCH_CHECK(dense_gemm_ws_ok(p, weight.data_ptr(), weight.stride(0)), "the dense warpgroup GEMM does not take "
-              "these arguments: m=", p.q.m, ", n=", p.q.n, ", k=", p.q.k, ", splits=", p.splits);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  TORCH_CHECK(compute_major(x.get_device()) == 9, "dense_gemm_ws needs an sm_90 GPU, got compute capability ",
-              compute_major(x.get_device()), ".x");
-  TORCH_CHECK(launch_dense_gemm_ws(p, weight.data_ptr(), weight.stride(0), c10::cuda::getCurrentCUDAStream(),
-                                   dependent_launch(x.get_device())),
-              "dense_gemm_ws: the driver refused a tensor map");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

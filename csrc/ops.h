@@ -79,13 +79,4 @@ void quant_gemm_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
                      const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits, int64_t wgmma);
-// out = x @ weight.T (+ bias) for 1 to 128 rows of fp16 x by the warpgroup GEMM with a
-// producer warp (dense_ws.cuh; sm_90a builds on sm_90 GPUs): column blocks of 32 * warps
-// (4 or 8) weight rows by K split over `splits` blocks, or with splits = -1 a balanced
-// launch of one block an SM. With partials (splits > 1, or a balanced launch whose blocks share a column
-// block) the caller gives the workspace (fp32, at least pieces * M * N) and counters
-// (int32, all 0, one per column block; left all 0). K a multiple of 64, N of 8.
-void dense_gemm_ws(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& workspace,
-                   const c10::optional<at::Tensor>& counters, int64_t warps, int64_t splits);
 }  // namespace asyncgen

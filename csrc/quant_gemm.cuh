@@ -45,7 +45,6 @@ constexpr int kTiledChunks = kTiledK / kMmaChunk;  // 32-row chunks per stage
 constexpr int kTiledPackedRows = kTiledK / 8;
 constexpr int kTiledMaxRows = kMmaMaxRows;  // the rows the 4-bit ops take
 constexpr int kTiledMaxSplits = 16;
-constexpr int kSplitSumPassItems = 16;  // the split sum's 16-byte pieces a thread at once (add_split_partials)
 constexpr int kMaxStreamBlocksPerSm = 2;  // balanced launches: blocks an SM (plan_stream_gemm)
 #ifndef AG_QGEMM_STAGES
 #define AG_QGEMM_STAGES 4
@@ -171,9 +170,15 @@ AG_DEVICE uint32_t pair_hi(uint32_t lo, uint32_t hi) {
 #endif
 }
 
-// add_split_partials (below) for rows row0 .. row0 + ROWS - 1.
+// The last block of a split column range (after takes_last_ticket): the splits' fp32
+// partials in split order (other blocks' writes, read past L1), plus the bias, stored to
+// out, 4 columns a thread (N is a multiple of 8; m <= ROWS). A thread's pieces (up to
+// kItems) are summed side by side, split by split, so that its loads of one split are in
+// flight together. Summed one piece at a time, each load waited for the one before: 5 % of
+// the warpgroup GEMM's stall samples at 64 rows, and a layer's products took 147.4 against
+// 130.3 us at 64 rows on an H200 (docs/BENCHMARKS.md).
 template <int THREADS, int BN, int ROWS>
-AG_DEVICE void add_split_partials_rows(const QuantGemmParams& gp, int col_base, int splits, int row0) {
+AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base, int splits) {
   constexpr int kItems = (ROWS * (BN / 4) + THREADS - 1) / THREADS;
   static_assert(THREADS % (BN / 4) == 0, "a thread's items share their columns");
   const QuantGemvParams& p = gp.q;
@@ -185,7 +190,7 @@ AG_DEVICE void add_split_partials_rows(const QuantGemmParams& gp, int col_base, 
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
     const int i = threadIdx.x + j * THREADS;
-    const int row = row0 + i / (BN / 4);
+    const int row = i / (BN / 4);
     const int col = col_base + 4 * (i % (BN / 4));
     offset[j] = row < p.m && col < p.n ? row * p.n + col : -1;
     if (offset[j] >= 0) v[j] = __ldcg(reinterpret_cast<const float4*>(gp.workspace + offset[j]));
@@ -206,7 +211,7 @@ AG_DEVICE void add_split_partials_rows(const QuantGemmParams& gp, int col_base, 
   for (int j = 0; j < kItems; ++j) {
     if (offset[j] < 0) continue;
     // (item j's row and columns without a division by n: THREADS is a multiple of BN / 4)
-    const int row = row0 + static_cast<int>(threadIdx.x) / (BN / 4) + j * (THREADS / (BN / 4));
+    const int row = static_cast<int>(threadIdx.x) / (BN / 4) + j * (THREADS / (BN / 4));
     const int col = col_base + 4 * (static_cast<int>(threadIdx.x) % (BN / 4));
     float4 r = v[j];
     if (bias != nullptr) {
@@ -218,26 +223,6 @@ AG_DEVICE void add_split_partials_rows(const QuantGemmParams& gp, int col_base, 
     __half2* dst = reinterpret_cast<__half2*>(out + static_cast<int64_t>(row) * p.out_stride + col);
     dst[0] = __floats2half2_rn(r.x, r.y);
     dst[1] = __floats2half2_rn(r.z, r.w);
-  }
-}
-
-// The last block of a split column range (after takes_last_ticket): the splits' fp32
-// partials in split order (other blocks' writes, read past L1), plus the bias, stored to
-// out, 4 columns a thread (N is a multiple of 8; m <= ROWS). A thread's pieces (up to
-// kItems) are summed side by side, split by split, so that its loads of one split are in
-// flight together. Summed one piece at a time, each load waited for the one before: 5 % of
-// the warpgroup GEMM's stall samples at 64 rows, and a layer's products took 147.4 against
-// 130.3 us at 64 rows on an H200 (docs/BENCHMARKS.md).
-template <int THREADS, int BN, int ROWS>
-AG_DEVICE void add_split_partials(const QuantGemmParams& gp, int col_base, int splits) {
-  // In passes of at most kSplitSumPassItems pieces a thread (registers: 32 a thread spilled
-  // in the 128-row dense kernel).
-  constexpr int kPassRows = kSplitSumPassItems * THREADS / (BN / 4);
-  if constexpr (kPassRows < ROWS) {
-    for (int row0 = 0; row0 < ROWS && row0 < gp.q.m; row0 += kPassRows)
-      add_split_partials_rows<THREADS, BN, kPassRows>(gp, col_base, splits, row0);
-  } else {
-    add_split_partials_rows<THREADS, BN, ROWS>(gp, col_base, splits, 0);
   }
 }
 

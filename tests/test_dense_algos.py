@@ -177,8 +177,8 @@ def test_runner_times_the_graphs_row_counts_and_keeps_the_workspace_only_for_rou
     runner.model = torch.nn.ModuleList(layers)
     seen = {}
 
-    def fake_choose(got_layers, rows, workspace, scratch):
-        seen.update(layers=got_layers, rows=rows, workspace=workspace, scratch=scratch)
+    def fake_choose(got_layers, rows, workspace):
+        seen.update(layers=got_layers, rows=rows, workspace=workspace)
         return {(16, 64, torch.float32, False): {16: 0} if picked else {}, (32, 64, torch.float32, False): {}}
 
     monkeypatch.setattr(cuda_backend, "choose_dense_algos", fake_choose)
@@ -187,59 +187,4 @@ def test_runner_times_the_graphs_row_counts_and_keeps_the_workspace_only_for_rou
     # The decode graphs' batch sizes and the prompt graphs' token counts, once each.
     assert seen["rows"] == [1, 2, 4, 8, 16, 32, 40, 48, 64, 80, 96]
     assert seen["workspace"].numel() == cuda_backend.LT_WORKSPACE_BYTES
-    assert isinstance(seen["scratch"], cuda_backend.GemmScratch)
     assert (runner._lt_workspace is seen["workspace"]) if picked else runner._lt_workspace is None
-
-
-def test_the_producer_warp_gemm_is_a_candidate_up_to_its_row_limit(fake_lt, monkeypatch):
-    # At 16 rows cuBLASLt's rank 1 beats the producer-warp kernel; at 96 the kernel is the
-    # fastest; 160 rows is past what it takes, so it is not timed there.
-    launches = []
-
-    def fake_ws(x, weight, bias=None, *, out=None, warps=8, scratch=None):
-        launches.append((x.shape[0], scratch, warps))
-        return torch.nn.functional.linear(x, weight, bias)
-
-    monkeypatch.setattr(cuda_backend, "has_wgmma", lambda device: True)
-    monkeypatch.setattr(cuda_backend, "dense_gemm_ws_weight_ok", lambda w, b=None: True)
-    monkeypatch.setattr(cuda_backend, "dense_gemm_ws_input_ok", lambda x: True)
-    monkeypatch.setattr(cuda_backend, "launch_dense_gemm_ws", fake_ws)
-    timings = {(16, None): 10.0, (16, 0): 9.5, (16, 1): 8.0, (16, 2): 9.9, (16, 4): 9.0, (16, 8): 9.1,
-               (96, None): 10.0, (96, 0): 8.0, (96, 1): 9.0, (96, 2): 9.9, (96, 4): 6.5, (96, 8): 6.0,
-               (160, None): 10.0, (160, 0): 7.0, (160, 1): 8.0, (160, 2): 9.9}
-    state = {}
-    real_linear = torch.nn.functional.linear
-
-    def spy_linear(x, w, b=None):
-        state["rows"] = x.shape[0]
-        return real_linear(x, w, b)
-
-    def fake_time(fn, items, passes=3):
-        lt_runs, ws_runs = sum(len(p.runs) for p in fake_lt), len(launches)
-        fn(items[0])
-        if len(launches) > ws_runs:
-            return timings[launches[-1][0], launches[-1][2]]
-        if sum(len(p.runs) for p in fake_lt) > lt_runs:
-            m, rank = [r for p in fake_lt for r in p.runs][-1]
-            return timings[m, rank]
-        return timings[state["rows"], None]
-
-    monkeypatch.setattr(cuda_backend, "graph_time_ms", fake_time)
-    monkeypatch.setattr(torch.nn.functional, "linear", spy_linear)
-    layers = layers_of((16, 64), (16, 64))
-    scratch = cuda_backend.GemmScratch("cpu")
-    chosen = cuda_backend.choose_dense_algos(layers, [16, 96, 160], torch.empty(8192, dtype=torch.uint8), scratch)
-    monkeypatch.setattr(torch.nn.functional, "linear", real_linear)
-    assert chosen == {(16, 64, torch.float32, False): {16: 1, 96: "ws256", 160: 0}}
-    assert {(m, w) for m, _, w in launches} == {(16, 4), (16, 8), (96, 4), (96, 8)}
-    assert all(s is scratch for _, s, _ in launches)
-    assert isinstance(layers[1].lt_routes[96], cuda_backend.DenseWsRoute)
-    launches.clear()
-    x = torch.randn(96, 64, generator=torch.Generator().manual_seed(2))
-    assert torch.allclose(layers[0](x), real_linear(x, layers[0].weight)) and launches == [(96, scratch, 8)]
-    # Without a scratch (or with ASYNCGEN_DENSE_WS=0) the kernel is no candidate.
-    layers = layers_of((16, 64))
-    chosen = cuda_backend.choose_dense_algos(layers, [96], torch.empty(8192, dtype=torch.uint8))
-    assert chosen == {(16, 64, torch.float32, False): {96: 0}}
-    monkeypatch.setenv("ASYNCGEN_DENSE_WS", "0")
-    assert not cuda_backend.dense_gemm_ws_available("cpu")

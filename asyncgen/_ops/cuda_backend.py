@@ -1019,92 +1019,6 @@ def launch_quant_gemm_4bit(
     return out
 
 
-# The dense fp16 GEMM with a producer warp (csrc/dense_ws.cuh): the most rows of x it takes,
-# and the widths of its column blocks as plan_stream_gemm counts them (32 * warps columns).
-DENSE_WS_MAX_ROWS = 128
-DENSE_WS_WARPS = (4, 8)
-
-
-def dense_gemm_ws_available(device: torch.device | str) -> bool:
-    """Whether the engine may time :func:`launch_dense_gemm_ws` on ``device``: where
-    :func:`has_wgmma`, unless ``ASYNCGEN_DENSE_WS=0``."""
-    return os.environ.get("ASYNCGEN_DENSE_WS") != "0" and has_wgmma(device)
-
-
-def dense_gemm_ws_weight_ok(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`launch_dense_gemm_ws` takes ``weight`` [N, K] (and ``bias``): fp16
-    on a CUDA device, K a multiple of 64, N of 8, 16-byte aligned rows, a contiguous [N]
-    fp16 bias or none."""
-    return (
-        weight.dim() == 2 and weight.is_cuda and weight.dtype == torch.float16
-        and weight.shape[1] % _GEMM_STAGE_K == 0 and weight.shape[1] > 0
-        and weight.shape[0] % 8 == 0 and weight.shape[0] > 0
-        and weight.stride(1) == 1 and weight.stride(0) % 8 == 0 and weight.data_ptr() % 16 == 0
-        and (bias is None or (bias.dtype == torch.float16 and bias.is_contiguous()
-                              and tuple(bias.shape) == (weight.shape[0],)))
-    )
-
-
-def dense_gemm_ws_input_ok(x: torch.Tensor) -> bool:
-    """Whether :func:`launch_dense_gemm_ws` takes ``x`` [m, K]: 1 to
-    :data:`DENSE_WS_MAX_ROWS` rows, unit column stride, 16-byte aligned rows."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= DENSE_WS_MAX_ROWS and x.stride(1) == 1
-            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
-
-
-def launch_dense_gemm_ws(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    warps: int = 8,
-    scratch: GemmScratch | None = None,
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` for 1 to :data:`DENSE_WS_MAX_ROWS` rows of fp16 ``x`` by
-    the warpgroup GEMM whose producer warp streams the weights (``csrc/dense_ws.cuh``,
-    where :func:`has_wgmma`), in column blocks of 32 ``warps`` (one of
-    :data:`DENSE_WS_WARPS`) and a balanced launch of one block an SM; the partials of
-    column blocks that blocks share go to ``scratch`` (default: one per device, see
-    :class:`GemmScratch`). For callers that checked the weight
-    (:func:`dense_gemm_ws_weight_ok`) and the input (:func:`dense_gemm_ws_input_ok`);
-    the op still validates its arguments in C++."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    workspace = counters = None
-    pieces = stream_gemm_plan(n, k, warps, _multiprocessor_count(x.device))[1]
-    if pieces > 1:
-        if scratch is None:
-            scratch = _default_scratch.get(x.device) or _default_scratch.setdefault(x.device, GemmScratch(x.device))
-        workspace, counters = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
-    torch.ops.asyncgen_C.dense_gemm_ws(out, x, weight, bias, workspace, counters, warps, -1)
-    return out
-
-
-class DenseWsRoute:
-    """A layer's product at one row count through :func:`launch_dense_gemm_ws`, as a
-    :class:`asyncgen._ops.cublaslt.LtRoute` runs one through cuBLASLt: ``route(x, weight,
-    bias)`` returns a new ``out``. ``scratch`` is the model's split workspace; ``warps``
-    sets the column blocks' width (:func:`launch_dense_gemm_ws`)."""
-
-    __slots__ = ("scratch", "warps")
-
-    def __init__(self, scratch: GemmScratch | None, warps: int = 8):
-        self.scratch, self.warps = scratch, warps
-
-    @property
-    def name(self) -> str:
-        return f"ws{32 * self.warps}"
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return dense_gemm_ws_input_ok(x)
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return launch_dense_gemm_ws(x, weight, bias, warps=self.warps, scratch=self.scratch)
-
-
 def graph_time_ms(fn, items, passes: int = 3) -> float:
     """Per-item device time of ``fn(item)`` over ``items``, captured once as a CUDA graph
     and replayed (best of ``passes``), so that launch costs on the host do not hide the
@@ -1183,58 +1097,43 @@ LT_MIN_GAIN = 0.03
 
 
 @torch.inference_mode()
-def choose_dense_algos(layers, rows, workspace: torch.Tensor,
-                       scratch: GemmScratch | None = None) -> dict[tuple, dict[int, int | str]]:
+def choose_dense_algos(layers, rows, workspace: torch.Tensor) -> dict[tuple, dict[int, int]]:
     """For each distinct weight shape among ``layers`` (dense linear layers on a CUDA
     device) and each row count in ``rows`` up to :data:`LT_MAX_ROWS` above the layer's
-    ``gemv_rows``, times every cuBLASLt algorithm for the product and, given a ``scratch``
-    where :func:`dense_gemm_ws_available`, the producer-warp GEMM up to
-    :data:`DENSE_WS_MAX_ROWS` rows (each first checked against ``F.linear`` on random
-    input) against ``F.linear`` itself, through one CUDA graph over all the layers of that
-    shape, and routes the row count to the fastest where it wins by :data:`LT_MIN_GAIN`
-    (``layer.lt_routes[rows]``: an :class:`asyncgen._ops.cublaslt.LtRoute` using
-    ``workspace``, or a :class:`DenseWsRoute` using ``scratch``). Run before CUDA graphs
+    ``gemv_rows``, times every cuBLASLt algorithm for the product (each first checked
+    against ``F.linear`` on random input) against ``F.linear`` itself, through one CUDA
+    graph over all the layers of that shape, and routes the row count to the fastest
+    algorithm where it wins by :data:`LT_MIN_GAIN` (``layer.lt_routes[rows]``, an
+    :class:`asyncgen._ops.cublaslt.LtRoute` using ``workspace``). Run before CUDA graphs
     are captured; only which kernels compute changes, not what (up to rounding).
-    Returns {(N, K, dtype, has_bias): {rows: the algorithm's rank in cuBLASLt's order, or
-    the producer-warp route's name (``"ws128"``, ``"ws256"``: its column blocks)}}.
+    Returns {(N, K, dtype, has_bias): {rows: the algorithm's rank in cuBLASLt's order}}.
     """
     from . import cublaslt
 
-    if not layers:
-        return {}
-    device = layers[0].weight.device
-    lt = cublaslt.available()
-    ws = scratch is not None and dense_gemm_ws_available(device)
-    if not (lt or ws):
+    if not layers or not cublaslt.available():
         return {}
     by_shape: dict[tuple, list] = {}
     for layer in layers:
         w = layer.weight
         by_shape.setdefault((w.shape[0], w.shape[1], w.dtype, layer.bias is not None), []).append(layer)
-    chosen: dict[tuple, dict[int, int | str]] = {}
+    device = layers[0].weight.device
+    chosen: dict[tuple, dict[int, int]] = {}
     for key, group in by_shape.items():
         n, k, dtype, has_bias = key
         picks = chosen[key] = {}
         gen = torch.Generator(device=device).manual_seed(n * 31 + k)
-        ws_shape = ws and all(dense_gemm_ws_weight_ok(g.weight, g.bias) for g in group)
         for m in sorted({m for m in rows if group[0].gemv_rows < m <= LT_MAX_ROWS}):
             x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+            plan = cublaslt.LtMatmul(m, n, k, dtype, has_bias, device.index or 0)
             first = group[0]
             ref = torch.nn.functional.linear(x, first.weight, first.bias).float()
-            candidates = []  # routes that take x with every layer of the shape
-            if lt:
-                plan = cublaslt.LtMatmul(m, n, k, dtype, has_bias, device.index or 0)
-                out = torch.empty(m, n, dtype=dtype, device=device)
-                if all(plan.accepts(out, x, g.weight, g.bias) for g in group):
-                    candidates += [cublaslt.LtRoute(plan, algo, workspace)
-                                   for algo in plan.algos(workspace_bytes=workspace.numel())]
-            if ws_shape and m <= DENSE_WS_MAX_ROWS:
-                candidates += [DenseWsRoute(scratch, warps) for warps in DENSE_WS_WARPS]
-            if not candidates:
+            out = torch.empty(m, n, dtype=dtype, device=device)
+            if not all(plan.accepts(out, x, g.weight, g.bias) for g in group):
                 continue
             theirs = graph_time_ms(lambda g: torch.nn.functional.linear(x, g.weight, g.bias), group)
             best = None
-            for route in candidates:
+            for algo in plan.algos(workspace_bytes=workspace.numel()):
+                route = cublaslt.LtRoute(plan, algo, workspace)
                 try:
                     got = route(x, first.weight, first.bias).float()
                 except RuntimeError:  # the library declined this algorithm for these pointers
@@ -1245,8 +1144,7 @@ def choose_dense_algos(layers, rows, workspace: torch.Tensor,
                 if best is None or ours < best[0]:
                     best = (ours, route)
             if best is not None and best[0] < (1 - LT_MIN_GAIN) * theirs:
-                route = best[1]
-                picks[m] = route.name if isinstance(route, DenseWsRoute) else route.algo.rank
+                picks[m] = best[1].algo.rank
                 for layer in group:
-                    layer.lt_routes[m] = route
+                    layer.lt_routes[m] = best[1]
     return chosen

@@ -237,10 +237,9 @@ class ModelRunner:
                 and m.weight.dtype == self.dtype]
 
     def _choose_dense_algos(self) -> None:
-        """Times cuBLASLt's algorithms and the producer-warp GEMM against ``F.linear`` for
-        each unquantized weight shape at the row counts the CUDA graphs will run
-        (``cuda_backend.choose_dense_algos``); the graphs then capture the faster. The
-        routes share this model's workspaces."""
+        """Times cuBLASLt's algorithms against ``F.linear`` for each unquantized weight
+        shape at the row counts the CUDA graphs will run (``cuda_backend.choose_dense_algos``);
+        the graphs then capture the faster. The routes share this model's workspace."""
         if self.cfg.enforce_eager:
             return
         from .._ops import cuda_backend
@@ -252,17 +251,13 @@ class ModelRunner:
         rows.update(t for t, _ in _prompt_graph_keys(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs))
         t0 = time.perf_counter()
         self._lt_workspace = torch.empty(cuda_backend.LT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        scratch = cuda_backend.GemmScratch(self.device)  # the producer-warp GEMM's split workspace
-        chosen = cuda_backend.choose_dense_algos(layers, sorted(rows), self._lt_workspace, scratch)
-        if not any(isinstance(rank, int) for picks in chosen.values() for rank in picks.values()):
-            self._lt_workspace = None  # no cuBLASLt route holds it
-        table = "; ".join(
-            f"{n}x{k}: " + (", ".join(f"{m}:" + (f"#{r}" if isinstance(r, int) else r) for m, r in picks.items())
-                            or "none")
-            for (n, k, _, _), picks in chosen.items()
-        )
-        log.info("dense products by rows (N x K: rows:#cuBLASLt heuristic rank, or ws: the producer-warp GEMM; "
-                 "else cuBLAS): %s (timed in %.2f s)", table or "none available", time.perf_counter() - t0)
+        chosen = cuda_backend.choose_dense_algos(layers, sorted(rows), self._lt_workspace)
+        if not any(chosen.values()):
+            self._lt_workspace = None  # no route holds it
+        table = "; ".join(f"{n}x{k}: " + (", ".join(f"{m}:#{rank}" for m, rank in picks.items()) or "none")
+                          for (n, k, _, _), picks in chosen.items())
+        log.info("cuBLASLt algorithms by rows (N x K: rows:#heuristic rank; else cuBLAS): %s (timed in %.2f s)",
+                 table or "cuBLASLt unavailable", time.perf_counter() - t0)
 
     def _choose_dequant(self) -> None:
         """Times the Triton 4-bit GEMM against dequantize-then-cuBLAS at prompt sizes for each

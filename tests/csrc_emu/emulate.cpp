@@ -5,7 +5,6 @@
 
 #include "cache_kernels.cuh"
 #include "chunk_attention.cuh"
-#include "dense_ws.cuh"
 #include "gemv.cuh"
 #include "paged_attention.cuh"
 #include "quant_gemm.cuh"
@@ -89,12 +88,6 @@ int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_o
 // The tiled 4-bit GEMM (quant_gemm.cuh). Returns 0 on success, 1 where it does not take p.
 int ag_quant_gemm_4bit(const QuantGemmParams* p) {
   return asyncgen::launch_tiled_quant_gemm(*p, nullptr) ? 0 : 1;
-}
-
-// The fp16 GEMM with a producer warp (dense_ws.cuh): out = x weight^T (+ bias), weight
-// [n, k] rows weight_stride elements apart. Returns 0 on success, 1 where it does not take p.
-int ag_dense_gemm_ws(const QuantGemmParams* p, const void* weight, int64_t weight_stride) {
-  return asyncgen::launch_dense_gemm_ws(*p, weight, weight_stride, nullptr) ? 0 : 1;
 }
 
 void ag_plan_stream_gemm(int n, int k, int warps, int64_t blocks_wanted, int* blocks, int* most) {

@@ -242,7 +242,6 @@ class Emulator:
         self.last_quant_kernel = ""
         assert lib.ag_sizeof_quant_gemm_params() == ctypes.sizeof(QuantGemmParams)
         lib.ag_quant_gemm_4bit.argtypes = [ctypes.POINTER(QuantGemmParams)]
-        lib.ag_dense_gemm_ws.argtypes = [ctypes.POINTER(QuantGemmParams), ctypes.c_void_p, ctypes.c_int64]
         lib.ag_paged_attention_decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_int]
         lib.ag_set_reverse_blocks.argtypes = [ctypes.c_int]
         lib.ag_store_kv_cache.argtypes = [ctypes.POINTER(StoreKVParams)] + [ctypes.c_int] * 3
@@ -395,20 +394,6 @@ class Emulator:
         )
         p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps, int(wgmma), stream_blocks)
         return self.lib.ag_quant_gemm_4bit(ctypes.byref(p)) == 0
-
-    def dense_gemm_ws(self, out, x, weight, bias=None, splits=1, workspace=None, counters=None, stream_blocks=0,
-                      warps=8):
-        """out = x @ weight.T (+ bias) by the fp16 GEMM with a producer warp (dense_ws.cuh),
-        column blocks of 32 ``warps`` columns, its K split over ``splits`` blocks per column
-        block, or with ``stream_blocks`` a
-        balanced launch (``splits``: the plan's most blocks sharing a column block). Returns
-        False where the kernel refuses the call."""
-        q = QuantGemvParams(
-            _ptr(out), _ptr(x), None, None, None, _ptr(bias),
-            out.stride(0), x.stride(0), 0, 0, 0, x.shape[0], weight.shape[0], x.shape[1], 0, 0,
-        )
-        p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps, 0, stream_blocks)
-        return self.lib.ag_dense_gemm_ws(ctypes.byref(p), _ptr(weight), weight.stride(0)) == 0
 
     def plan_stream_gemm(self, n, k, warps, blocks_wanted) -> tuple[int, int]:
         """plan_stream_gemm (quant_gemm.cuh): (blocks, most blocks sharing a column block)."""

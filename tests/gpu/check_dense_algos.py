@@ -3,9 +3,8 @@
 For Llama-2-7B's four weight shapes (and a small one with a bias, as Qwen2's q|k|v has),
 fp16 and bf16: every algorithm cuBLASLt offers at a few row counts is run once on random
 input into a poisoned output and compared with ``F.linear`` (relative error of the whole
-output); then ``choose_dense_algos`` times them, and the producer-warp GEMM
-(csrc/dense_ws.cuh) where the build and GPU have it, as the engine does, and every route
-it chose is checked again, eagerly and replayed from a CUDA graph with new input copied
+output); then ``choose_dense_algos`` times them as the engine does and every route it
+chose is checked again, eagerly and replayed from a CUDA graph with new input copied
 into the captured buffer.
 
     PYTHONPATH=. python3 tests/gpu/check_dense_algos.py [--quick]
@@ -50,7 +49,6 @@ def main() -> int:
     checks = Checks()
     gen = torch.Generator(device="cuda").manual_seed(0)
     workspace = torch.empty(cuda_backend.LT_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    scratch = cuda_backend.GemmScratch("cuda")  # the producer-warp GEMM's (a candidate where has_wgmma)
     dtypes = [torch.float16] if args.quick else [torch.float16, torch.bfloat16]
     all_rows = [16, 80] if args.quick else [16, 32, 64, 80, 96, 128, 256]
     for dtype in dtypes:
@@ -76,7 +74,7 @@ def main() -> int:
                     err = rel_err(out, torch.nn.functional.linear(x, w, b))
                     checks.check(err < TOL, f"{dtype} {n}x{k} m={m} rank {algo.rank}: rel err {err:.2e}")
             # The engine's choice, then each route eagerly and from a graph.
-            chosen = cuda_backend.choose_dense_algos(layers, all_rows, workspace, scratch)
+            chosen = cuda_backend.choose_dense_algos(layers, all_rows, workspace)
             picks = chosen.get((n, k, dtype, bias), {})
             print(f"{dtype} {n}x{k}{' +bias' if bias else ''}: routes {picks}", flush=True)
             for m, route in layers[0].lt_routes.items():
