@@ -79,15 +79,24 @@ def _build_in_child(name: str) -> str:
     return name
 
 
-def launch_args(out, x, weights, scratch, n: int, k: int, warps: int, splits: int) -> tuple:
-    """``run``'s arguments for the producer-warp kernel in launch shape warps x splits with
-    ``weights`` (qweight, scales, zeros), its workspace and counters from ``scratch``."""
+def build_all(names: list[str]) -> dict:
+    """{name: module} for each build, compiled in parallel child processes first (before
+    CUDA starts here), then loaded."""
+    with ProcessPoolExecutor(max_workers=len(names)) as pool:
+        list(pool.map(_build_in_child, names))
+    return {name: build(name) for name in names}
+
+
+def launch_args(out, x, weights, scratch, n: int, k: int, warps: int, splits: int, kernel: int = 2) -> tuple:
+    """``run``'s arguments for the tiled kernel ``kernel`` (2: with producer warps) in
+    launch shape warps x splits with ``weights`` (qweight, scales, zeros), its workspace and
+    counters from ``scratch``."""
     from asyncgen._ops import cuda_backend
 
     m = x.shape[0]
     pieces = cuda_backend.quant_gemm_pieces(n, k, warps, splits, x.device)
     ws, ct = scratch.buffers(pieces * m * n, -(-n // (32 * warps)))
-    return (out, x, *weights, GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None, warps, splits, 2)
+    return (out, x, *weights, GROUP, ws if pieces > 1 else None, ct if pieces > 1 else None, warps, splits, kernel)
 
 
 def time_builds(mods: dict, calls: list, want: torch.Tensor, label: str) -> tuple[dict, int]:
@@ -178,9 +187,7 @@ def describe_timeline(words: torch.Tensor, table: bool) -> list[str]:
 
 def timeline_main(args, rows, configs) -> int:
     names = [v for v in args.variants.split(",") if v in TIMELINE_VARIANTS] or list(TIMELINE_VARIANTS)
-    with ProcessPoolExecutor(max_workers=len(names)) as pool:
-        list(pool.map(_build_in_child, names))
-    mods = {name: build(name) for name in names}
+    mods = build_all(names)
 
     from asyncgen._ops import cuda_backend
 
@@ -224,9 +231,7 @@ def main() -> int:
     names = [v for v in args.variants.split(",") if v]
     if "as is" not in names:
         names.insert(0, "as is")  # its build also times the warpgroup kernel
-    with ProcessPoolExecutor(max_workers=len(names)) as pool:
-        list(pool.map(_build_in_child, names))  # compile in parallel, before CUDA starts here
-    mods = {name: build(name) for name in names}
+    mods = build_all(names)
 
     from asyncgen._ops import cuda_backend
 
@@ -244,8 +249,8 @@ def main() -> int:
                 times, failed = time_builds(mods, calls, want, f"{warps}x{splits} {k}x{n} M={m}")
                 failures += failed
                 cells += [f"{warps}x{splits} {name} {t:.1f}" for name, t in times.items()]
-            ws, ct = scratch.buffers(4 * m * n, -(-n // 128))
-            wg = graph_us([lambda w=w: mods["as is"].run(out, x, *w, GROUP, ws, ct, 4, 4, 1) for w in weights])
+            wg = graph_us([lambda a=launch_args(out, x, w, scratch, n, k, 4, 4, kernel=1): mods["as is"].run(*a)
+                           for w in weights])
             print(f"{k}x{n} M={m}: wgmma 4x4 {wg:.1f} | " + " | ".join(cells), flush=True)
         del weights
         torch.cuda.empty_cache()

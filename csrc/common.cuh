@@ -406,8 +406,8 @@ AG_DEVICE bool takes_last_ticket(int* counter, int num_parts) {
   // The barrier orders every thread's partials before thread 0's ticket, whose acq_rel add
   // releases them device-wide (a fence is cumulative) and, for the last block, acquires the
   // other blocks' (each released with its ticket); the second barrier passes that on to
-  // the threads that read them. A fence in every thread before the barrier, as before,
-  // took 0.8-1.5 us of a 64-row GEMM block's store on an H200 (docs/BENCHMARKS.md, run 49).
+  // the threads that read them. A fence in every thread before the barrier instead took
+  // 0.8-1.5 us of a 64-row GEMM block's store on an H200 (docs/BENCHMARKS.md, run 49).
   sync();
   if (threadIdx.x == 0) ticket = atomic_add_acq_rel(counter, 1);
   sync();
