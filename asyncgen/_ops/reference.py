@@ -173,7 +173,8 @@ def paged_attention(
     prefill = [i for i, n in enumerate(q_lens) if n > 1]
 
     if decode:
-        # One batched gather and one batched product for all single-token queries.
+        # All single-token queries at once, a query head group's queries as rows against
+        # their kv head's keys: [kv head, sequence, position, d] for the batched products.
         idx = torch.tensor(decode, device=q.device)
         lens_d = seq_lens[idx].long()  # [nd]
         block_size = k_cache.shape[1]
@@ -183,23 +184,27 @@ def paged_attention(
         # Entries past a sequence's last block are unused and may hold anything: point
         # them at block 0 (its slots are masked below).
         used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < lens_d[:, None]
-        tables = tables.masked_fill(~used, 0)
-        keys = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [nd, max_len, kvh, d]
-        values = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+        tables = tables.masked_fill(~used, 0).flatten()
+        nd = len(decode)
+        keys = k_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim)[:, :max_len]
+        values = v_cache.index_select(0, tables).view(nd, -1, num_kv_heads, head_dim)[:, :max_len]
         pos = torch.arange(max_len, device=q.device)
         valid = pos[None, :] < lens_d[:, None]  # [nd, max_len]
         if sliding_window is not None:
             valid &= pos[None, :] > lens_d[:, None] - 1 - sliding_window
-        # Slots past a sequence's end may hold anything (even NaN): zero them, then mask.
-        keys = keys.masked_fill(~valid[:, :, None, None], 0.0)
-        values = values.masked_fill(~valid[:, :, None, None], 0.0)
+        # Slots outside a sequence's window may hold anything, even NaN: their scores
+        # become -inf below, and their values are zeroed (only those slots are written;
+        # the gathers are copies), so that a probability of 0 times NaN adds nothing.
+        bad_seq, bad_pos = (~valid).nonzero(as_tuple=True)
+        values[bad_seq, bad_pos] = 0
+        keys = keys.permute(2, 0, 1, 3).float().contiguous()  # [kvh, nd, max_len, d]
+        values = values.permute(2, 0, 1, 3).float().contiguous()
         rows = query_start_loc[idx].long()
-        qd = q[rows].float().view(len(decode), num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,bkhd->bhgk", qd, keys) * scale
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        res = torch.einsum("bhgk,bkhd->bhgd", probs, values)
-        out[rows] = res.reshape(len(decode), num_heads, head_dim).to(out.dtype)
+        qd = q[rows].float().view(nd, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, nd, g, d]
+        scores = torch.matmul(qd, keys.transpose(-1, -2)) * scale  # [kvh, nd, g, max_len]
+        scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
+        res = torch.matmul(scores.softmax(dim=-1), values)  # [kvh, nd, g, d]
+        out[rows] = res.transpose(0, 1).reshape(nd, num_heads, head_dim).to(out.dtype)
 
     for i in prefill:
         start, end, n = starts[i], starts[i + 1], lens[i]
