@@ -135,10 +135,10 @@ def test_prompt_graphs_up_to_512_tokens_are_also_captured_with_8_slots():
 
     keys = _prompt_graph_keys(max_num_batched_tokens=8192, max_num_seqs=256)
     assert keys[:6] == [(16, 8), (16, 16), (32, 8), (32, 32), (48, 8), (48, 48)]
-    # Every 16 tokens up to 128, then the coarser ladder.
+    # Every 16 tokens up to 128, then every 128.
     assert sorted({t for t, _ in keys if t <= 256}) == [16, 32, 48, 64, 80, 96, 112, 128, 256]
     assert (512, 8) in keys and (512, 257) in keys
-    assert [k for k in keys if k[0] > 512] == [(768, 257), (1024, 257), (1280, 257), (1536, 257), (2048, 257)]
+    assert [k for k in keys if k[0] > 512] == [(t, 257) for t in range(640, 2049, 128)]
     assert keys == sorted(keys)
     # Few sequences allowed: no graph has more slots than a step can use, none is doubled.
     assert _prompt_graph_keys(max_num_batched_tokens=64, max_num_seqs=4) == [(16, 5), (32, 5), (48, 5), (64, 5)]

@@ -42,10 +42,11 @@ log = logging.getLogger(__name__)
 # Prompt (and mixed) steps of up to this many tokens replay a CUDA graph; longer ones
 # keep the device busy long enough to hide their kernel launches.
 _MAX_PROMPT_GRAPH_TOKENS = 2048
-# Every 16 tokens up to 128: a short chunk after a cached prefix (a prefix-cache hit) pays
-# for its graph's padding in every kernel of its step (on the H200 the attention of a
-# 78-token chunk took 24.2 us a layer in an 80-token graph, 27.2 in the 128-token one).
-_PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+# A step pays for its graph's padding in every kernel. Every 16 tokens up to 128: a short
+# chunk after a cached prefix (a prefix-cache hit; on the H200 the attention of a 78-token
+# chunk took 24.2 us a layer in an 80-token graph, 27.2 in the 128-token one). Then every
+# 128, where the products' time grows with the rows.
+_PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 80, 96, 112, *range(128, 2049, 128))
 # Prompt graphs of up to this many tokens are also captured with this many sequence slots.
 # The general attention kernel splits the context only for batches of at most
 # triton_paged_attention._PREFILL_SPLIT_MAX_SEQS sequences: the narrow graphs must not
