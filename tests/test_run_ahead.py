@@ -128,6 +128,12 @@ def test_prompt_step_takes_the_smallest_captured_graph_that_holds_it():
     assert runner._prompt_graph_for(129, 1) == (1024, 257)
     assert runner._prompt_graph_for(1025, 1) is None  # eager
     assert runner._prompt_graph_for(10, 300) is None
+    from asyncgen.worker.model_runner import _prompt_graph_keys
+
+    runner._prompt_graph_keys = _prompt_graph_keys(2048, 256)
+    assert runner._prompt_graph_for(150, 1) == (160, 8)  # a chat turn after a cached prefix
+    assert runner._prompt_graph_for(150, 9) == (256, 256)  # the narrow sizes hold 7 sequences
+    assert runner._prompt_graph_for(1070, 1) == (1152, 257)
 
 
 def test_prompt_graphs_up_to_512_tokens_are_also_captured_with_8_slots():
@@ -135,13 +141,16 @@ def test_prompt_graphs_up_to_512_tokens_are_also_captured_with_8_slots():
 
     keys = _prompt_graph_keys(max_num_batched_tokens=8192, max_num_seqs=256)
     assert keys[:6] == [(16, 8), (16, 16), (32, 8), (32, 32), (48, 8), (48, 48)]
-    # Every 16 tokens up to 128, then every 128.
-    assert sorted({t for t, _ in keys if t <= 256}) == [16, 32, 48, 64, 80, 96, 112, 128, 256]
-    assert (512, 8) in keys and (512, 257) in keys
+    # Every 16 tokens up to 128, then every 128; the narrow graphs every 32 up to 512.
+    assert sorted({t for t, b in keys if b > 8}) == [16, 32, 48, 64, 80, 96, 112, *range(128, 2049, 128)]
+    assert sorted({t for t, b in keys if b == 8}) == [16, 32, 48, 64, 80, 96, 112, *range(128, 513, 32)]
+    assert (512, 8) in keys and (512, 257) in keys and (160, 8) in keys and (160, 161) not in keys
     assert [k for k in keys if k[0] > 512] == [(t, 257) for t in range(640, 2049, 128)]
     assert keys == sorted(keys)
     # Few sequences allowed: no graph has more slots than a step can use, none is doubled.
     assert _prompt_graph_keys(max_num_batched_tokens=64, max_num_seqs=4) == [(16, 5), (32, 5), (48, 5), (64, 5)]
+    few = _prompt_graph_keys(max_num_batched_tokens=256, max_num_seqs=4)
+    assert [t for t, _ in few if t > 128] == [160, 192, 224, 256] and {b for _, b in few} == {5}
     assert _prompt_graph_keys(max_num_batched_tokens=8, max_num_seqs=4) == []
 
 
