@@ -240,7 +240,8 @@ def make_attention_batch(
 ) -> dict:
     """A paged batch with shuffled, non-contiguous block ids. Cache slots no sequence owns
     (unused blocks, the tail of each last block) hold NaN; unused block-table entries
-    hold an id far past the cache."""
+    hold an id far past the cache. Block 0, where the reference points those entries, is
+    never handed out: it holds NaN."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -248,7 +249,7 @@ def make_attention_batch(
     k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
     v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
     block_tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), GARBAGE_BLOCK, dtype=torch.int32)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     for b, n in enumerate(seq_lens):
         for j in range(blocks_per_seq[b]):
             block = free.pop()
@@ -286,6 +287,55 @@ SCENARIOS = {
     "chunked": ([16, 33], [80, 100]),
     "ragged": ([2, 0, 9, 1, 19], [2, 12, 30, 200, 64]),
 }
+
+
+def _attention_written_out(batch: dict, scale: float, sliding_window) -> torch.Tensor:
+    """Each query row of each head on its own: softmax over the keys it may see (found
+    through the block table one position at a time), times their values; fp64."""
+    q, k_cache, v_cache = (batch[n].cpu() for n in ("q", "k_cache", "v_cache"))
+    tables, starts, lens = batch["block_tables"].cpu(), batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s, n in enumerate(lens):
+        slots = [(int(tables[s, p // block_size]), p % block_size) for p in range(n)]
+        keys = torch.stack([k_cache[b, o] for b, o in slots]).double() if n else None  # [n, kvh, d]
+        values = torch.stack([v_cache[b, o] for b, o in slots]).double() if n else None
+        q_len = starts[s + 1] - starts[s]
+        for i in range(q_len):
+            pos = n - q_len + i  # the query's own position
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(q.shape[1]):
+                kv = h // group
+                scores = keys[lo : pos + 1, kv] @ q[starts[s] + i, h].double() * scale
+                weights = (scores - scores.max()).exp()
+                out[starts[s] + i, h] = (weights / weights.sum()) @ values[lo : pos + 1, kv]
+    return out
+
+
+REFERENCE_SCENARIOS = {**SCENARIOS, "decode, equal lengths": ([1, 1, 1], [33, 33, 33])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("scenario", sorted(REFERENCE_SCENARIOS))
+def test_reference_paged_attention_matches_attention_written_out(scenario, sliding_window, group, dtype):
+    """The reference (the CPU backend, and the oracle of the kernel tests) batches decode
+    queries and masks slots outside each window; written out row by row it must agree,
+    and leave the cache (NaN slots included) as it was."""
+    q_lens, seq_lens = REFERENCE_SCENARIOS[scenario]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=16,
+                                 block_size=8, dtype=dtype, seed=3)
+    k_before, v_before = batch["k_cache"].clone(), batch["v_cache"].clone()
+    scale = 16 ** -0.5
+    actual = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window)
+    expected = _attention_written_out(batch, scale, sliding_window)
+    assert actual.dtype == dtype and not actual.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(actual.cpu().double(), expected, atol=tol, rtol=tol)
+    assert torch.equal(batch["k_cache"].nan_to_num(7.0), k_before.nan_to_num(7.0))
+    assert torch.equal(batch["v_cache"].nan_to_num(7.0), v_before.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
