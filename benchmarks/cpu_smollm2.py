@@ -1,10 +1,10 @@
 """CPU throughput: asyncgen against transformers on SmolLM2-135M-Instruct, same weights.
 
 16 concurrent requests, 128 new tokens each (EOS ignored so every request generates all
-of them), greedy, fp32 on both sides. transformers runs ``generate()`` on the same 16
-prompts as one left-padded batch. Prints total output tokens/s of each.
+of them), greedy, fp32 on both sides (or ``--dtype bfloat16`` on both). transformers runs
+``generate()`` on the same 16 prompts as one left-padded batch. Prints total output tokens/s of each.
 
-    python benchmarks/cpu_smollm2.py [--requests 16] [--new-tokens 128]
+    python benchmarks/cpu_smollm2.py [--requests 16] [--new-tokens 128] [--dtype float32]
 
 Set OMP_NUM_THREADS to fix the thread count of both sides (the engine's device thread
 included) on a machine shared with other work.
@@ -30,11 +30,11 @@ PROMPTS = [
 ]
 
 
-async def run_asyncgen(path, prompts, new_tokens):
+async def run_asyncgen(path, prompts, new_tokens, dtype="float32"):
     from asyncgen import AsyncEngine, SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    async with AsyncEngine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=1024, num_kv_blocks=512) as engine:
+    async with AsyncEngine.from_pretrained(path, device="cpu", dtype=dtype, max_model_len=1024, num_kv_blocks=512) as engine:
         await engine.generate("warm up", SamplingParams(max_tokens=4))
         counts = []
 
@@ -49,12 +49,12 @@ async def run_asyncgen(path, prompts, new_tokens):
         return sum(counts), time.perf_counter() - t0
 
 
-def run_hf(path, prompts, new_tokens):
+def run_hf(path, prompts, new_tokens, dtype="float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     batch = tok(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
         model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -70,15 +70,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of both sides")
     args = ap.parse_args()
     from asyncgen.fetch import smollm2
 
     path = smollm2()
     prompts = [PROMPTS[i % len(PROMPTS)] + f" (variant {i})" for i in range(args.requests)]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    n_a, t_a = anyio.run(run_asyncgen, path, prompts, args.new_tokens)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}", flush=True)
+    n_a, t_a = anyio.run(run_asyncgen, path, prompts, args.new_tokens, args.dtype)
     print(f"asyncgen:     {n_a} tokens in {t_a:.1f} s = {n_a / t_a:.1f} tok/s", flush=True)
-    n_h, t_h = run_hf(path, prompts, args.new_tokens)
+    n_h, t_h = run_hf(path, prompts, args.new_tokens, args.dtype)
     print(f"transformers: {n_h} tokens in {t_h:.1f} s = {n_h / t_h:.1f} tok/s")
     print(f"ratio: {(n_a / t_a) / (n_h / t_h):.2f}x")
 
