@@ -20,6 +20,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="auto: fp32 on the CPU; bfloat16 is faster on CPUs with AVX-512 BF16 (docs/BENCHMARKS.md)")
     return p.parse_args(argv)
 
 
@@ -30,7 +32,7 @@ async def _run(args: argparse.Namespace) -> None:
 
         model = await anyio.to_thread.run_sync(smollm2)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    async with AsyncEngine.from_pretrained(model, device=args.device, max_model_len=4096) as engine:
+    async with AsyncEngine.from_pretrained(model, device=args.device, dtype=args.dtype, max_model_len=4096) as engine:
         if args.raw:
             stream = engine.stream(args.prompt, params)
         else:
