@@ -2,7 +2,8 @@
 
 16 concurrent requests, 128 new tokens each (EOS ignored so every request generates all
 of them), greedy, fp32 on both sides (or ``--dtype bfloat16`` on both). transformers runs
-``generate()`` on the same 16 prompts as one left-padded batch. Prints total output tokens/s of each.
+``generate()`` on the same 16 prompts as one left-padded batch. Prints total output
+tokens/s of each.
 
     python benchmarks/cpu_smollm2.py [--requests 16] [--new-tokens 128] [--dtype float32]
 

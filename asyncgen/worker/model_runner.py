@@ -79,7 +79,7 @@ def _prompt_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[t
             break
         wide = min(t, max_num_seqs + 1)
         narrow = min(wide, _NARROW_PROMPT_SLOTS)
-        if t <= _NARROW_PROMPT_TOKENS and narrow < wide or t in _NARROW_ONLY_SIZES:
+        if (t <= _NARROW_PROMPT_TOKENS and narrow < wide) or t in _NARROW_ONLY_SIZES:
             keys.append((t, narrow))
         if t not in _NARROW_ONLY_SIZES:
             keys.append((t, wide))
