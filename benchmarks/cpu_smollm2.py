@@ -6,6 +6,11 @@ of them), greedy, fp32 on both sides (or ``--dtype bfloat16`` on both). transfor
 tokens/s of each.
 
     python benchmarks/cpu_smollm2.py [--requests 16] [--new-tokens 128] [--dtype float32]
+    python benchmarks/cpu_smollm2.py --prompt-tokens 1000
+
+``--prompt-tokens N`` times the first token of one N-token prompt instead (median of 3,
+each prompt with its own first token, so that none hits the prefix cache): asyncgen's
+``generate(max_tokens=1)`` against transformers' ``generate(max_new_tokens=1)``.
 
 Set OMP_NUM_THREADS to fix the thread count of both sides (the engine's device thread
 included) on a machine shared with other work.
@@ -14,6 +19,7 @@ included) on a machine shared with other work.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import anyio
@@ -50,6 +56,37 @@ async def run_asyncgen(path, prompts, new_tokens, dtype="float32"):
         return sum(counts), time.perf_counter() - t0
 
 
+def _prompt_ids(n: int, i: int) -> list[int]:
+    return [1000 + i] + list(range(2000, 2000 + n - 1))
+
+
+async def ttft_asyncgen(path, n, dtype="float32"):
+    from asyncgen import AsyncEngine, SamplingParams
+
+    async with AsyncEngine.from_pretrained(path, device="cpu", dtype=dtype, max_model_len=max(2048, n + 1)) as engine:
+        await engine.generate(_prompt_ids(n, 0), SamplingParams(max_tokens=1))
+        times = []
+        for i in range(1, 4):
+            t0 = time.perf_counter()
+            await engine.generate(_prompt_ids(n, i), SamplingParams(max_tokens=1))
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ttft_hf(path, n, dtype="float32"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    times = []
+    with torch.no_grad():
+        for i in range(4):
+            ids = torch.tensor([_prompt_ids(n, i)])
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def run_hf(path, prompts, new_tokens, dtype="float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,10 +109,19 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of both sides")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="time one prompt's first token instead")
     args = ap.parse_args()
     from asyncgen.fetch import smollm2
 
     path = smollm2()
+    if args.prompt_tokens:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}", flush=True)
+        t_a = anyio.run(ttft_asyncgen, path, args.prompt_tokens, args.dtype)
+        print(f"asyncgen:     first token of a {args.prompt_tokens}-token prompt in {t_a * 1e3:.0f} ms", flush=True)
+        t_h = ttft_hf(path, args.prompt_tokens, args.dtype)
+        print(f"transformers: first token of a {args.prompt_tokens}-token prompt in {t_h * 1e3:.0f} ms")
+        print(f"ratio: {t_h / t_a:.2f}x")
+        return
     prompts = [PROMPTS[i % len(PROMPTS)] + f" (variant {i})" for i in range(args.requests)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}", flush=True)
     n_a, t_a = anyio.run(run_asyncgen, path, prompts, args.new_tokens, args.dtype)
