@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import typing
 
 import anyio
 
 from . import AsyncEngine, SamplingParams
+from .config import EngineConfig
+
+
+def _choices(field: str) -> tuple[str, ...]:
+    """The values the engine's config takes for ``field`` (a Literal)."""
+    return typing.get_args(EngineConfig.model_fields[field].annotation)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -19,8 +26,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+    p.add_argument("--device", default="auto", choices=_choices("device"))
+    p.add_argument("--dtype", default="auto", choices=_choices("dtype"),
                    help="auto: fp32 on the CPU; bfloat16 is faster on CPUs with AVX-512 BF16 (docs/BENCHMARKS.md)")
     return p.parse_args(argv)
 

@@ -213,11 +213,11 @@ def paged_attention(
         qs = q[start:end].float().transpose(0, 1)[None]
         keys = _gather_kv(k_cache, block_tables[i], n).float().transpose(0, 1)[None]
         values = _gather_kv(v_cache, block_tables[i], n).float().transpose(0, 1)[None]
-        if end - start == n and sliding_window is None:  # the whole sequence: plain causal
-            res = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
-        else:  # queries after cached context (causal from the bottom right), or a window
+        mask = None  # the whole sequence: plain causal; else queries after cached context
+        if end - start < n or sliding_window is not None:  # (causal from the bottom right) or a window
             mask = _causal_mask(torch.arange(n - (end - start), n, device=q.device), n, sliding_window)
-            res = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        res = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=group > 1)
         out[start:end] = res[0].transpose(0, 1).to(out.dtype)
     return out
 

@@ -53,10 +53,10 @@ _PROMPT_GRAPH_SIZES = (16, 32, 48, 64, 80, 96, 112, *range(128, 2049, 128))
 # have more slots than that, or a prefix-cache hit would not split.
 _NARROW_PROMPT_TOKENS = 512
 _NARROW_PROMPT_SLOTS = 8
-# Between 128 and 512 tokens the narrow graphs also come every 32 tokens: a prefix-cache
-# hit whose new part is a chat turn of a few hundred tokens pays for less padding. Steps of
-# many sequences keep the wide graphs every 128.
-_NARROW_ONLY_SIZES = tuple(t for t in range(160, _NARROW_PROMPT_TOKENS, 32) if t % 128)
+# The narrow graphs' sizes: from 128 tokens every 32, so that a prefix-cache hit whose new
+# part is a chat turn of a few hundred tokens pays for less padding. Steps of many
+# sequences keep the wide graphs every 128.
+_NARROW_PROMPT_SIZES = (16, 32, 48, 64, 80, 96, 112, *range(128, _NARROW_PROMPT_TOKENS + 1, 32))
 
 
 def _decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -69,21 +69,14 @@ def _decode_graph_sizes(max_num_seqs: int) -> list[int]:
 def _prompt_graph_keys(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """The prompt-step graphs to capture, as (tokens, sequence slots), ascending: each
     size of ``_PROMPT_GRAPH_SIZES`` within the token budget with a slot per sequence it
-    can hold (``min(tokens, max_num_seqs + 1)``, the padding sequence included), and up to
-    ``_NARROW_PROMPT_TOKENS`` tokens also with ``_NARROW_PROMPT_SLOTS`` where that is fewer;
-    each size of ``_NARROW_ONLY_SIZES`` with the fewer slots only."""
+    can hold (``min(tokens, max_num_seqs + 1)``, the padding sequence included), and each
+    of ``_NARROW_PROMPT_SIZES`` with at most ``_NARROW_PROMPT_SLOTS`` (one graph where the
+    two coincide)."""
     limit = min(_MAX_PROMPT_GRAPH_TOKENS, max_num_batched_tokens)
-    keys = []
-    for t in sorted({*_PROMPT_GRAPH_SIZES, *_NARROW_ONLY_SIZES}):
-        if t > limit:
-            break
-        wide = min(t, max_num_seqs + 1)
-        narrow = min(wide, _NARROW_PROMPT_SLOTS)
-        if (t <= _NARROW_PROMPT_TOKENS and narrow < wide) or t in _NARROW_ONLY_SIZES:
-            keys.append((t, narrow))
-        if t not in _NARROW_ONLY_SIZES:
-            keys.append((t, wide))
-    return keys
+    slots = max_num_seqs + 1
+    keys = {(t, min(t, slots)) for t in _PROMPT_GRAPH_SIZES if t <= limit}
+    keys |= {(t, min(t, slots, _NARROW_PROMPT_SLOTS)) for t in _NARROW_PROMPT_SIZES if t <= limit}
+    return sorted(keys)
 
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
