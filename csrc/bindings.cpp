@@ -24,7 +24,8 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "int partition_size=-1) -> ()");
   m.def(
       "chunk_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, Tensor(b!)? split_counters, float scale, int num_splits=1) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, Tensor(b!)? split_counters, float scale, int num_splits=1, "
+      "int kernel=0) -> ()");
   m.def(
       "dense_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int warps_per_row=0, "
       "bool gated=False) -> ()");

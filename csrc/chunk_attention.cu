@@ -1,5 +1,6 @@
 // Torch glue for the prompt-chunk attention kernel (chunk_attention.cuh): argument checks,
 // the split partials and the launch on the current stream.
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,14 +9,15 @@
 #include <cmath>
 
 #include "check.h"
-#include "chunk_attention.cuh"
+#include "chunk_attention_wgmma.cuh"
 #include "ops.h"
 
 namespace asyncgen {
 
 void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits) {
+                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits,
+                     int64_t kernel) {
   AG_CHECK_CUDA(q, q);
   const c10::cuda::CUDAGuard device_guard(q.device());
   check_paged_attention_args(out, q, k_cache, v_cache, block_tables, seq_lens);
@@ -39,11 +41,26 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1 && query_start_loc.is_contiguous(),
               "query_start_loc must be a contiguous [num_seqs + 1=", num_seqs + 1, "], got ", query_start_loc.sizes());
   TORCH_CHECK(num_tokens < (1 << 30) && num_seqs < (1 << 30), "too many tokens or sequences for one call");
+  TORCH_CHECK(kernel == 0 || kernel == 1, "chunk_attention's kernel is 0 (mma.sync) or 1 (wgmma), got ", kernel);
+  const int64_t block_size = k_cache.size(1);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= kChunkKeys,
+              "chunk_attention needs a power-of-two block_size of at most ", kChunkKeys, ", got ", block_size);
+  int shift = 0;
+  while ((int64_t{1} << shift) < block_size) ++shift;
+  const int group = static_cast<int>(num_heads / num_kv_heads);
+  if (kernel == 1) {
+    TORCH_CHECK(chunk_attention_wgmma_supported(static_cast<int>(head_dim), group, static_cast<int>(num_splits), shift),
+                "chunk_attention's wgmma kernel takes head_dim ", kCwHeadDim,
+                " in builds with sm_90a code (this one: ", kWgmmaBuilt ? "yes" : "no", "); got head_dim ", head_dim);
+    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+    TORCH_CHECK(prop->major == 9 && prop->minor == 0, "chunk_attention's wgmma kernel needs an sm_90 device, got sm_",
+                prop->major, prop->minor);
+  }
   if (num_tokens == 0 || num_seqs == 0) return;
 
   ChunkAttentionParams p{};
-  const int group = static_cast<int>(num_heads / num_kv_heads);
-  const int grid_x = chunk_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group);
+  const int grid_x = kernel == 1 ? chunk_wgmma_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group)
+                                 : chunk_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group);
   at::Tensor part_out, part_ml;
   if (num_splits > 1) {
     TORCH_CHECK(split_counters.has_value(), "chunk_attention with ", num_splits, " splits needs split_counters");
@@ -79,19 +96,17 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   p.num_seqs = static_cast<int>(num_seqs);
   p.num_heads = static_cast<int>(num_heads);
   p.num_kv_heads = static_cast<int>(num_kv_heads);
-  const int64_t block_size = k_cache.size(1);
-  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0 && block_size <= kChunkKeys,
-              "chunk_attention needs a power-of-two block_size of at most ", kChunkKeys, ", got ", block_size);
-  TORCH_CHECK(num_kv_heads * head_dim * kChunkKeys < (int64_t{1} << 31), "too many kv heads for chunk_attention");
-  int shift = 0;
-  while ((int64_t{1} << shift) < block_size) ++shift;
+  TORCH_CHECK(num_kv_heads * head_dim * kCwKeys < (int64_t{1} << 31), "too many kv heads for chunk_attention");
   p.block_shift = shift;
   p.num_splits = static_cast<int>(num_splits);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool launched = q.scalar_type() == at::kHalf
-                            ? launch_chunk_attention<__half>(p, static_cast<int>(head_dim), stream)
-                            : launch_chunk_attention<__nv_bfloat16>(p, static_cast<int>(head_dim), stream);
+  const bool half = q.scalar_type() == at::kHalf;
+  const int hd = static_cast<int>(head_dim);
+  const bool launched = kernel == 1 ? (half ? launch_chunk_attention_wgmma<__half>(p, hd, stream)
+                                            : launch_chunk_attention_wgmma<__nv_bfloat16>(p, hd, stream))
+                                    : (half ? launch_chunk_attention<__half>(p, hd, stream)
+                                            : launch_chunk_attention<__nv_bfloat16>(p, hd, stream));
   TORCH_CHECK(launched, "no chunk_attention kernel for head_dim ", head_dim);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

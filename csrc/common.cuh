@@ -273,6 +273,28 @@ AG_DEVICE void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4]
 #endif
 }
 
+// Hides how `v` was computed from the compiler, which then keeps it in a register rather
+// than recomputing it where it is used.
+AG_DEVICE void opaque(int& v) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("" : "+r"(v));
+#else
+  (void)v;
+#endif
+}
+
+// 2^x by the special-function unit (ex2.approx.ftz: relative error about 2^-22, 0 for
+// -inf): one instruction where exp2f adds a range check and a rescale around it.
+AG_DEVICE float fast_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
 // Two floats as one register of two T (round to nearest even), `lo` in the low half.
 template <typename T>
 AG_DEVICE uint32_t pack2(float lo, float hi);

@@ -46,10 +46,14 @@ void rotary_paged_attention_decode(const at::Tensor& out, const at::Tensor& q, c
 // num_splits > 1 splits each query tile's keys over that many blocks, and the last to
 // finish combines them: split_counters (int32, all 0, at least
 // (num_tokens / (64 / group) + num_seqs) * num_kv_heads entries; left all 0) is then
-// required. The caller owns it; launches that may run at once need their own.
+// required. The caller owns it; launches that may run at once need their own. kernel 1
+// takes the warpgroup kernel (chunk_attention_wgmma.cuh: head_dim 128, sm_90 devices,
+// builds with sm_90a code; 128 query rows a block, so (num_tokens / (128 / group) +
+// num_seqs) * num_kv_heads counters).
 void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits);
+                     const c10::optional<at::Tensor>& split_counters, double scale, int64_t num_splits,
+                     int64_t kernel);
 
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 to 8 rows of x; fp16 or bf16.
 // warps_per_row: 1, 2, 4 or 8 warps share each output feature (0: one). gated: weight is

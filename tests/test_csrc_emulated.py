@@ -620,11 +620,11 @@ CHUNK_SHAPES = [
 ]
 
 
-def run_chunk(emu, case, num_splits=1, reverse_blocks=False):
+def run_chunk(emu, case, num_splits=1, reverse_blocks=False, kernel=0):
     out = torch.full_like(case.q, float("nan"))
     counters = torch.zeros(4096, dtype=torch.int32) if num_splits > 1 else None
     assert emu.chunk_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks)
+                               case.query_start_loc, case.scale, num_splits, counters, reverse_blocks, kernel)
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "the last split must reset its counter"
     ref = reference.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
@@ -661,3 +661,41 @@ def test_chunk_attention_refuses_unsupported_shapes(emu):
     wide = make_chunk_case([(4, 4)], num_heads=16, num_kv_heads=1, head_dim=64, dtype=torch.float16)
     assert not emu.chunk_attention(torch.empty_like(wide.q), wide.q, wide.k_cache, wide.v_cache, wide.block_tables,
                                    wide.seq_lens, wide.query_start_loc, wide.scale)
+
+
+# The warpgroup kernel (chunk_attention_wgmma.cuh, head_dim 128): 128 rows a block, 64-key
+# tiles through a ring of 4, S and P V as emulated wgmma read through the descriptors
+# (keys K-major, values N-major, both swizzled).
+WGMMA_CHUNK_SHAPES = [
+    ([(78, 130), (50, 0), (0, 0), (0, 0)], 2, 2, 16),  # a prefix hit padded as a prompt graph; 6 key tiles
+    ([(130, 0), (3, 200)], 1, 1, 32),                   # two query tiles, the second 2 rows; 4 tiles of a short chunk
+    ([(40, 33), (17, 0)], 8, 2, 16),                    # GQA 4: 32 tokens a block
+    ([(23, 9)], 6, 1, 16),                              # GQA 6: 21 tokens, 126 of 128 rows a block
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", WGMMA_CHUNK_SHAPES, ids=lambda s: f"{len(s[0])}seqs-{s[1]}x{s[2]}-b{s[3]}")
+def test_chunk_attention_wgmma_matches_reference(emu, shape, dtype):
+    seqs, num_heads, num_kv_heads, block_size = shape
+    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128,
+                           block_size=block_size, dtype=dtype, seed=len(seqs) + 7)
+    out, ref = run_chunk(emu, case, kernel=1)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits, reverse_blocks", [(2, False), (3, True), (8, False)])
+def test_chunk_attention_wgmma_split_combined_by_the_last_block(emu, num_splits, reverse_blocks):
+    # 8 splits of a 6-tile context: two splits get no keys and must not disturb the sum.
+    seqs, num_heads, num_kv_heads, block_size = WGMMA_CHUNK_SHAPES[0]
+    case = make_chunk_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128,
+                           block_size=block_size, dtype=torch.float16, seed=5)
+    out, ref = run_chunk(emu, case, num_splits, reverse_blocks, kernel=1)
+    assert relative_error(out, ref) < TOLERANCE[torch.float16]
+
+
+def test_chunk_attention_wgmma_refuses_other_head_dims(emu):
+    case = make_chunk_case([(4, 4)], num_heads=2, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    assert not emu.chunk_attention(torch.empty_like(case.q), case.q, case.k_cache, case.v_cache, case.block_tables,
+                                   case.seq_lens, case.query_start_loc, case.scale, kernel=1)

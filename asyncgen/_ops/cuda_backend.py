@@ -40,8 +40,11 @@ the argument on bad input):
   lengths; the csrc prompt-chunk kernel (tensor cores, sm_80+) for the other batches of
   more than :data:`CHUNK_ATTENTION_MIN_SEQS` sequences (a prompt chunk among decodes)
   with fp16 or bf16, head_dim 64/128, at most 8 query heads per kv head, a power-of-two
-  block_size up to 32, no sliding window and int32 tables, lengths and starts; Triton for
-  the rest (prefill chunks of few sequences, a prefix-cache hit, other shapes).
+  block_size up to 32, no sliding window and int32 tables, lengths and starts; on sm_90
+  with head_dim 128, its warpgroup variant for prompt steps of at most
+  :data:`CHUNK_WGMMA_MAX_SEQS` sequences with query tiles enough to fill the GPU (a
+  prompt from scratch); Triton for the rest (short chunks of few sequences such as a
+  prefix-cache hit, other shapes).
   ``max_query_len`` / ``max_seq_len`` hints avoid a host sync; without them they are
   computed from the device tensors (a sync), so pass them on the hot path and under
   CUDA graphs. ``max_seq_len`` must bound ``seq_lens`` from above: it sizes the split-K
@@ -414,6 +417,21 @@ def paged_attention(
         )
         return out
 
+    # Prompt steps of few sequences with query tiles enough to fill the GPU (a prompt from
+    # scratch, a few hundred tokens after a cached prefix) take the warpgroup prompt-chunk
+    # kernel where the device has it; shorter chunks stay with Triton's split kernel.
+    if (
+        num_seqs <= CHUNK_WGMMA_MAX_SEQS and (max_query_len is None or max_query_len > 1)
+        and sliding_window is None and head_dim == _CHUNK_WGMMA_HEAD_DIM
+        and -(-num_tokens // (_CHUNK_WGMMA_ROWS // (num_heads // num_kv_heads))) * num_kv_heads
+        >= CHUNK_WGMMA_MIN_BLOCKS
+        and has_wgmma(q.device)
+        and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    ):
+        torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             None, float(scale), 1, 1)
+        return out
+
     # Batches of many sequences (a prompt chunk among decodes, prompt graphs with a slot per
     # sequence) take the csrc prompt-chunk kernel. Decode-only batches the decode kernel
     # left (wide GQA batches) stay with Triton's decode kernel: a prompt-chunk block would
@@ -445,6 +463,21 @@ _CHUNK_MAX_GROUP = 8
 # sequences: 27.6 against 64.8 for a 78-token chunk over 992 cached tokens (8 slots), 83.0
 # against 103.7 for 1,070 tokens from scratch, 74.1 against 89.2 for 4 prompts of 512.
 CHUNK_ATTENTION_MIN_SEQS = 8
+
+
+# The warpgroup prompt-chunk kernel (csrc/chunk_attention_wgmma.cuh, sm_90): head_dim 128,
+# 128 query rows (token, head pairs) a block. It takes prompt steps of up to
+# CHUNK_WGMMA_MAX_SEQS sequences whose query blocks, counted as if one sequence held every
+# token (a graph's launch is fixed before its lengths are known), times the kv heads are
+# at least CHUNK_WGMMA_MIN_BLOCKS. On an H200 (7B, fp16, us per call in CUDA graphs,
+# tests/gpu/check_csrc_ops.py --chunk-only; docs/BENCHMARKS.md) it took 67.2 against
+# Triton's 79.9 for 1,070 tokens from scratch, 40.7 against 52.4 for 300 tokens over 992
+# cached (96 blocks), and 32.3 against 25.8 for 78 over 992 (32 blocks: Triton splits the
+# context, and the kernel's splits did not make it faster).
+_CHUNK_WGMMA_HEAD_DIM = 128
+_CHUNK_WGMMA_ROWS = 128
+CHUNK_WGMMA_MAX_SEQS = 8
+CHUNK_WGMMA_MIN_BLOCKS = 64
 
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:

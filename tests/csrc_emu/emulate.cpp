@@ -4,7 +4,7 @@
 #include "emu_runtime.h"
 
 #include "cache_kernels.cuh"
-#include "chunk_attention.cuh"
+#include "chunk_attention_wgmma.cuh"
 #include "gemv.cuh"
 #include "paged_attention.cuh"
 #include "quant_gemm.cuh"
@@ -40,10 +40,17 @@ int ag_paged_attention_decode(const DecodeParams* p, int dtype) {
   return ok ? 0 : 1;
 }
 
-// dtype as above. Returns 0 on success, 1 when no kernel takes the shapes.
-int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim) {
-  const bool ok = dtype == 0 ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr)
-                             : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr);
+// dtype as above; kernel: 0 the mma.sync kernel, 1 the warpgroup one. Returns 0 on
+// success, 1 when the kernel does not take the shapes.
+int ag_chunk_attention(const ChunkAttentionParams* p, int dtype, int head_dim, int kernel) {
+  bool ok;
+  if (kernel == 1) {
+    ok = dtype == 0 ? asyncgen::launch_chunk_attention_wgmma<__half>(*p, head_dim, nullptr)
+                    : asyncgen::launch_chunk_attention_wgmma<__nv_bfloat16>(*p, head_dim, nullptr);
+  } else {
+    ok = dtype == 0 ? asyncgen::launch_chunk_attention<__half>(*p, head_dim, nullptr)
+                    : asyncgen::launch_chunk_attention<__nv_bfloat16>(*p, head_dim, nullptr);
+  }
   return ok ? 0 : 1;
 }
 

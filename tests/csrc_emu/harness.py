@@ -228,7 +228,7 @@ class Emulator:
         self.lib = lib
         assert lib.ag_sizeof_decode_params() == ctypes.sizeof(DecodeParams)
         assert lib.ag_sizeof_chunk_params() == ctypes.sizeof(ChunkAttentionParams)
-        lib.ag_chunk_attention.argtypes = [ctypes.POINTER(ChunkAttentionParams), ctypes.c_int, ctypes.c_int]
+        lib.ag_chunk_attention.argtypes = [ctypes.POINTER(ChunkAttentionParams), ctypes.c_int, ctypes.c_int, ctypes.c_int]
         assert lib.ag_sizeof_store_params() == ctypes.sizeof(StoreKVParams)
         assert lib.ag_sizeof_rotary_store_params() == ctypes.sizeof(RotaryStoreParams)
         lib.ag_rotary_store_kv.argtypes = [ctypes.POINTER(RotaryStoreParams)] + [ctypes.c_int] * 3 + [
@@ -296,10 +296,11 @@ class Emulator:
         return count
 
     def chunk_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                        num_splits=1, split_counters=None, reverse_blocks=False):
-        """The prompt-chunk attention kernel (chunk_attention.cuh) into ``out``, with the
-        glue's scratch buffers; ``split_counters`` (int32 zeros) is required for
-        ``num_splits > 1``. Returns False when no kernel takes the shapes."""
+                        num_splits=1, split_counters=None, reverse_blocks=False, kernel=0):
+        """The prompt-chunk attention kernel (chunk_attention.cuh; ``kernel=1``: the
+        warpgroup one, chunk_attention_wgmma.cuh) into ``out``, with the glue's scratch
+        buffers; ``split_counters`` (int32 zeros) is required for ``num_splits > 1``.
+        Returns False when the kernel does not take the shapes."""
         num_tokens, num_heads, head_dim = q.shape
         part_out = part_ml = None
         if num_splits > 1:
@@ -315,7 +316,7 @@ class Emulator:
         )
         self.lib.ag_set_reverse_blocks(int(reverse_blocks))
         try:
-            return self.lib.ag_chunk_attention(ctypes.byref(p), DTYPE_CODES[q.dtype], head_dim) == 0
+            return self.lib.ag_chunk_attention(ctypes.byref(p), DTYPE_CODES[q.dtype], head_dim, kernel) == 0
         finally:
             self.lib.ag_set_reverse_blocks(0)
 

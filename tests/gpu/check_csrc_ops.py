@@ -616,17 +616,18 @@ def check_quant_gemv() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Prompt-chunk attention (csrc/chunk_attention.cuh)
+# Prompt-chunk attention (csrc/chunk_attention.cuh, chunk_attention_wgmma.cuh)
 
 # (name, seqs as (new, cached) tokens, num_heads, num_kv_heads, head_dim, block_size, graph
 # tokens (max_query_len hint) or None)
 CHUNK_7B_SHAPES = [
-    ("prefix hit 78/992 (128-token graph, 8 slots)", [(78, 992), (50, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 128),
-    ("1,070 from scratch (1280-token graph)", [(1070, 0), (210, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 1280),
+    ("prefix hit 78/992 (80-token graph, 8 slots)", [(78, 992), (2, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 80),
+    ("prefix hit 300/992 (320-token graph, 8 slots)", [(300, 992), (20, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 320),
+    ("1,070 from scratch (1,152-token graph)", [(1070, 0), (82, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 1152),
     ("512-token chunk over 512 + 63 decodes", [(512, 512)] + [(1, 300 + 7 * i) for i in range(63)], 32, 32, 128, 16,
      None),
     ("4 prompts of 512 from scratch", [(512, 0)] * 4, 32, 32, 128, 16, None),
-    ("GQA 4: prefix hit 78/992", [(78, 992), (50, 0)] + [(0, 0)] * 6, 32, 8, 128, 16, 128),
+    ("GQA 4: prefix hit 78/992", [(78, 992), (2, 0)] + [(0, 0)] * 6, 32, 8, 128, 16, 80),
 ]
 
 
@@ -643,10 +644,15 @@ def _chunk_reference(c):
                                      c.scale)
 
 
-def _chunk_op(c, out, splits, counters):
+def _chunk_op(c, out, splits, counters, kernel=0):
     torch.ops.asyncgen_C.chunk_attention(out, c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                         c.query_start_loc, counters, c.scale, splits)
+                                         c.query_start_loc, counters, c.scale, splits, kernel)
     return out
+
+
+def _chunk_kernels(head_dim):
+    """The kernels that take head_dim here: 0 (mma.sync), and 1 (wgmma) on sm_90."""
+    return (0, 1) if head_dim == 128 and cuda_backend.has_wgmma(DEVICE) else (0,)
 
 
 def check_chunk_attention() -> None:
@@ -664,40 +670,42 @@ def check_chunk_attention() -> None:
         for i, (seqs, h, kvh, d, bs) in enumerate(shapes):
             c = _chunk_case(seqs, h, kvh, d, bs, dtype, i)
             ref = _chunk_reference(c)
-            for splits in (1, 2, 4, 16):
-                out = _chunk_op(c, torch.full_like(c.q, float("nan")), splits, counters)
-                err = relative_error(out, ref)
-                check(f"chunk {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} splits={splits}",
-                      err < TOLERANCE[dtype], f"rel err {err:.2e}")
+            for kernel in _chunk_kernels(d):
+                for splits in (1, 2, 4, 16):
+                    out = _chunk_op(c, torch.full_like(c.q, float("nan")), splits, counters, kernel)
+                    err = relative_error(out, ref)
+                    check(f"chunk kernel {kernel} {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} "
+                          f"splits={splits}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
             # Through the backend's routing, with the engine's hints.
             out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
                                                c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
-                                               max_seq_len=max(q + k for q, k in seqs))
+                                               max_seq_len=max(q + k for q, k in seqs), split_counters=counters)
             err = relative_error(out, ref)
             check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype],
                   f"rel err {err:.2e}")
     check("chunk counters left at zero", int(counters.abs().sum()) == 0)
 
     # Captured once, replayed with other lengths (as a prompt graph is).
-    c = _chunk_case([(78, 500), (50, 0), (0, 0)], 8, 8, 128, 16, torch.float16, 11)
-    out = torch.empty_like(c.q)
-    _chunk_op(c, out, 4, counters)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _chunk_op(c, out, 4, counters)
-    for step, shrink in enumerate((0, 13, 200)):
-        c.seq_lens[0] = 578 - shrink
-        graph.replay()
+    for kernel in _chunk_kernels(128):
+        c = _chunk_case([(78, 500), (50, 0), (0, 0)], 8, 8, 128, 16, torch.float16, 11)
+        out = torch.empty_like(c.q)
+        _chunk_op(c, out, 4, counters, kernel)
         torch.cuda.synchronize()
-        err = relative_error(out, _chunk_reference(c))
-        check(f"chunk graph replay {step}", err < 2e-3, f"rel err {err:.2e}")
-    check("chunk counters zero after replays", int(counters.abs().sum()) == 0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _chunk_op(c, out, 4, counters, kernel)
+        for step, shrink in enumerate((0, 13, 200)):
+            c.seq_lens[0] = 578 - shrink
+            graph.replay()
+            torch.cuda.synchronize()
+            err = relative_error(out, _chunk_reference(c))
+            check(f"chunk kernel {kernel} graph replay {step}", err < 2e-3, f"rel err {err:.2e}")
+        check(f"chunk kernel {kernel} counters zero after replays", int(counters.abs().sum()) == 0)
 
 
 def bench_chunk_attention(copies: int = 8) -> None:
     """Per call in a CUDA graph over `copies` caches: Triton's general kernel (with the
-    engine's hints), the backend's choice, and the csrc kernel at fixed splits."""
+    engine's hints), the backend's choice, and the csrc kernels at fixed splits."""
     from asyncgen._ops import triton_backend
 
     print("\nchunk attention, fp16, us per call (CUDA graph over 8 caches)")
@@ -715,12 +723,13 @@ def bench_chunk_attention(copies: int = 8) -> None:
         row["routed"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
                                                     co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
-                                                    **hints), list(zip(cases, outs)), passes=5)
-        for splits in (1, 2, 4, 8, 16):
-            row[f"csrc {splits}"] = 1e3 * cuda_backend.graph_time_ms(
-                lambda co, s=splits: _chunk_op(co[0], co[1], s, counters), list(zip(cases, outs)), passes=5)
-        routed = "csrc" if len(seqs) > cuda_backend.CHUNK_ATTENTION_MIN_SEQS else "triton"
-        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + f" (routed to {routed})")
+                                                    split_counters=counters, **hints), list(zip(cases, outs)), passes=5)
+        for kernel in _chunk_kernels(d):
+            for splits in (1, 2, 4, 8, 16):
+                row[f"csrc{kernel} {splits}"] = 1e3 * cuda_backend.graph_time_ms(
+                    lambda co, s=splits, k=kernel: _chunk_op(co[0], co[1], s, counters, k), list(zip(cases, outs)),
+                    passes=5)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
 
 
 def check_errors() -> None:

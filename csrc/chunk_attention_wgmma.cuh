@@ -1,0 +1,363 @@
+// Paged attention for prompt chunks on Hopper's warpgroup tensor cores (wgmma, sm_90a),
+// head_dim 128: the semantics, layouts, block numbering, split-K and combine of
+// chunk_attention.cuh, whose pieces (chunk_place, chunk_softmax_tile, chunk_finish) it
+// shares.
+//
+// The mma.sync kernel loses to Triton where few sequences carry a short chunk over a long
+// cached prefix (a prefix-cache hit: 78 tokens over 992 cached), because each warp issues
+// a tile's 128 mma.sync, its ldmatrix and its softmax one after another with nothing to
+// fill the waits (docs/BENCHMARKS.md). Here a block has two warpgroups (128 query rows, 64
+// each) and the products are warpgroup-wide and asynchronous:
+//
+//   S = Q K^T   wgmma m64n64k16 x 8 (head_dim 128): A = Q in registers (each warp's 16 rows
+//               as mma.sync A fragments, loaded once by ldmatrix), B = the key tile in
+//               shared memory, K-major (a key's 128 dims are two 128-byte rows, one per
+//               half of the dims), 128-byte swizzle
+//   P           chunk_softmax_tile on S's accumulators, which have mma.sync's layout per
+//               warp, packed into A fragments in registers
+//   O += P V    wgmma m64n64k16 x 8 (64 keys x two halves of the dims): A = P, B = the
+//               value tile, N-major (transposed: a key's dims are contiguous), the same
+//               swizzled layout as the keys
+//
+// The S of the next tile is issued before the softmax of this one, so the tensor cores
+// work while the warps compute exponentials. Keys come in tiles of 64 through a ring of
+// kCwStages tiles that every thread fills with cp.async (its 16-byte pieces written at
+// their swizzled places); a tile's stage is refilled once every warpgroup's products of it
+// have completed. The block ids of a refill are read one iteration before its copies.
+// Every warpgroup computes every tile of the block's key range (a wgmma in flight across
+// a branch would make the compiler wait for each as it is issued): a block whose rows fit
+// one warpgroup still runs two.
+//
+// The 128-byte swizzle: 16-byte piece j of a 128-byte row r sits at piece j ^ (r % 8);
+// groups of 8 rows are 1024 bytes apart and 1024-byte aligned.
+#pragma once
+
+#include "chunk_attention.cuh"
+#include "quant_wgmma.cuh"
+
+namespace asyncgen {
+
+constexpr int kCwWarps = 8;                        // two warpgroups
+constexpr int kCwThreads = kCwWarps * kWarpSize;
+constexpr int kCwRows = 128;                       // query rows a block: 64 a warpgroup
+constexpr int kCwKeys = 64;                        // keys a tile
+constexpr int kCwHeadDim = 128;
+#ifndef AG_CW_STAGES
+#define AG_CW_STAGES 4
+#endif
+constexpr int kCwStages = AG_CW_STAGES;
+static_assert(kCwStages >= 2, "a tile in flight beside the one computed");
+constexpr int kCwHalfBytes = kCwKeys * 128;        // 64 keys x 64 dims x 2 bytes
+constexpr int kCwTileBytes = 4 * kCwHalfBytes;     // K's two halves of the dims, then V's
+constexpr int kCwQRow = kCwHeadDim + kChunkPad;    // Q staged in padded rows for ldmatrix
+constexpr int kCwSmemBytes = kCwStages * kCwTileBytes + kCwRows * kCwQRow * 2 + 1024;  // + ring alignment
+static_assert(kCwSmemBytes <= 227 * 1024, "one block an SM");
+
+// The descriptor of an N-major (transposed), 128-byte-swizzled B of at most 64 columns
+// whose row k0 (the first of the 16 a k step reads) starts at `address`: rows of 128
+// bytes, 8-row groups 1024 bytes apart. Both offset fields get 1024 bytes: one is the
+// stride between 8-row groups, the other that between 64-column atoms, which a 64-column
+// B does not have.
+AG_DEVICE uint64_t wgmma_desc_mn128(uint32_t address) {
+  return static_cast<uint64_t>((address >> 4) & 0x3FFF) | (static_cast<uint64_t>(1024 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+#if !defined(__CUDA_ARCH__) && defined(AG_EMU_SMEM_AT)
+// The CPU emulation of m64n64k16 with A in registers: each warp's 16 rows of D as mma.sync
+// products per 8 columns, B[k][n] read through the descriptor (K-major: row n holds k;
+// TRANS_B, N-major: row k holds n), swizzled.
+template <typename T, int TRANS_B>
+AG_DEVICE void emulated_wgmma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4, c = lane % 4;
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
+  const uint32_t stride = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
+  const auto element = [&](int k, int n) -> uint32_t {
+    const uint32_t logical = TRANS_B ? start + (k / 8) * stride + (k % 8) * 128 + 2 * n
+                                     : start + (n / 8) * stride + (n % 8) * 128 + 2 * k;
+    const uint32_t physical = logical ^ (((logical >> 7) & 7) << 4);
+    uint16_t v;
+    std::memcpy(&v, AG_EMU_SMEM_AT(physical), 2);
+    return v;
+  };
+  for (int i = 0; i < 8; ++i) {
+    const int n = 8 * i + g;
+    const uint32_t b[2] = {element(2 * c, n) | (element(2 * c + 1, n) << 16),
+                           element(2 * c + 8, n) | (element(2 * c + 9, n) << 16)};
+    float part[4] = {d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]};
+    emulated_mma_m16n8k16<T>(part, a, b);
+    for (int r = 0; r < 4; ++r) d[4 * i + r] = part[r];
+  }
+}
+#endif
+
+#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+#define AG_CW_WGMMA64(TYPE)                                                                                        \
+  asm volatile(                                                                                                    \
+      "{\n.reg .pred p;\n"                                                                                         \
+      "setp.ne.b32 p, %37, 0;\n"                                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                                  \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "     \
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"              \
+      "}\n"                                                                                                        \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TRANS_B))
+#endif
+
+// D (64 x 64 fp32, mma.sync's accumulator layout per warp) += A (64 x 16 of T in registers,
+// mma.sync's A fragments per warp) * B (16 x 64 in shared memory, K-major, or N-major with
+// TRANS_B).
+template <typename T, int TRANS_B>
+AG_DEVICE void wgmma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+  if constexpr (std::is_same<T, __half>::value) {
+    AG_CW_WGMMA64("f16");
+  } else {
+    AG_CW_WGMMA64("bf16");
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched only where kWgmmaBuilt says the target has wgmma
+#elif defined(AG_EMU_SMEM_AT)
+  emulated_wgmma64<T, TRANS_B>(d, a, desc);
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(const ChunkAttentionParams p) {
+  constexpr int HEAD_DIM = kCwHeadDim;
+  constexpr int kPieces = HEAD_DIM / 8;                     // 16-byte pieces of a key row
+  constexpr int kLoads = kCwKeys * kPieces / kCwThreads;    // key rows a thread copies a tile
+  constexpr int kRowStep = kCwThreads / kPieces;
+  static_assert(kRowStep % 8 == 0, "a thread's rows share their swizzle phase");
+  constexpr int kAhead = kCwStages - 1;                     // tiles requested beyond the one computed
+  AG_DYNAMIC_SMEM(smem_raw);
+  unsigned char* ring = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
+  T* q_s = reinterpret_cast<T*>(ring + kCwStages * kCwTileBytes);  // [kCwRows][kCwQRow]
+  __shared__ float scratch[kCwWarps];
+
+  const int group = p.num_heads / p.num_kv_heads;
+  const int pid = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  const ChunkPlace at = chunk_place<kCwWarps, kCwRows, kCwKeys>(p, group, pid, split, scratch);
+  if (!at.valid) return;  // uniform over the block
+  const int rows = at.rows, first_pos = at.first_pos, kv_end = at.kv_end;
+  const int tile_lo = at.tile_lo, tile_hi = at.tile_hi;
+
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int row0 = 16 * warp;                // the warp's rows of the block
+  const int warp_first_pos = first_pos + row0 / group;
+  int pos_lo = first_pos + (row0 + g) / group;
+  int pos_hi = first_pos + (row0 + g + 8) / group;
+  opaque(pos_lo);  // kept in a register: recomputing the divisions in every tile's mask cost more
+  opaque(pos_hi);
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* k_cache = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
+  const T* v_cache = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  const int* table = p.block_tables + static_cast<int64_t>(at.seq) * p.block_table_stride;
+
+  // Thread t copies piece t % 16 of key rows t / 16 + 16 u of each tile (K and V). A tile
+  // starts on a cache block boundary (block_size <= 64, both powers of two), so a row keeps
+  // its slot in the block from tile to tile; all of a thread's rows have the swizzle phase
+  // of the first.
+  const int piece = threadIdx.x % kPieces, j0 = threadIdx.x / kPieces;
+  const int dst0 = (piece / 8) * kCwHalfBytes + j0 * 128 + 16 * ((piece % 8) ^ (j0 % 8));
+  int slot_off[kLoads];
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    slot_off[u] = ((j0 + u * kRowStep) & ((1 << p.block_shift) - 1)) * static_cast<int>(token_stride) + piece * 8;
+  }
+  auto fetch_ids = [&](int (&ids)[kLoads], int tile) {
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int pos = tile * kCwKeys + j0 + u * kRowStep;
+      ids[u] = tile < tile_hi && pos < kv_end ? table[pos >> p.block_shift] : 0;
+    }
+  };
+  auto load_tile = [&](const int (&ids)[kLoads], int tile, int stage) {
+    unsigned char* dst = ring + stage * kCwTileBytes + dst0;
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const bool ok = tile * kCwKeys + j0 + u * kRowStep < kv_end;
+      const int64_t block = ok ? ids[u] : 0;
+      cp_async16(dst + u * kRowStep * 128, k_cache + block * p.k_stride_block + slot_off[u], ok);
+      cp_async16(dst + 2 * kCwHalfBytes + u * kRowStep * 128, v_cache + block * p.v_stride_block + slot_off[u], ok);
+    }
+  };
+
+  float o[2][32];  // [half of the dims][4 i + 2 h + e]: row g + 8 h, dim 64 half + 8 i + 2 c + e
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 32; ++r) o[h][r] = 0.f;
+  ChunkRows st;
+
+  if (tile_lo < tile_hi) {
+    // Q (commit group 0), then the first kAhead tiles (groups 1 .. kAhead), their block ids
+    // read together first.
+    for (int i = threadIdx.x; i < kCwRows * kPieces; i += kCwThreads) {
+      const int r = i / kPieces, pc = i % kPieces;
+      const bool ok = r < rows;
+      const int64_t token = at.q_start + at.q_tile * at.tq + (ok ? r / group : 0);
+      const int head = kv_head * group + (ok ? r % group : 0);
+      cp_async16(q_s + r * kCwQRow + pc * 8, q + token * p.q_stride_token + head * p.q_stride_head + pc * 8, ok);
+    }
+    cp_async_commit();
+    {
+      int first_ids[kAhead][kLoads];
+#pragma unroll
+      for (int s = 0; s < kAhead; ++s) fetch_ids(first_ids[s], tile_lo + s);
+#pragma unroll
+      for (int s = 0; s < kAhead; ++s) {
+        if (tile_lo + s < tile_hi) load_tile(first_ids[s], tile_lo + s, s);
+        cp_async_commit();
+      }
+    }
+    int next_ids[kLoads];
+    fetch_ids(next_ids, tile_lo + kAhead);
+
+    uint32_t qa[HEAD_DIM / 16][4];
+    const uint32_t ring_base = smem_address(ring);
+    // S of the tile in `stage` into s, issued and committed, not waited for.
+    const auto issue_s = [&](float (&s)[32], int stage) {
+      const uint32_t k_base = ring_base + stage * kCwTileBytes;
+#pragma unroll
+      for (int r = 0; r < 32; ++r) s[r] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        wgmma64<T, 0>(s, qa[kk], wgmma_desc_k128(k_base + (kk / 4) * kCwHalfBytes + 32 * (kk % 4)));
+      }
+      wgmma_commit();
+    };
+    // The softmax of S (complete) for `tile`, then O += P V issued and committed.
+    const auto softmax_pv = [&](float (&s)[32], int tile, int stage) {
+#pragma unroll
+      for (int r = 0; r < 32; ++r) fence_register(s[r]);
+      float alpha_lo, alpha_hi;
+      chunk_softmax_tile<kCwKeys / 8>([&](int nt, int r) -> float& { return s[4 * nt + r]; }, tile * kCwKeys,
+                                      (tile + 1) * kCwKeys - 1 > warp_first_pos, pos_lo, pos_hi, p.scale_log2, st,
+                                      alpha_lo, alpha_hi);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          o[h][4 * n] *= alpha_lo;
+          o[h][4 * n + 1] *= alpha_lo;
+          o[h][4 * n + 2] *= alpha_hi;
+          o[h][4 * n + 3] *= alpha_hi;
+        }
+      // P's accumulator tiles 2j, 2j + 1 are the A fragment of keys 16j .. 16j + 15.
+      uint32_t pa[kCwKeys / 16][4];
+#pragma unroll
+      for (int j = 0; j < kCwKeys / 16; ++j) {
+        pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
+        pa[j][1] = pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+        pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+        pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+      }
+      const uint32_t v_base = ring_base + stage * kCwTileBytes + 2 * kCwHalfBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < kCwKeys / 16; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wgmma64<T, 1>(o[h], pa[j], wgmma_desc_mn128(v_base + h * kCwHalfBytes + 16 * j * 128));
+        }
+      wgmma_commit();
+    };
+    const auto wait_all = [&] {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 32; ++r) fence_register(o[h][r]);
+    };
+    // Tile i's stage is refilled with tile i + kCwStages at iteration i + 1, once every
+    // warp has waited for its products (the barrier there).
+    const auto refill = [&](int i) {
+      const int tile = tile_lo + i;
+      if (tile + kAhead < tile_hi) load_tile(next_ids, tile + kAhead, (i + kAhead) % kCwStages);
+      cp_async_commit();
+      fetch_ids(next_ids, tile + kAhead + 1);
+    };
+    const auto load_q = [&] {
+      const int mi = lane / 8, ri = lane % 8;
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        ldmatrix_x4<false>(qa[kk], q_s + (row0 + (mi % 2) * 8 + ri) * kCwQRow + 16 * kk + (mi / 2) * 8);
+      }
+    };
+    // S of tile i + 1 is issued before the softmax of tile i and runs beside it. Tile i + 1
+    // is waited for at iteration i: commit group i + 2 of kAhead + 1 + i. Every warpgroup
+    // computes every tile of the block's range (rows past the block's and keys past a
+    // row's are masked as always): a product in flight across a branch makes the compiler
+    // wait for each one as it is issued.
+    static_assert(kAhead >= 2, "a tile in flight beyond the next");
+    const int n = tile_hi - tile_lo;
+    {  // Q (rows past the block's are zeros) and tile 0
+      float s0[32], s1[32];
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      load_q();
+      issue_s(s0, 0);
+      wgmma_wait<0>();
+      const auto step = [&](int i, float (&s_now)[32], float (&s_next)[32]) {
+        cp_async_wait<kAhead - 2>();
+        fence_proxy_async();
+        __syncthreads();  // tile i + 1 is in; every warp is done with tile i - 1
+        refill(i);
+        issue_s(s_next, (i + 1) % kCwStages);
+        softmax_pv(s_now, tile_lo + i, i % kCwStages);
+        wait_all();  // P V of tile i and S of tile i + 1
+      };
+      int i = 0;
+      for (; i + 2 < n; i += 2) {
+        step(i, s0, s1);
+        step(i + 1, s1, s0);
+      }
+      if (i + 1 < n) {
+        step(i, s0, s1);
+        softmax_pv(s1, tile_lo + i + 1, (i + 1) % kCwStages);
+      } else {
+        softmax_pv(s0, tile_lo + i, i % kCwStages);
+      }
+      wait_all();
+    }
+  }
+  chunk_finish<T, HEAD_DIM, kCwThreads, kCwRows>(
+      p, at, kv_head, split, pid, row0, [&](int t, int r) -> float& { return o[t / 8][4 * (t % 8) + r]; }, st);
+}
+
+// Whether the warpgroup kernel takes these shapes: a build with it (kWgmmaBuilt; the
+// caller checks the device is sm_90), head_dim 128, the group and split limits of the
+// mma.sync kernel, cache blocks of at most 64 keys.
+inline bool chunk_attention_wgmma_supported(int head_dim, int group, int num_splits, int block_shift) {
+  return kWgmmaBuilt && head_dim == kCwHeadDim && chunk_attention_supported(head_dim, group, num_splits) &&
+         block_shift >= 0 && (1 << block_shift) <= kCwKeys;
+}
+
+__host__ __device__ inline int chunk_wgmma_grid_x(int num_tokens, int num_seqs, int group) {
+  return num_tokens / (kCwRows / group) + num_seqs;
+}
+
+// Returns false when the kernel does not take the shapes.
+template <typename T>
+bool launch_chunk_attention_wgmma(const ChunkAttentionParams& p, int head_dim, cudaStream_t stream) {
+  const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
+  if (!chunk_attention_wgmma_supported(head_dim, group, p.num_splits, p.block_shift)) return false;
+  if (p.num_tokens == 0 || p.num_seqs == 0) return true;
+  void (*kernel)(const ChunkAttentionParams) = chunk_attention_wgmma_kernel<T>;
+  allow_dynamic_smem<chunk_attention_wgmma_kernel<T>>(kCwSmemBytes);
+  const dim3 grid(chunk_wgmma_grid_x(p.num_tokens, p.num_seqs, group), p.num_kv_heads, p.num_splits);
+  AG_LAUNCH_KERNEL(kernel, grid, dim3(kCwThreads), kCwSmemBytes, stream, p);
+  return true;
+}
+
+}  // namespace asyncgen
