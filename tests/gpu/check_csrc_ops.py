@@ -679,7 +679,7 @@ def check_chunk_attention() -> None:
             # Through the backend's routing, with the engine's hints.
             out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
                                                c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
-                                               max_seq_len=max(q + k for q, k in seqs), split_counters=counters)
+                                               max_seq_len=max(q + k for q, k in seqs))
             err = relative_error(out, ref)
             check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype],
                   f"rel err {err:.2e}")
@@ -723,7 +723,7 @@ def bench_chunk_attention(copies: int = 8) -> None:
         row["routed"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
                                                     co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
-                                                    split_counters=counters, **hints), list(zip(cases, outs)), passes=5)
+                                                    **hints), list(zip(cases, outs)), passes=5)
         for kernel in _chunk_kernels(d):
             for splits in (1, 2, 4, 8, 16):
                 row[f"csrc{kernel} {splits}"] = 1e3 * cuda_backend.graph_time_ms(
