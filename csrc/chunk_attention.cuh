@@ -135,6 +135,22 @@ AG_DEVICE ChunkPlace chunk_place(const ChunkAttentionParams& p, int group, int p
   return at;
 }
 
+// Where a block's keys and values are: its kv head's column of the caches and its
+// sequence's row of the block table.
+template <typename T, int HEAD_DIM>
+struct ChunkKV {
+  const T* k;
+  const T* v;
+  const int* table;
+  int64_t token_stride;  // elements between a block's consecutive slots
+
+  AG_DEVICE ChunkKV(const ChunkAttentionParams& p, const ChunkPlace& at, int kv_head)
+      : k(static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM),
+        v(static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM),
+        table(p.block_tables + static_cast<int64_t>(at.seq) * p.block_table_stride),
+        token_stride(static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM) {}
+};
+
 // A warp's running softmax state for its rows g ("lo") and g + 8 ("hi"): the running max
 // (base 2, scaled) and this lane's share of the row sum.
 struct ChunkRows {
@@ -323,10 +339,7 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
   const int warp_last_pos = first_pos + imin(row0 + 15, rows - 1) / group;
 
   const T* q = static_cast<const T*>(p.q);
-  const T* k_cache = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
-  const T* v_cache = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
-  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
-  const int* table = p.block_tables + static_cast<int64_t>(at.seq) * p.block_table_stride;
+  const ChunkKV<T, HEAD_DIM> kv(p, at, kv_head);
 
   // Each thread copies one 16-byte piece of kLoads key rows a tile (rows j0 + u * kRowStep).
   // Their block ids are read a tile ahead of the copies, so the table lookups (L2
@@ -340,13 +353,13 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
   int ids[kLoads], slot_off[kLoads];
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    slot_off[u] = ((j0 + u * kRowStep) & ((1 << p.block_shift) - 1)) * static_cast<int>(token_stride) + piece * 8;
+    slot_off[u] = ((j0 + u * kRowStep) & ((1 << p.block_shift) - 1)) * static_cast<int>(kv.token_stride) + piece * 8;
   }
   auto fetch_ids = [&](int tile) {
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int pos = tile * kChunkKeys + j0 + u * kRowStep;
-      ids[u] = pos < kv_end ? table[pos >> p.block_shift] : 0;
+      ids[u] = pos < kv_end ? kv.table[pos >> p.block_shift] : 0;
     }
   };
   auto load_keys = [&](int tile, int stage) {
@@ -356,8 +369,8 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
     for (int u = 0; u < kLoads; ++u) {
       const bool ok = tile * kChunkKeys + j0 + u * kRowStep < kv_end;
       const int64_t block = ok ? ids[u] : 0;
-      cp_async16(k_dst + u * kRowStep * kRow, k_cache + block * p.k_stride_block + slot_off[u], ok);
-      cp_async16(v_dst + u * kRowStep * kRow, v_cache + block * p.v_stride_block + slot_off[u], ok);
+      cp_async16(k_dst + u * kRowStep * kRow, kv.k + block * p.k_stride_block + slot_off[u], ok);
+      cp_async16(v_dst + u * kRowStep * kRow, kv.v + block * p.v_stride_block + slot_off[u], ok);
     }
   };
 

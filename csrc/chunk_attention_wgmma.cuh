@@ -156,10 +156,7 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
   opaque(pos_hi);
 
   const T* q = static_cast<const T*>(p.q);
-  const T* k_cache = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
-  const T* v_cache = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kv_head) * HEAD_DIM;
-  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
-  const int* table = p.block_tables + static_cast<int64_t>(at.seq) * p.block_table_stride;
+  const ChunkKV<T, HEAD_DIM> kv(p, at, kv_head);
 
   // Thread t copies piece t % 16 of key rows t / 16 + 16 u of each tile (K and V). A tile
   // starts on a cache block boundary (block_size <= 64, both powers of two), so a row keeps
@@ -170,13 +167,13 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
   int slot_off[kLoads];
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    slot_off[u] = ((j0 + u * kRowStep) & ((1 << p.block_shift) - 1)) * static_cast<int>(token_stride) + piece * 8;
+    slot_off[u] = ((j0 + u * kRowStep) & ((1 << p.block_shift) - 1)) * static_cast<int>(kv.token_stride) + piece * 8;
   }
   auto fetch_ids = [&](int (&ids)[kLoads], int tile) {
 #pragma unroll
     for (int u = 0; u < kLoads; ++u) {
       const int pos = tile * kCwKeys + j0 + u * kRowStep;
-      ids[u] = tile < tile_hi && pos < kv_end ? table[pos >> p.block_shift] : 0;
+      ids[u] = tile < tile_hi && pos < kv_end ? kv.table[pos >> p.block_shift] : 0;
     }
   };
   auto load_tile = [&](const int (&ids)[kLoads], int tile, int stage) {
@@ -185,8 +182,8 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
     for (int u = 0; u < kLoads; ++u) {
       const bool ok = tile * kCwKeys + j0 + u * kRowStep < kv_end;
       const int64_t block = ok ? ids[u] : 0;
-      cp_async16(dst + u * kRowStep * 128, k_cache + block * p.k_stride_block + slot_off[u], ok);
-      cp_async16(dst + 2 * kCwHalfBytes + u * kRowStep * 128, v_cache + block * p.v_stride_block + slot_off[u], ok);
+      cp_async16(dst + u * kRowStep * 128, kv.k + block * p.k_stride_block + slot_off[u], ok);
+      cp_async16(dst + 2 * kCwHalfBytes + u * kRowStep * 128, kv.v + block * p.v_stride_block + slot_off[u], ok);
     }
   };
 
