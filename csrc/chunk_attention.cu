@@ -59,8 +59,8 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   if (num_tokens == 0 || num_seqs == 0) return;
 
   ChunkAttentionParams p{};
-  const int grid_x = kernel == 1 ? chunk_wgmma_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group)
-                                 : chunk_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group);
+  const int grid_x = chunk_grid_x(static_cast<int>(num_tokens), static_cast<int>(num_seqs), group,
+                                  kernel == 1 ? kCwRows : kChunkRows);
   at::Tensor part_out, part_ml;
   if (num_splits > 1) {
     TORCH_CHECK(split_counters.has_value(), "chunk_attention with ", num_splits, " splits needs split_counters");

@@ -83,11 +83,10 @@ struct ChunkAttentionParams {
   float scale_log2;             // softmax scale * log2(e)
 };
 
-__host__ __device__ inline int chunk_tokens_per_block(int group) { return kChunkRows / group; }
-
-// Blocks along x for a call: enough for every sequence's query tiles.
-__host__ __device__ inline int chunk_grid_x(int num_tokens, int num_seqs, int group) {
-  return num_tokens / chunk_tokens_per_block(group) + num_seqs;
+// Blocks along x for a call of a kernel with `rows` query rows a block: enough for every
+// sequence's query tiles (see chunk_place).
+__host__ __device__ inline int chunk_grid_x(int num_tokens, int num_seqs, int group, int rows = kChunkRows) {
+  return num_tokens / (rows / group) + num_seqs;
 }
 
 template <int HEAD_DIM>

@@ -53,79 +53,6 @@ constexpr int kCwQRow = kCwHeadDim + kChunkPad;    // Q staged in padded rows fo
 constexpr int kCwSmemBytes = kCwStages * kCwTileBytes + kCwRows * kCwQRow * 2 + 1024;  // + ring alignment
 static_assert(kCwSmemBytes <= 227 * 1024, "one block an SM");
 
-// The descriptor of an N-major (transposed), 128-byte-swizzled B of at most 64 columns
-// whose row k0 (the first of the 16 a k step reads) starts at `address`: rows of 128
-// bytes, 8-row groups 1024 bytes apart. Both offset fields get 1024 bytes: one is the
-// stride between 8-row groups, the other that between 64-column atoms, which a 64-column
-// B does not have.
-AG_DEVICE uint64_t wgmma_desc_mn128(uint32_t address) {
-  return static_cast<uint64_t>((address >> 4) & 0x3FFF) | (static_cast<uint64_t>(1024 >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-#if !defined(__CUDA_ARCH__) && defined(AG_EMU_SMEM_AT)
-// The CPU emulation of m64n64k16 with A in registers: each warp's 16 rows of D as mma.sync
-// products per 8 columns, B[k][n] read through the descriptor (K-major: row n holds k;
-// TRANS_B, N-major: row k holds n), swizzled.
-template <typename T, int TRANS_B>
-AG_DEVICE void emulated_wgmma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / 4, c = lane % 4;
-  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
-  const uint32_t stride = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
-  const auto element = [&](int k, int n) -> uint32_t {
-    const uint32_t logical = TRANS_B ? start + (k / 8) * stride + (k % 8) * 128 + 2 * n
-                                     : start + (n / 8) * stride + (n % 8) * 128 + 2 * k;
-    const uint32_t physical = logical ^ (((logical >> 7) & 7) << 4);
-    uint16_t v;
-    std::memcpy(&v, AG_EMU_SMEM_AT(physical), 2);
-    return v;
-  };
-  for (int i = 0; i < 8; ++i) {
-    const int n = 8 * i + g;
-    const uint32_t b[2] = {element(2 * c, n) | (element(2 * c + 1, n) << 16),
-                           element(2 * c + 8, n) | (element(2 * c + 9, n) << 16)};
-    float part[4] = {d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]};
-    emulated_mma_m16n8k16<T>(part, a, b);
-    for (int r = 0; r < 4; ++r) d[4 * i + r] = part[r];
-  }
-}
-#endif
-
-#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
-#define AG_CW_WGMMA64(TYPE)                                                                                        \
-  asm volatile(                                                                                                    \
-      "{\n.reg .pred p;\n"                                                                                         \
-      "setp.ne.b32 p, %37, 0;\n"                                                                                   \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                                  \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "     \
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"              \
-      "}\n"                                                                                                        \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TRANS_B))
-#endif
-
-// D (64 x 64 fp32, mma.sync's accumulator layout per warp) += A (64 x 16 of T in registers,
-// mma.sync's A fragments per warp) * B (16 x 64 in shared memory, K-major, or N-major with
-// TRANS_B).
-template <typename T, int TRANS_B>
-AG_DEVICE void wgmma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
-  if constexpr (std::is_same<T, __half>::value) {
-    AG_CW_WGMMA64("f16");
-  } else {
-    AG_CW_WGMMA64("bf16");
-  }
-#elif defined(__CUDA_ARCH__)
-  __trap();  // launched only where kWgmmaBuilt says the target has wgmma
-#elif defined(AG_EMU_SMEM_AT)
-  emulated_wgmma64<T, TRANS_B>(d, a, desc);
-#endif
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(const ChunkAttentionParams p) {
   constexpr int HEAD_DIM = kCwHeadDim;
@@ -340,10 +267,6 @@ inline bool chunk_attention_wgmma_supported(int head_dim, int group, int num_spl
          block_shift >= 0 && (1 << block_shift) <= kCwKeys;
 }
 
-__host__ __device__ inline int chunk_wgmma_grid_x(int num_tokens, int num_seqs, int group) {
-  return num_tokens / (kCwRows / group) + num_seqs;
-}
-
 // Returns false when the kernel does not take the shapes.
 template <typename T>
 bool launch_chunk_attention_wgmma(const ChunkAttentionParams& p, int head_dim, cudaStream_t stream) {
@@ -352,7 +275,7 @@ bool launch_chunk_attention_wgmma(const ChunkAttentionParams& p, int head_dim, c
   if (p.num_tokens == 0 || p.num_seqs == 0) return true;
   void (*kernel)(const ChunkAttentionParams) = chunk_attention_wgmma_kernel<T>;
   allow_dynamic_smem<chunk_attention_wgmma_kernel<T>>(kCwSmemBytes);
-  const dim3 grid(chunk_wgmma_grid_x(p.num_tokens, p.num_seqs, group), p.num_kv_heads, p.num_splits);
+  const dim3 grid(chunk_grid_x(p.num_tokens, p.num_seqs, group, kCwRows), p.num_kv_heads, p.num_splits);
   AG_LAUNCH_KERNEL(kernel, grid, dim3(kCwThreads), kCwSmemBytes, stream, p);
   return true;
 }

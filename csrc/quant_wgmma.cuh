@@ -91,28 +91,75 @@ AG_DEVICE void fence_register(float& r) {
 #if !defined(__CUDA_ARCH__) && defined(AG_EMU_SMEM_AT)
 // The CPU emulation: each warp's 16 rows of D from its own A fragments and B decoded from
 // the descriptor (start address, stride between 8-row groups, the 128-byte swizzle XORing
-// address bits 4-6 with bits 7-9), as m16n8k16 products per 8 columns.
-template <int N>
+// address bits 4-6 with bits 7-9), as m16n8k16 products per 8 columns. B is K-major (row n
+// holds k), or with TRANS_B N-major (row k holds n, at most 64 columns).
+template <int N, typename T = __half, int TRANS_B = 0>
 AG_DEVICE void emulated_wgmma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4, c = lane % 4;
   const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
   const uint32_t stride = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
-  const auto element_pair = [&](int k, int n) {  // B[k][n], B[k + 1][n] (k even)
-    const uint32_t logical = start + (n / 8) * stride + (n % 8) * 128 + 2 * k;
+  const auto element = [&](int k, int n) -> uint32_t {  // B[k][n]
+    const uint32_t logical = TRANS_B ? start + (k / 8) * stride + (k % 8) * 128 + 2 * n
+                                     : start + (n / 8) * stride + (n % 8) * 128 + 2 * k;
     const uint32_t physical = logical ^ (((logical >> 7) & 7) << 4);
-    uint32_t v;
-    std::memcpy(&v, AG_EMU_SMEM_AT(physical), 4);
+    uint16_t v;
+    std::memcpy(&v, AG_EMU_SMEM_AT(physical), 2);
     return v;
   };
+  const auto pair = [&](int k, int n) { return element(k, n) | (element(k + 1, n) << 16); };
   for (int i = 0; i < N / 8; ++i) {
-    const uint32_t b[2] = {element_pair(2 * c, 8 * i + g), element_pair(2 * c + 8, 8 * i + g)};
+    const uint32_t b[2] = {pair(2 * c, 8 * i + g), pair(2 * c + 8, 8 * i + g)};
     float part[4] = {d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]};
-    emulated_mma_m16n8k16<__half>(part, a, b);
+    emulated_mma_m16n8k16<T>(part, a, b);
     for (int r = 0; r < 4; ++r) d[4 * i + r] = part[r];
   }
 }
 #endif
+
+// The descriptor of an N-major (transposed), 128-byte-swizzled B of at most 64 columns
+// whose row k0 (the first of the 16 a k step reads) starts at `address`: rows of 128
+// bytes, 8-row groups 1024 bytes apart. Both offset fields get 1024 bytes: one is the
+// stride between 8-row groups, the other that between 64-column atoms, which a 64-column
+// B does not have.
+AG_DEVICE uint64_t wgmma_desc_mn128(uint32_t address) {
+  return static_cast<uint64_t>((address >> 4) & 0x3FFF) | (static_cast<uint64_t>(1024 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+#define AG_WGMMA64(TYPE)                                                                                        \
+  asm volatile(                                                                                                    \
+      "{\n.reg .pred p;\n"                                                                                         \
+      "setp.ne.b32 p, %37, 0;\n"                                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                                  \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "     \
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"              \
+      "}\n"                                                                                                        \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1), "n"(TRANS_B))
+#endif
+
+// D (64 x 64 fp32, mma.sync's accumulator layout per warp) += A (64 x 16 of T in registers,
+// mma.sync's A fragments per warp) * B (16 x 64 in shared memory, K-major, or N-major with
+// TRANS_B).
+template <typename T, int TRANS_B>
+AG_DEVICE void wgmma64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
+  if constexpr (std::is_same<T, __half>::value) {
+    AG_WGMMA64("f16");
+  } else {
+    AG_WGMMA64("bf16");
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched only where AG_WGMMA says the target has wgmma
+#elif defined(AG_EMU_SMEM_AT)
+  emulated_wgmma<64, T, TRANS_B>(d, a, desc);
+#endif
+}
 
 #if defined(__CUDA_ARCH__) && AG_WGMMA_DEVICE
 // The instruction for each N the kernel uses (the operand lists differ only in length),
@@ -152,18 +199,7 @@ AG_DEVICE void wgmma_rs_asm(float (&d)[16], const uint32_t (&a)[4], uint64_t des
 }
 
 AG_DEVICE void wgmma_rs_asm(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  wgmma64<__half, 0>(d, a, desc);
 }
 
 #endif
