@@ -59,7 +59,7 @@ from types import ModuleType
 
 import torch
 
-from . import Ops, compose_rotary_attention
+from . import Ops
 
 __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
@@ -355,6 +355,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see
     the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
@@ -362,7 +363,8 @@ def paged_attention(
     ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
-    host sync.
+    host sync. ``split_counters`` (int32 zeros, left at zero) lets a short prompt chunk
+    split its context on the warpgroup kernel (else it runs Triton's split kernel).
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -417,20 +419,28 @@ def paged_attention(
         )
         return out
 
-    # Prompt steps of few sequences with query tiles enough to fill the GPU (a prompt from
-    # scratch, a few hundred tokens after a cached prefix) take the warpgroup prompt-chunk
-    # kernel where the device has it; shorter chunks stay with Triton's split kernel.
+    # Prompt steps of few sequences take the warpgroup prompt-chunk kernel where the device
+    # has it: in one pass where the query tiles fill the GPU (a prompt from scratch, a few
+    # hundred tokens after a cached prefix), else (a prefix-cache hit's short chunk) with
+    # the context split, given the counters for the split combine.
     if (
         num_seqs <= CHUNK_WGMMA_MAX_SEQS and (max_query_len is None or max_query_len > 1)
         and sliding_window is None and head_dim == _CHUNK_WGMMA_HEAD_DIM
-        and -(-num_tokens // (_CHUNK_WGMMA_ROWS // (num_heads // num_kv_heads))) * num_kv_heads
-        >= CHUNK_WGMMA_MIN_BLOCKS
         and has_wgmma(q.device)
         and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     ):
-        torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             None, float(scale), 1, 1)
-        return out
+        tokens_per_block = _CHUNK_WGMMA_ROWS // (num_heads // num_kv_heads)
+        blocks = -(-num_tokens // tokens_per_block) * num_kv_heads
+        if blocks >= CHUNK_WGMMA_MIN_BLOCKS:
+            torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                 None, float(scale), 1, 1)
+            return out
+        splits = _chunk_wgmma_splits(blocks, q.device)
+        if splits > 1 and _counters_fit(split_counters, (num_tokens // tokens_per_block + num_seqs) * num_kv_heads,
+                                        q.device):
+            torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                 split_counters, float(scale), splits, 1)
+            return out
 
     # Batches of many sequences (a prompt chunk among decodes, prompt graphs with a slot per
     # sequence) take the csrc prompt-chunk kernel. Decode-only batches the decode kernel
@@ -478,6 +488,24 @@ _CHUNK_WGMMA_HEAD_DIM = 128
 _CHUNK_WGMMA_ROWS = 128
 CHUNK_WGMMA_MAX_SEQS = 8
 CHUNK_WGMMA_MIN_BLOCKS = 64
+
+
+# A short chunk on the warpgroup kernel splits the context so that its blocks (query
+# blocks x kv heads x splits) about fill the GPU once, at most this many ways.
+CHUNK_WGMMA_MAX_SPLITS = 8
+
+
+def _chunk_wgmma_splits(blocks: int, device: torch.device) -> int:
+    return max(1, min(CHUNK_WGMMA_MAX_SPLITS, _multiprocessor_count(device) // max(blocks, 1)))
+
+
+def _counters_fit(counters: torch.Tensor | None, needed: int, device: torch.device) -> bool:
+    """Whether ``counters`` can serve as a kernel's split counters: int32, 1-d,
+    contiguous, on ``device``, with at least ``needed`` entries."""
+    return (
+        isinstance(counters, torch.Tensor) and counters.dtype == torch.int32 and counters.dim() == 1
+        and counters.is_contiguous() and counters.device == device and counters.numel() >= needed
+    )
 
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
@@ -533,10 +561,6 @@ def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, spli
         and (split_counters is None or (split_counters.dtype == torch.int32 and split_counters.dim() == 1
                                         and split_counters.is_contiguous()))
     )
-
-
-# What rotary_attention runs where the fused decode kernel does not take the call.
-_rotary_store_then_attention = compose_rotary_attention(rotary_store_kv, paged_attention)
 
 
 def rotary_attention(
@@ -597,10 +621,9 @@ def rotary_attention(
             split_counters, float(scale), max_seq_len, sliding_window or 0,
         )
         return out
-    return _rotary_store_then_attention(
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
-    )
+    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                           max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters)
 
 
 def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

@@ -628,6 +628,10 @@ CHUNK_7B_SHAPES = [
      None),
     ("4 prompts of 512 from scratch", [(512, 0)] * 4, 32, 32, 128, 16, None),
     ("GQA 4: prefix hit 78/992", [(78, 992), (2, 0)] + [(0, 0)] * 6, 32, 8, 128, 16, 80),
+    ("prefix hit 78/3,000 (80-token graph, 8 slots)", [(78, 3000), (2, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 80),
+    ("78 from scratch (80-token graph, 8 slots)", [(78, 0), (2, 0)] + [(0, 0)] * 6, 32, 32, 128, 16, 80),
+    ("two prefix hits 40/500 + 38/992 (80-token graph, 8 slots)", [(40, 500), (38, 992), (2, 0)] + [(0, 0)] * 5,
+     32, 32, 128, 16, 80),
 ]
 
 
@@ -676,10 +680,10 @@ def check_chunk_attention() -> None:
                     err = relative_error(out, ref)
                     check(f"chunk kernel {kernel} {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} "
                           f"splits={splits}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
-            # Through the backend's routing, with the engine's hints.
+            # Through the backend's routing, with the engine's hints and split counters.
             out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
                                                c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
-                                               max_seq_len=max(q + k for q, k in seqs))
+                                               max_seq_len=max(q + k for q, k in seqs), split_counters=counters)
             err = relative_error(out, ref)
             check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype],
                   f"rel err {err:.2e}")
@@ -723,7 +727,8 @@ def bench_chunk_attention(copies: int = 8) -> None:
         row["routed"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
                                                     co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
-                                                    **hints), list(zip(cases, outs)), passes=5)
+                                                    **hints, split_counters=counters), list(zip(cases, outs)),
+            passes=5)
         for kernel in _chunk_kernels(d):
             for splits in (1, 2, 4, 8, 16):
                 row[f"csrc{kernel} {splits}"] = 1e3 * cuda_backend.graph_time_ms(
