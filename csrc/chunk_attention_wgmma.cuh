@@ -28,6 +28,9 @@
 // a branch would make the compiler wait for each as it is issued): a block whose rows fit
 // one warpgroup still runs two.
 //
+// One-pass launches number their blocks as chunk_attention.cuh does; split passes give
+// each (kv head, split) a few blocks that take its query blocks in turn (LOOPED below).
+//
 // The 128-byte swizzle: 16-byte piece j of a 128-byte row r sits at piece j ^ (r % 8);
 // groups of 8 rows are 1024 bytes apart and 1024-byte aligned.
 #pragma once
@@ -56,10 +59,10 @@ constexpr int kCwSmemBytes = kCwStages * kCwTileBytes + kCwRows * kCwQRow * 2 + 
 static_assert(kCwSmemBytes <= 227 * 1024, "one block an SM");
 
 // One query block (pid) of one kv head and split: its key tiles, then its output or its
-// split's partials (chunk_finish).
+// split's partials (chunk_finish). `tid` is threadIdx.x.
 template <typename T>
-AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace& at, int kv_head,
-                                               int split, int pid, int pid_count, unsigned char* ring) {
+AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace& at, int kv_head, int split,
+                                 int pid, int pid_count, unsigned char* ring, int tid) {
   constexpr int HEAD_DIM = kCwHeadDim;
   constexpr int kPieces = HEAD_DIM / 8;                     // 16-byte pieces of a key row
   constexpr int kLoads = kCwKeys * kPieces / kCwThreads;    // key rows a thread copies a tile
@@ -71,10 +74,6 @@ AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace
   const int rows = at.rows, first_pos = at.first_pos, kv_end = at.kv_end;
   const int tile_lo = at.tile_lo, tile_hi = at.tile_hi;
 
-  // The thread's index, hidden per query block: what is derived from it is recomputed
-  // here rather than held across the loop (which made the kernel spill).
-  int tid = threadIdx.x;
-  opaque(tid);
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4;
   const int row0 = 16 * warp;                // the warp's rows of the block
@@ -266,9 +265,10 @@ AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace
 // query blocks, the surplus ones exiting. LOOPED true (the split passes): block (kv head,
 // split, lane) takes the query blocks pid_end - 1 - lane, then every lanes-th before it
 // (the last, longest query tiles of a sequence first), so that a graph's empty sequence
-// slots cost no block launches. The loop costs registers: built with it, the kernel holds
-// 255 and spills a few values in the tile loop, where without it it holds 211 and spills
-// none, so one-pass launches keep the grid.
+// slots cost no block launches. The loop costs registers: built with it (nvcc 13.0,
+// sm_90a), the kernel holds 255 and spills a few values in the tile loop (104 bytes
+// stored, 176 loaded), where without it it holds 217 and spills none, so one-pass
+// launches keep the grid.
 template <typename T, bool LOOPED>
 __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(const ChunkAttentionParams p) {
   AG_DYNAMIC_SMEM(smem_raw);
@@ -284,7 +284,11 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
       const int pid = pid_end - 1 - k;
       const ChunkPlace at = chunk_place<kCwWarps, kCwRows, kCwKeys>(p, group, pid, split, scratch);
       if (!at.valid) continue;  // uniform over the block
-      chunk_wgmma_block<T>(p, at, kv_head, split, pid, pid_count, ring);
+      // The thread's index hidden from the compiler in each pass: what derives from it is
+      // recomputed here rather than held across the loop (fewer spills).
+      int tid = threadIdx.x;
+      opaque(tid);
+      chunk_wgmma_block<T>(p, at, kv_head, split, pid, pid_count, ring, tid);
       cp_async_wait<0>();
       __syncthreads();  // the ring and Q's rows are refilled by the next query block
     }
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
     const int pid = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const ChunkPlace at = chunk_place<kCwWarps, kCwRows, kCwKeys>(p, group, pid, split, scratch);
     if (!at.valid) return;  // uniform over the block
-    chunk_wgmma_block<T>(p, at, kv_head, split, pid, gridDim.x, ring);
+    chunk_wgmma_block<T>(p, at, kv_head, split, pid, gridDim.x, ring, threadIdx.x);
   }
 }
 

@@ -421,8 +421,9 @@ def paged_attention(
 
     # Prompt steps of few sequences take the warpgroup prompt-chunk kernel where the device
     # has it: in one pass where the query tiles fill the GPU (a prompt from scratch, a few
-    # hundred tokens after a cached prefix), else (a prefix-cache hit's short chunk) with
-    # the context split, given the counters for the split combine.
+    # hundred tokens after a cached prefix); a shorter chunk (a prefix-cache hit's) with
+    # the context split where CHUNK_WGMMA_MAX_SPLITS allows and the counters for the
+    # split combine are given, else with Triton's split kernel.
     if (
         num_seqs <= CHUNK_WGMMA_MAX_SEQS and (max_query_len is None or max_query_len > 1)
         and sliding_window is None and head_dim == _CHUNK_WGMMA_HEAD_DIM
@@ -491,8 +492,14 @@ CHUNK_WGMMA_MIN_BLOCKS = 64
 
 
 # A short chunk on the warpgroup kernel splits the context so that its blocks (query
-# blocks x kv heads x splits) about fill the GPU once, at most this many ways.
-CHUNK_WGMMA_MAX_SPLITS = 8
+# blocks x kv heads x splits) about fill the GPU once, at most this many ways; 1 keeps
+# such chunks on Triton's split kernel. The split passes now take the query blocks in
+# turn from about one block an SM (chunk_attention_wgmma.cuh), which removes what made
+# them slower than one pass on the H200 (a block launch per empty sequence slot of the
+# graph), but they have not been timed on the H200 in that form, so the route stays off
+# until `tests/gpu/check_csrc_ops.py --chunk-only` shows them ahead of Triton (its
+# "csrc1 N" columns; docs/BENCHMARKS.md). The engine passes the split counters already.
+CHUNK_WGMMA_MAX_SPLITS = 1
 
 
 def _chunk_wgmma_splits(blocks: int, device: torch.device) -> int:
