@@ -498,8 +498,22 @@ CHUNK_WGMMA_MIN_BLOCKS = 64
 # them slower than one pass on the H200 (a block launch per empty sequence slot of the
 # graph), but they have not been timed on the H200 in that form, so the route stays off
 # until `tests/gpu/check_csrc_ops.py --chunk-only` shows them ahead of Triton (its
-# "csrc1 N" columns; docs/BENCHMARKS.md). The engine passes the split counters already.
-CHUNK_WGMMA_MAX_SPLITS = 1
+# "csrc1 N" columns; docs/BENCHMARKS.md). The engine passes the split counters already;
+# ASYNCGEN_CHUNK_WGMMA_SPLITS=N in the environment at import sets the value (1-16).
+def _max_splits_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 16:
+        raise ValueError(f"{name} must be an integer from 1 to 16, got {raw!r}")
+    return value
+
+
+CHUNK_WGMMA_MAX_SPLITS = _max_splits_from_env("ASYNCGEN_CHUNK_WGMMA_SPLITS", 1)
 
 
 def _chunk_wgmma_splits(blocks: int, device: torch.device) -> int:
