@@ -364,7 +364,8 @@ def paged_attention(
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
     host sync. ``split_counters`` (int32 zeros, left at zero) lets a short prompt chunk
-    split its context on the warpgroup kernel (else it runs Triton's split kernel).
+    split its context on the warpgroup kernel where ``CHUNK_WGMMA_MAX_SPLITS`` allows it
+    (else it runs Triton's split kernel).
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -521,12 +522,17 @@ def _chunk_wgmma_splits(blocks: int, device: torch.device) -> int:
 
 
 def _counters_fit(counters: torch.Tensor | None, needed: int, device: torch.device) -> bool:
-    """Whether ``counters`` can serve as a kernel's split counters: int32, 1-d,
-    contiguous, on ``device``, with at least ``needed`` entries."""
+    """Whether ``counters`` can serve as a kernel's split counters: on ``device``, with at
+    least ``needed`` entries, of the layout the kernels take (``_counter_layout``)."""
     return (
-        isinstance(counters, torch.Tensor) and counters.dtype == torch.int32 and counters.dim() == 1
-        and counters.is_contiguous() and counters.device == device and counters.numel() >= needed
+        isinstance(counters, torch.Tensor) and _counter_layout(counters) and counters.device == device
+        and counters.numel() >= needed
     )
+
+
+def _counter_layout(counters: torch.Tensor) -> bool:
+    """Split counters as the csrc kernels index them: a contiguous 1-d int32 tensor."""
+    return counters.dtype == torch.int32 and counters.dim() == 1 and counters.is_contiguous()
 
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
@@ -579,8 +585,7 @@ def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, spli
         and slot_mapping.is_contiguous()
         and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
         and cos_sin_cache.stride(1) == 1
-        and (split_counters is None or (split_counters.dtype == torch.int32 and split_counters.dim() == 1
-                                        and split_counters.is_contiguous()))
+        and (split_counters is None or _counter_layout(split_counters))
     )
 
 

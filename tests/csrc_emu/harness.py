@@ -304,8 +304,7 @@ class Emulator:
         ``lanes``: the warpgroup kernel's blocks per kv head and split (None: what the glue
         picks on a 132-SM device). Returns False when the kernel does not take the shapes."""
         if lanes is None:
-            kv_heads = k_cache.shape[2]
-            lanes = max(1, 132 // max(1, kv_heads * num_splits)) if kernel == 1 and num_splits > 1 else 0
+            lanes = self.lib.ag_chunk_wgmma_lanes(k_cache.shape[2], num_splits, 132) if kernel == 1 else 0
         num_tokens, num_heads, head_dim = q.shape
         part_out = part_ml = None
         if num_splits > 1:
