@@ -100,10 +100,6 @@ void chunk_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   p.block_shift = shift;
   p.num_splits = static_cast<int>(num_splits);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  if (kernel == 1) {
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    p.lanes = chunk_wgmma_lanes(p.num_kv_heads, p.num_splits, num_sms);
-  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool half = q.scalar_type() == at::kHalf;
   const int hd = static_cast<int>(head_dim);

@@ -72,7 +72,7 @@ struct ChunkAttentionParams {
   const int* query_start_loc;   // [num_seqs + 1]
   float* part_out;              // [num_tokens, num_heads, num_splits, head_dim] (split only)
   float* part_ml;               // [num_tokens, num_heads, num_splits, 2]: max, sum (split only)
-  int* split_counters;          // [chunk_grid_x * num_kv_heads], 0 before and after (split only)
+  int* split_counters;          // [gridDim.x * num_kv_heads], 0 before and after (split only)
   int64_t q_stride_token, q_stride_head;
   int64_t out_stride_token, out_stride_head;
   int64_t k_stride_block, v_stride_block;
@@ -81,7 +81,6 @@ struct ChunkAttentionParams {
   int block_shift;              // block_size = 1 << block_shift
   int num_splits;               // 1: one pass
   float scale_log2;             // softmax scale * log2(e)
-  int lanes;                    // wgmma kernel: blocks a (kv head, split) takes; 0: one per query block
 };
 
 // Blocks along x for a call of a kernel with `rows` query rows a block: enough for every
@@ -133,18 +132,6 @@ AG_DEVICE ChunkPlace chunk_place(const ChunkAttentionParams& p, int group, int p
   at.tile_lo = imin(split * per_split, key_tiles);
   at.tile_hi = imin(at.tile_lo + per_split, key_tiles);
   return at;
-}
-
-// One past the last block number (as chunk_place numbers them) that holds query rows: the
-// numbers past it belong to empty sequences only. Contains __syncthreads().
-template <int WARPS>
-AG_DEVICE int chunk_pid_end(const ChunkAttentionParams& p, int tq, float* scratch) {
-  float end = 0.f;  // block numbers stay far below 2^24
-  for (int s = threadIdx.x; s < p.num_seqs; s += WARPS * kWarpSize) {
-    const int a = p.query_start_loc[s], b = p.query_start_loc[s + 1];
-    if (b > a) end = fmaxf(end, static_cast<float>(a / tq + s + ceil_div(b - a, tq)));
-  }
-  return static_cast<int>(block_max<WARPS>(end, scratch));
 }
 
 // Where a block's keys and values are: its kv head's column of the caches and its
@@ -227,7 +214,7 @@ AG_DEVICE void chunk_softmax_tile(S&& s, int key0, bool masked, int pos_lo, int 
 // a row. Call from every thread of the block (THREADS == 2 * ROWS).
 template <typename T, int HEAD_DIM, int THREADS, int ROWS, typename O>
 AG_DEVICE void chunk_finish(const ChunkAttentionParams& p, const ChunkPlace& at, int kv_head, int split, int pid,
-                            int pid_count, int row0, O&& o, ChunkRows st) {
+                            int row0, O&& o, ChunkRows st) {
   static_assert(THREADS == 2 * ROWS, "two threads a row in the combine");
   constexpr int kDimTiles = HEAD_DIM / 8;
   const int group = p.num_heads / p.num_kv_heads;
@@ -269,7 +256,7 @@ AG_DEVICE void chunk_finish(const ChunkAttentionParams& p, const ChunkPlace& at,
     }
   }
   if (splits == 1) return;
-  if (!takes_last_ticket(p.split_counters + static_cast<int64_t>(kv_head) * pid_count + pid, splits)) return;
+  if (!takes_last_ticket(p.split_counters + static_cast<int64_t>(kv_head) * gridDim.x + pid, splits)) return;
   // out = sum_z w_z o_z / sum_z w_z l_z with w_z = exp2(m_z - max m), over the splits'
   // partials (other blocks' writes, read past L1). Thread t takes half t % 2 of row t / 2,
   // with every split's loads of a step issued together.
@@ -469,7 +456,7 @@ __global__ void __launch_bounds__(kChunkThreads, kChunkMinBlocks) chunk_attentio
       __syncthreads();  // every warp is done with this stage before it is refilled
     }
   }
-  chunk_finish<T, HEAD_DIM, kChunkThreads, kChunkRows>(p, at, kv_head, split, pid, gridDim.x, row0,
+  chunk_finish<T, HEAD_DIM, kChunkThreads, kChunkRows>(p, at, kv_head, split, pid, row0,
                                                        [&](int t, int r) -> float& { return o[t][r]; }, st);
 }
 

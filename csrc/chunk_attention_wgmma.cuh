@@ -28,14 +28,9 @@
 // a branch would make the compiler wait for each as it is issued): a block whose rows fit
 // one warpgroup still runs two.
 //
-// One-pass launches number their blocks as chunk_attention.cuh does; split passes give
-// each (kv head, split) a few blocks that take its query blocks in turn (LOOPED below).
-//
 // The 128-byte swizzle: 16-byte piece j of a 128-byte row r sits at piece j ^ (r % 8);
 // groups of 8 rows are 1024 bytes apart and 1024-byte aligned.
 #pragma once
-
-#include <algorithm>
 
 #include "chunk_attention.cuh"
 #include "quant_wgmma.cuh"
@@ -58,23 +53,27 @@ constexpr int kCwQRow = kCwHeadDim + kChunkPad;    // Q staged in padded rows fo
 constexpr int kCwSmemBytes = kCwStages * kCwTileBytes + kCwRows * kCwQRow * 2 + 1024;  // + ring alignment
 static_assert(kCwSmemBytes <= 227 * 1024, "one block an SM");
 
-// One query block (pid) of one kv head and split: its key tiles, then its output or its
-// split's partials (chunk_finish). `tid` is threadIdx.x.
 template <typename T>
-AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace& at, int kv_head, int split,
-                                 int pid, int pid_count, unsigned char* ring, int tid) {
+__global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(const ChunkAttentionParams p) {
   constexpr int HEAD_DIM = kCwHeadDim;
   constexpr int kPieces = HEAD_DIM / 8;                     // 16-byte pieces of a key row
   constexpr int kLoads = kCwKeys * kPieces / kCwThreads;    // key rows a thread copies a tile
   constexpr int kRowStep = kCwThreads / kPieces;
   static_assert(kRowStep % 8 == 0, "a thread's rows share their swizzle phase");
   constexpr int kAhead = kCwStages - 1;                     // tiles requested beyond the one computed
+  AG_DYNAMIC_SMEM(smem_raw);
+  unsigned char* ring = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
   T* q_s = reinterpret_cast<T*>(ring + kCwStages * kCwTileBytes);  // [kCwRows][kCwQRow]
+  __shared__ float scratch[kCwWarps];
+
   const int group = p.num_heads / p.num_kv_heads;
+  const int pid = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  const ChunkPlace at = chunk_place<kCwWarps, kCwRows, kCwKeys>(p, group, pid, split, scratch);
+  if (!at.valid) return;  // uniform over the block
   const int rows = at.rows, first_pos = at.first_pos, kv_end = at.kv_end;
   const int tile_lo = at.tile_lo, tile_hi = at.tile_hi;
 
-  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int g = lane / 4;
   const int row0 = 16 * warp;                // the warp's rows of the block
   const int warp_first_pos = first_pos + row0 / group;
@@ -90,7 +89,7 @@ AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace
   // starts on a cache block boundary (block_size <= 64, both powers of two), so a row keeps
   // its slot in the block from tile to tile; all of a thread's rows have the swizzle phase
   // of the first.
-  const int piece = tid % kPieces, j0 = tid / kPieces;
+  const int piece = threadIdx.x % kPieces, j0 = threadIdx.x / kPieces;
   const int dst0 = (piece / 8) * kCwHalfBytes + j0 * 128 + 16 * ((piece % 8) ^ (j0 % 8));
   int slot_off[kLoads];
 #pragma unroll
@@ -125,7 +124,7 @@ AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace
   if (tile_lo < tile_hi) {
     // Q (commit group 0), then the first kAhead tiles (groups 1 .. kAhead), their block ids
     // read together first.
-    for (int i = tid; i < kCwRows * kPieces; i += kCwThreads) {
+    for (int i = threadIdx.x; i < kCwRows * kPieces; i += kCwThreads) {
       const int r = i / kPieces, pc = i % kPieces;
       const bool ok = r < rows;
       const int64_t token = at.q_start + at.q_tile * at.tq + (ok ? r / group : 0);
@@ -256,48 +255,8 @@ AG_DEVICE void chunk_wgmma_block(const ChunkAttentionParams& p, const ChunkPlace
       wait_all();
     }
   }
-  chunk_finish<T, HEAD_DIM, kCwThreads, kCwRows>(p, at, kv_head, split, pid, pid_count, row0,
-                                                 [&](int t, int r) -> float& { return o[t / 8][4 * (t % 8) + r]; },
-                                                 st);
-}
-
-// LOOPED false: block (pid, kv head, split) of a grid numbered as chunk_place numbers the
-// query blocks, the surplus ones exiting. LOOPED true (the split passes): block (kv head,
-// split, lane) takes the query blocks pid_end - 1 - lane, then every lanes-th before it
-// (the last, longest query tiles of a sequence first), so that a graph's empty sequence
-// slots cost no block launches. The loop costs registers: built with it (nvcc 13.0,
-// sm_90a), the kernel holds 255 and spills a few values in the tile loop (104 bytes
-// stored, 176 loaded), where without it it holds 217 and spills none, so one-pass
-// launches keep the grid.
-template <typename T, bool LOOPED>
-__global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(const ChunkAttentionParams p) {
-  AG_DYNAMIC_SMEM(smem_raw);
-  unsigned char* ring = smem_raw + (1024 - smem_address(smem_raw) % 1024) % 1024;
-  __shared__ float scratch[kCwWarps];
-  const int group = p.num_heads / p.num_kv_heads;
-  if constexpr (LOOPED) {
-    const int kv_head = blockIdx.x, split = blockIdx.y;
-    const int pid_count = chunk_grid_x(p.num_tokens, p.num_seqs, group, kCwRows);
-    const int pid_end = chunk_pid_end<kCwWarps>(p, kCwRows / group, scratch);
-#pragma unroll 1
-    for (int k = blockIdx.z; k < pid_end; k += gridDim.z) {
-      const int pid = pid_end - 1 - k;
-      const ChunkPlace at = chunk_place<kCwWarps, kCwRows, kCwKeys>(p, group, pid, split, scratch);
-      if (!at.valid) continue;  // uniform over the block
-      // The thread's index hidden from the compiler in each pass: what derives from it is
-      // recomputed here rather than held across the loop (fewer spills).
-      int tid = threadIdx.x;
-      opaque(tid);
-      chunk_wgmma_block<T>(p, at, kv_head, split, pid, pid_count, ring, tid);
-      cp_async_wait<0>();
-      __syncthreads();  // the ring and Q's rows are refilled by the next query block
-    }
-  } else {
-    const int pid = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-    const ChunkPlace at = chunk_place<kCwWarps, kCwRows, kCwKeys>(p, group, pid, split, scratch);
-    if (!at.valid) return;  // uniform over the block
-    chunk_wgmma_block<T>(p, at, kv_head, split, pid, gridDim.x, ring, threadIdx.x);
-  }
+  chunk_finish<T, HEAD_DIM, kCwThreads, kCwRows>(
+      p, at, kv_head, split, pid, row0, [&](int t, int r) -> float& { return o[t / 8][4 * (t % 8) + r]; }, st);
 }
 
 // Whether the warpgroup kernel takes these shapes: a build with it (kWgmmaBuilt; the
@@ -308,33 +267,16 @@ inline bool chunk_attention_wgmma_supported(int head_dim, int group, int num_spl
          block_shift >= 0 && (1 << block_shift) <= kCwKeys;
 }
 
-// Blocks along z (lanes) for each (kv head, split), for ChunkAttentionParams::lanes. One
-// pass: a block per query block, as many as the grid's numbering holds (0). With splits
-// (a short chunk over a long context, where the real query blocks are few and most of a
-// graph's numbers belong to empty sequence slots): about one block an SM, each taking
-// query blocks in turn, so that the empty slots cost no block launches.
-inline int chunk_wgmma_lanes(int num_kv_heads, int num_splits, int num_sms) {
-  return num_splits > 1 ? std::max(1, num_sms / std::max(1, num_kv_heads * num_splits)) : 0;
-}
-
 // Returns false when the kernel does not take the shapes.
 template <typename T>
 bool launch_chunk_attention_wgmma(const ChunkAttentionParams& p, int head_dim, cudaStream_t stream) {
   const int group = p.num_kv_heads > 0 ? p.num_heads / p.num_kv_heads : 0;
   if (!chunk_attention_wgmma_supported(head_dim, group, p.num_splits, p.block_shift)) return false;
   if (p.num_tokens == 0 || p.num_seqs == 0) return true;
-  const int pid_count = chunk_grid_x(p.num_tokens, p.num_seqs, group, kCwRows);
-  if (p.lanes > 0) {
-    void (*kernel)(const ChunkAttentionParams) = chunk_attention_wgmma_kernel<T, true>;
-    allow_dynamic_smem<chunk_attention_wgmma_kernel<T, true>>(kCwSmemBytes);
-    const dim3 grid(p.num_kv_heads, p.num_splits, std::min(std::min(p.lanes, pid_count), 65535));
-    AG_LAUNCH_KERNEL(kernel, grid, dim3(kCwThreads), kCwSmemBytes, stream, p);
-  } else {
-    void (*kernel)(const ChunkAttentionParams) = chunk_attention_wgmma_kernel<T, false>;
-    allow_dynamic_smem<chunk_attention_wgmma_kernel<T, false>>(kCwSmemBytes);
-    const dim3 grid(pid_count, p.num_kv_heads, p.num_splits);
-    AG_LAUNCH_KERNEL(kernel, grid, dim3(kCwThreads), kCwSmemBytes, stream, p);
-  }
+  void (*kernel)(const ChunkAttentionParams) = chunk_attention_wgmma_kernel<T>;
+  allow_dynamic_smem<chunk_attention_wgmma_kernel<T>>(kCwSmemBytes);
+  const dim3 grid(chunk_grid_x(p.num_tokens, p.num_seqs, group, kCwRows), p.num_kv_heads, p.num_splits);
+  AG_LAUNCH_KERNEL(kernel, grid, dim3(kCwThreads), kCwSmemBytes, stream, p);
   return true;
 }
 

@@ -15,7 +15,7 @@ from asyncgen._ops import cuda_backend, triton_backend
 @pytest.fixture
 def calls(monkeypatch):
     """The chunk_attention calls (num_splits, kernel, counters given) and Triton's, made
-    by the backend for a device that has the warpgroup kernel and 132 SMs."""
+    by the backend for a device that has the warpgroup kernel."""
     record = []
 
     def chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, counters, scale,
@@ -31,7 +31,6 @@ def calls(monkeypatch):
     monkeypatch.setattr(triton_backend, "ops", lambda: types.SimpleNamespace(paged_attention=triton_attention))
     monkeypatch.setattr(cuda_backend, "has_wgmma", lambda device: True)
     monkeypatch.setattr(cuda_backend, "_chunk_supported", lambda *args: True)
-    monkeypatch.setattr(cuda_backend, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(cuda_backend, "_check_same_cuda_device", lambda **tensors: None)
     return record
 
@@ -48,8 +47,8 @@ def prompt_step(num_tokens, seqs=8, heads=32, kv_heads=32):
     return q, cache, cache.clone(), tables, seq_lens, starts
 
 
-def attend(step, **kwargs):
-    cuda_backend.paged_attention(*step, 0.1, max_query_len=step[0].shape[0], max_seq_len=4096, **kwargs)
+def attend(step):
+    cuda_backend.paged_attention(*step, 0.1, max_query_len=step[0].shape[0], max_seq_len=4096)
 
 
 def test_a_prompt_that_fills_the_gpu_takes_the_warpgroup_kernel_in_one_pass(calls):
@@ -57,38 +56,20 @@ def test_a_prompt_that_fills_the_gpu_takes_the_warpgroup_kernel_in_one_pass(call
     assert calls == [("csrc", 1, 1, False)]
 
 
-def test_a_short_chunk_stays_with_triton_while_the_split_route_is_off(calls, monkeypatch):
-    monkeypatch.setattr(cuda_backend, "CHUNK_WGMMA_MAX_SPLITS", 1)
-    attend(prompt_step(80), split_counters=torch.zeros(8 * 32, dtype=torch.int32))
+@pytest.mark.parametrize("tokens, kv_heads", [(80, 32), (224, 8), (112, 4)])
+def test_a_chunk_with_too_few_query_blocks_stays_with_triton(calls, tokens, kv_heads):
+    # Under 64 (query blocks x kv heads): a prefix-cache hit's 80 tokens at 32 kv heads
+    # are 32 blocks; a block holds 32 tokens at 4 query heads a kv head, 16 at 8.
+    attend(prompt_step(tokens, kv_heads=kv_heads))
     assert calls == [("triton",)]
 
 
-@pytest.mark.parametrize("tokens, kv_heads, splits", [(80, 32, 4), (80, 8, 5), (40, 4, 8)])
-def test_a_short_chunk_splits_its_context_on_the_warpgroup_kernel_where_allowed(calls, monkeypatch, tokens,
-                                                                                 kv_heads, splits):
-    # 132 SMs over (query blocks x kv heads) blocks, at most CHUNK_WGMMA_MAX_SPLITS ways.
-    monkeypatch.setattr(cuda_backend, "CHUNK_WGMMA_MAX_SPLITS", 8)
-    attend(prompt_step(tokens, kv_heads=kv_heads), split_counters=torch.zeros(1024, dtype=torch.int32))
-    assert calls == [("csrc", splits, 1, True)]
+def test_a_step_of_many_sequences_takes_the_mma_sync_kernel(calls):
+    attend(prompt_step(80, seqs=9))
+    assert calls == [("csrc", 1, 0, False)]
 
 
-@pytest.mark.parametrize("counters", [None, torch.zeros(8 * 32 - 1, dtype=torch.int32),
-                                      torch.zeros(8 * 32, dtype=torch.int64)], ids=["none", "short", "int64"])
-def test_a_short_chunk_without_usable_counters_stays_with_triton(calls, monkeypatch, counters):
-    # The 80-token graph with 8 slots numbers 8 query blocks a kv head: 256 counters.
-    monkeypatch.setattr(cuda_backend, "CHUNK_WGMMA_MAX_SPLITS", 8)
-    attend(prompt_step(80), split_counters=counters)
+def test_a_sliding_window_stays_with_triton(calls):
+    step = prompt_step(1152)
+    cuda_backend.paged_attention(*step, 0.1, 256, max_query_len=1152, max_seq_len=4096)
     assert calls == [("triton",)]
-
-
-@pytest.mark.parametrize("raw, value", [("", 1), ("4", 4), (" 16 ", 16)])
-def test_the_split_route_switch_reads_the_environment(monkeypatch, raw, value):
-    monkeypatch.setenv("ASYNCGEN_CHUNK_WGMMA_SPLITS", raw)
-    assert cuda_backend._max_splits_from_env("ASYNCGEN_CHUNK_WGMMA_SPLITS", 1) == value
-
-
-@pytest.mark.parametrize("raw", ["0", "17", "four"])
-def test_a_bad_split_route_switch_is_named(monkeypatch, raw):
-    monkeypatch.setenv("ASYNCGEN_CHUNK_WGMMA_SPLITS", raw)
-    with pytest.raises(ValueError, match="ASYNCGEN_CHUNK_WGMMA_SPLITS"):
-        cuda_backend._max_splits_from_env("ASYNCGEN_CHUNK_WGMMA_SPLITS", 1)

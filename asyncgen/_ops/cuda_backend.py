@@ -59,7 +59,7 @@ from types import ModuleType
 
 import torch
 
-from . import Ops
+from . import Ops, compose_rotary_attention
 
 __all__ = [
     "GEMV_MAX_ROWS", "GEMV_WARPS_PER_ROW", "choose_dense_gemv", "graph_time_ms", "dense_gemv",
@@ -355,7 +355,6 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys and values; see
     the reference. Returns ``out`` (allocated when not given) of q's shape and dtype.
@@ -363,9 +362,7 @@ def paged_attention(
     ``max_query_len`` (the largest query count of any sequence; 1 = decode-only) and
     ``max_seq_len`` (an upper bound on ``seq_lens``) pick the kernel and its launch
     configuration without reading the device; either one left out is computed with a
-    host sync. ``split_counters`` (int32 zeros, left at zero) lets a short prompt chunk
-    split its context on the warpgroup kernel where ``CHUNK_WGMMA_MAX_SPLITS`` allows it
-    (else it runs Triton's split kernel).
+    host sync.
     """
     _check_tensor("q", q, 3, _FLOAT_DTYPES)
     _check_tensor("k_cache", k_cache, 4, (q.dtype,))
@@ -420,29 +417,20 @@ def paged_attention(
         )
         return out
 
-    # Prompt steps of few sequences take the warpgroup prompt-chunk kernel where the device
-    # has it: in one pass where the query tiles fill the GPU (a prompt from scratch, a few
-    # hundred tokens after a cached prefix); a shorter chunk (a prefix-cache hit's) with
-    # the context split where CHUNK_WGMMA_MAX_SPLITS allows and the counters for the
-    # split combine are given, else with Triton's split kernel.
+    # Prompt steps of few sequences with query tiles enough to fill the GPU (a prompt from
+    # scratch, a few hundred tokens after a cached prefix) take the warpgroup prompt-chunk
+    # kernel where the device has it; shorter chunks stay with Triton's split kernel.
     if (
         num_seqs <= CHUNK_WGMMA_MAX_SEQS and (max_query_len is None or max_query_len > 1)
         and sliding_window is None and head_dim == _CHUNK_WGMMA_HEAD_DIM
+        and -(-num_tokens // (_CHUNK_WGMMA_ROWS // (num_heads // num_kv_heads))) * num_kv_heads
+        >= CHUNK_WGMMA_MIN_BLOCKS
         and has_wgmma(q.device)
         and _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     ):
-        tokens_per_block = _CHUNK_WGMMA_ROWS // (num_heads // num_kv_heads)
-        blocks = -(-num_tokens // tokens_per_block) * num_kv_heads
-        if blocks >= CHUNK_WGMMA_MIN_BLOCKS:
-            torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                 None, float(scale), 1, 1)
-            return out
-        splits = _chunk_wgmma_splits(blocks, q.device)
-        if splits > 1 and _counters_fit(split_counters, (num_tokens // tokens_per_block + num_seqs) * num_kv_heads,
-                                        q.device):
-            torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                 split_counters, float(scale), splits, 1)
-            return out
+        torch.ops.asyncgen_C.chunk_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             None, float(scale), 1, 1)
+        return out
 
     # Batches of many sequences (a prompt chunk among decodes, prompt graphs with a slot per
     # sequence) take the csrc prompt-chunk kernel. Decode-only batches the decode kernel
@@ -490,49 +478,6 @@ _CHUNK_WGMMA_HEAD_DIM = 128
 _CHUNK_WGMMA_ROWS = 128
 CHUNK_WGMMA_MAX_SEQS = 8
 CHUNK_WGMMA_MIN_BLOCKS = 64
-
-
-# A short chunk on the warpgroup kernel splits the context so that its blocks (query
-# blocks x kv heads x splits) about fill the GPU once, at most this many ways; 1 keeps
-# such chunks on Triton's split kernel. The split passes now take the query blocks in
-# turn from about one block an SM (chunk_attention_wgmma.cuh), which removes what made
-# them slower than one pass on the H200 (a block launch per empty sequence slot of the
-# graph), but they have not been timed on the H200 in that form, so the route stays off
-# until `tests/gpu/check_csrc_ops.py --chunk-only` shows them ahead of Triton (its
-# "csrc1 N" columns; docs/BENCHMARKS.md). The engine passes the split counters already;
-# ASYNCGEN_CHUNK_WGMMA_SPLITS=N in the environment at import sets the value (1-16).
-def _max_splits_from_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 16:
-        raise ValueError(f"{name} must be an integer from 1 to 16, got {raw!r}")
-    return value
-
-
-CHUNK_WGMMA_MAX_SPLITS = _max_splits_from_env("ASYNCGEN_CHUNK_WGMMA_SPLITS", 1)
-
-
-def _chunk_wgmma_splits(blocks: int, device: torch.device) -> int:
-    return max(1, min(CHUNK_WGMMA_MAX_SPLITS, _multiprocessor_count(device) // max(blocks, 1)))
-
-
-def _counters_fit(counters: torch.Tensor | None, needed: int, device: torch.device) -> bool:
-    """Whether ``counters`` can serve as a kernel's split counters: on ``device``, with at
-    least ``needed`` entries, of the layout the kernels take (``_counter_layout``)."""
-    return (
-        isinstance(counters, torch.Tensor) and _counter_layout(counters) and counters.device == device
-        and counters.numel() >= needed
-    )
-
-
-def _counter_layout(counters: torch.Tensor) -> bool:
-    """Split counters as the csrc kernels index them: a contiguous 1-d int32 tensor."""
-    return counters.dtype == torch.int32 and counters.dim() == 1 and counters.is_contiguous()
 
 
 def _chunk_supported(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out) -> bool:
@@ -585,8 +530,13 @@ def _rotary_decode_fusable(positions, q, k, v, cos_sin_cache, slot_mapping, spli
         and slot_mapping.is_contiguous()
         and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
         and cos_sin_cache.stride(1) == 1
-        and (split_counters is None or _counter_layout(split_counters))
+        and (split_counters is None or (split_counters.dtype == torch.int32 and split_counters.dim() == 1
+                                        and split_counters.is_contiguous()))
     )
+
+
+# What rotary_attention runs where the fused decode kernel does not take the call.
+_rotary_store_then_attention = compose_rotary_attention(rotary_store_kv, paged_attention)
 
 
 def rotary_attention(
@@ -647,9 +597,10 @@ def rotary_attention(
             split_counters, float(scale), max_seq_len, sliding_window or 0,
         )
         return out
-    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                           max_query_len=max_query_len, max_seq_len=max_seq_len, split_counters=split_counters)
+    return _rotary_store_then_attention(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+        scale, sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )
 
 
 def _decode_supported(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

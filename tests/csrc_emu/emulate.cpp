@@ -108,9 +108,6 @@ int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }
 int ag_sizeof_chunk_params() { return sizeof(ChunkAttentionParams); }
-int ag_chunk_wgmma_lanes(int num_kv_heads, int num_splits, int num_sms) {
-  return asyncgen::chunk_wgmma_lanes(num_kv_heads, num_splits, num_sms);
-}
 int ag_sizeof_store_params() { return sizeof(StoreKVParams); }
 int ag_sizeof_rotary_store_params() { return sizeof(RotaryStoreParams); }
 

@@ -91,7 +91,6 @@ class ChunkAttentionParams(ctypes.Structure):
         ("block_shift", ctypes.c_int),
         ("num_splits", ctypes.c_int),
         ("scale_log2", ctypes.c_float),
-        ("lanes", ctypes.c_int),
     ]
 
 
@@ -297,14 +296,11 @@ class Emulator:
         return count
 
     def chunk_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                        num_splits=1, split_counters=None, reverse_blocks=False, kernel=0, lanes=None):
+                        num_splits=1, split_counters=None, reverse_blocks=False, kernel=0):
         """The prompt-chunk attention kernel (chunk_attention.cuh; ``kernel=1``: the
         warpgroup one, chunk_attention_wgmma.cuh) into ``out``, with the glue's scratch
         buffers; ``split_counters`` (int32 zeros) is required for ``num_splits > 1``.
-        ``lanes``: the warpgroup kernel's blocks per kv head and split (None: what the glue
-        picks on a 132-SM device). Returns False when the kernel does not take the shapes."""
-        if lanes is None:
-            lanes = self.lib.ag_chunk_wgmma_lanes(k_cache.shape[2], num_splits, 132) if kernel == 1 else 0
+        Returns False when the kernel does not take the shapes."""
         num_tokens, num_heads, head_dim = q.shape
         part_out = part_ml = None
         if num_splits > 1:
@@ -316,7 +312,7 @@ class Emulator:
             _ptr(query_start_loc), _ptr(part_out), _ptr(part_ml), _ptr(split_counters),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), v_cache.stride(0),
             block_tables.stride(0), num_tokens, seq_lens.shape[0], num_heads, k_cache.shape[2],
-            k_cache.shape[1].bit_length() - 1, num_splits, scale * 1.4426950408889634, lanes,
+            k_cache.shape[1].bit_length() - 1, num_splits, scale * 1.4426950408889634,
         )
         self.lib.ag_set_reverse_blocks(int(reverse_blocks))
         try:

@@ -23,7 +23,6 @@ Exits 1 on any mismatch, 2 when the extension is not built.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 import traceback
@@ -655,18 +654,6 @@ def _chunk_op(c, out, splits, counters, kernel=0):
     return out
 
 
-@contextlib.contextmanager
-def _wgmma_max_splits(value):
-    """cuda_backend.CHUNK_WGMMA_MAX_SPLITS set to ``value`` (None: left as it is)."""
-    saved = cuda_backend.CHUNK_WGMMA_MAX_SPLITS
-    if value is not None:
-        cuda_backend.CHUNK_WGMMA_MAX_SPLITS = value
-    try:
-        yield
-    finally:
-        cuda_backend.CHUNK_WGMMA_MAX_SPLITS = saved
-
-
 def _chunk_kernels(head_dim):
     """The kernels that take head_dim here: 0 (mma.sync), and 1 (wgmma) on sm_90."""
     return (0, 1) if head_dim == 128 and cuda_backend.has_wgmma(DEVICE) else (0,)
@@ -693,18 +680,13 @@ def check_chunk_attention() -> None:
                     err = relative_error(out, ref)
                     check(f"chunk kernel {kernel} {str(dtype)[6:]} seqs={len(seqs)} H={h} KVH={kvh} D={d} bs={bs} "
                           f"splits={splits}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
-            # Through the backend's routing, with the engine's hints and split counters, as
-            # it is and with short chunks split on the warpgroup kernel.
-            for max_splits in (None, 8):
-                with _wgmma_max_splits(max_splits):
-                    out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                                       c.query_start_loc, c.scale,
-                                                       max_query_len=max(q for q, _ in seqs),
-                                                       max_seq_len=max(q + k for q, k in seqs),
-                                                       split_counters=counters)
-                err = relative_error(out, ref)
-                check(f"chunk routed{'' if max_splits is None else f' (wgmma splits <= {max_splits})'} "
-                      f"{str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype], f"rel err {err:.2e}")
+            # Through the backend's routing, with the engine's hints.
+            out = cuda_backend.paged_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
+                                               c.query_start_loc, c.scale, max_query_len=max(q for q, _ in seqs),
+                                               max_seq_len=max(q + k for q, k in seqs))
+            err = relative_error(out, ref)
+            check(f"chunk routed {str(dtype)[6:]} seqs={len(seqs)} H={h} D={d}", err < TOLERANCE[dtype],
+                  f"rel err {err:.2e}")
     check("chunk counters left at zero", int(counters.abs().sum()) == 0)
 
     # Captured once, replayed with other lengths (as a prompt graph is).
@@ -742,14 +724,10 @@ def bench_chunk_attention(copies: int = 8) -> None:
         row["triton"] = 1e3 * cuda_backend.graph_time_ms(
             lambda co: tri(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables, co[0].seq_lens,
                            co[0].query_start_loc, co[0].scale, None, co[1], **hints), list(zip(cases, outs)), passes=5)
-        for label, max_splits in (("routed", None), ("routed, wgmma splits <= 8", 8)):
-            with _wgmma_max_splits(max_splits):
-                row[label] = 1e3 * cuda_backend.graph_time_ms(
-                    lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache,
-                                                            co[0].block_tables, co[0].seq_lens,
-                                                            co[0].query_start_loc, co[0].scale, None, co[1],
-                                                            **hints, split_counters=counters),
-                    list(zip(cases, outs)), passes=5)
+        row["routed"] = 1e3 * cuda_backend.graph_time_ms(
+            lambda co: cuda_backend.paged_attention(co[0].q, co[0].k_cache, co[0].v_cache, co[0].block_tables,
+                                                    co[0].seq_lens, co[0].query_start_loc, co[0].scale, None, co[1],
+                                                    **hints), list(zip(cases, outs)), passes=5)
         for kernel in _chunk_kernels(d):
             for splits in (1, 2, 4, 8, 16):
                 row[f"csrc{kernel} {splits}"] = 1e3 * cuda_backend.graph_time_ms(
