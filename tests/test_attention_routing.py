@@ -51,8 +51,10 @@ def attend(step):
     cuda_backend.paged_attention(*step, 0.1, max_query_len=step[0].shape[0], max_seq_len=4096)
 
 
-def test_a_prompt_that_fills_the_gpu_takes_the_warpgroup_kernel_in_one_pass(calls):
-    attend(prompt_step(1152))  # 9 query blocks x 32 kv heads
+@pytest.mark.parametrize("tokens, kv_heads", [(1152, 32), (256, 8)])
+def test_a_prompt_that_fills_the_gpu_takes_the_warpgroup_kernel_in_one_pass(calls, tokens, kv_heads):
+    # 9 query blocks x 32 kv heads; 8 blocks of 32 tokens x 8 kv heads, the least it takes.
+    attend(prompt_step(tokens, kv_heads=kv_heads))
     assert calls == [("csrc", 1, 1, False)]
 
 
