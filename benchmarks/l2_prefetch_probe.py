@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from csrc_emu.cases import make_chunk_case  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chunk_split_profile import SHAPES, cases  # noqa: E402
 
 from asyncgen._ops import cuda_backend, triton_backend  # noqa: E402
 
@@ -62,16 +61,11 @@ def main() -> None:
     parser.add_argument("--programs", type=int, nargs="+", default=[16, 32, 66])
     parser.add_argument("--fraction", type=float, nargs="+", default=[0.5, 1.0])
     args = parser.parse_args()
-    seqs = [(78, 992), (2, 0)] + [(0, 0)] * 6
-    layers = []
-    for i in range(LAYERS):
-        c = make_chunk_case(seqs, num_heads=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16,
-                            seed=100 + i)
-        for name in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"):
-            setattr(c, name, getattr(c, name).cuda())
-        w = torch.randn(HIDDEN, HIDDEN, dtype=torch.float16, device="cuda") / 64
-        layers.append((c, torch.empty_like(c.q), w, torch.empty(GRAPH_TOKENS, HIDDEN, dtype=torch.float16,
-                                                                device="cuda")))
+    layers = [
+        (c, out, torch.randn(HIDDEN, HIDDEN, dtype=torch.float16, device="cuda") / 64,
+         torch.empty(GRAPH_TOKENS, HIDDEN, dtype=torch.float16, device="cuda"))
+        for c, out in cases(SHAPES["78/992"], LAYERS)
+    ]
     attention = triton_backend.ops().paged_attention
     sink = torch.zeros(1024, dtype=torch.float32, device="cuda")
     side = torch.cuda.Stream()
