@@ -157,12 +157,19 @@ struct ChunkRows {
 };
 
 // One key tile's online softmax over S in mma.sync's accumulator layout: s(nt, r) is row g
-// (r < 2) or g + 8, key key0 + 8 nt + 2c + r % 2. Scales S to base 2, masks keys past each
-// row's position when `masked`, replaces S by P = exp2(S - new max) and returns the factors
-// by which the output rows' earlier sums must be scaled.
+// (r < 2) or g + 8, key key0 + 8 nt + 2c + r % 2. In two phases, so that a caller can
+// act between them (the warpgroup kernel rescales its output and issues the next tile's
+// product there):
+//
+// chunk_softmax_max scales S to base 2, masks keys past each row's position when
+// `masked`, and moves each row's running max to the tile's max where that is more than
+// `slack` above it (0: every rise), returning the base the exponentials are taken from
+// and the factors alpha by which the rows' earlier sums and outputs must be scaled: 1
+// exactly where the max stayed. With slack > 0 a row's P values stay below 2^slack.
+// chunk_softmax_exp replaces S by P = exp2(S - base) and adds P's row sums.
 template <int KEY_TILES, typename S>
-AG_DEVICE void chunk_softmax_tile(S&& s, int key0, bool masked, int pos_lo, int pos_hi, float scale_log2,
-                                  ChunkRows& st, float& alpha_lo, float& alpha_hi) {
+AG_DEVICE void chunk_softmax_max(S&& s, int key0, bool masked, int pos_lo, int pos_hi, float scale_log2, float slack,
+                                 ChunkRows& st, float& base_lo, float& base_hi, float& alpha_lo, float& alpha_hi) {
   const int c = threadIdx.x % kWarpSize % 4;
   float top_lo = -INFINITY, top_hi = -INFINITY;
 #pragma unroll
@@ -182,14 +189,21 @@ AG_DEVICE void chunk_softmax_tile(S&& s, int key0, bool masked, int pos_lo, int 
   top_lo = fmaxf(top_lo, __shfl_xor_sync(kFullMask, top_lo, 2));
   top_hi = fmaxf(top_hi, __shfl_xor_sync(kFullMask, top_hi, 1));
   top_hi = fmaxf(top_hi, __shfl_xor_sync(kFullMask, top_hi, 2));
-  const float new_lo = fmaxf(st.m_lo, top_lo), new_hi = fmaxf(st.m_hi, top_hi);
+  // -inf + slack stays -inf, so a row's first key always sets its max.
+  const float new_lo = top_lo > st.m_lo + slack ? top_lo : st.m_lo;
+  const float new_hi = top_hi > st.m_hi + slack ? top_hi : st.m_hi;
   // A row with nothing allowed yet keeps m = -inf: subtract 0 instead (no inf - inf).
-  const float base_lo = new_lo == -INFINITY ? 0.f : new_lo;
-  const float base_hi = new_hi == -INFINITY ? 0.f : new_hi;
-  alpha_lo = fast_exp2(st.m_lo - base_lo);
-  alpha_hi = fast_exp2(st.m_hi - base_hi);
+  base_lo = new_lo == -INFINITY ? 0.f : new_lo;
+  base_hi = new_hi == -INFINITY ? 0.f : new_hi;
+  alpha_lo = new_lo == st.m_lo ? 1.f : fast_exp2(st.m_lo - base_lo);
+  alpha_hi = new_hi == st.m_hi ? 1.f : fast_exp2(st.m_hi - base_hi);
   st.m_lo = new_lo;
   st.m_hi = new_hi;
+}
+
+template <int KEY_TILES, typename S>
+AG_DEVICE void chunk_softmax_exp(S&& s, float base_lo, float base_hi, float alpha_lo, float alpha_hi,
+                                 ChunkRows& st) {
   float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
   for (int nt = 0; nt < KEY_TILES; ++nt)
@@ -205,6 +219,16 @@ AG_DEVICE void chunk_softmax_tile(S&& s, int key0, bool masked, int pos_lo, int 
     }
   st.l_lo = st.l_lo * alpha_lo + sum_lo;
   st.l_hi = st.l_hi * alpha_hi + sum_hi;
+}
+
+// Both phases, the max following every rise: S replaced by P, the factors returned.
+template <int KEY_TILES, typename S>
+AG_DEVICE void chunk_softmax_tile(S&& s, int key0, bool masked, int pos_lo, int pos_hi, float scale_log2,
+                                  ChunkRows& st, float& alpha_lo, float& alpha_hi) {
+  float base_lo, base_hi;
+  chunk_softmax_max<KEY_TILES>(s, key0, masked, pos_lo, pos_hi, scale_log2, 0.f, st, base_lo, base_hi, alpha_lo,
+                               alpha_hi);
+  chunk_softmax_exp<KEY_TILES>(s, base_lo, base_hi, alpha_lo, alpha_hi, st);
 }
 
 // The block's output once its key tiles are done: o(t, r) is the warp's row g (r < 2) or

@@ -1,6 +1,6 @@
 // Paged attention for prompt chunks on Hopper's warpgroup tensor cores (wgmma, sm_90a),
 // head_dim 128: the semantics, layouts, block numbering, split-K and combine of
-// chunk_attention.cuh, whose pieces (chunk_place, chunk_softmax_tile, chunk_finish) it
+// chunk_attention.cuh, whose pieces (chunk_place, the softmax phases, chunk_finish) it
 // shares.
 //
 // The mma.sync kernel loses to Triton where few sequences carry a short chunk over a long
@@ -13,24 +13,31 @@
 //               as mma.sync A fragments, loaded once by ldmatrix), B = the key tile in
 //               shared memory, K-major (a key's 128 dims are two 128-byte rows, one per
 //               half of the dims), 128-byte swizzle
-//   P           chunk_softmax_tile on S's accumulators, which have mma.sync's layout per
-//               warp, packed into A fragments in registers
+//   P           chunk_softmax_max / _exp on S's accumulators, which have mma.sync's layout
+//               per warp, packed into A fragments in registers
 //   O += P V    wgmma m64n64k16 x 8 (64 keys x two halves of the dims): A = P, B = the
 //               value tile, N-major (transposed: a key's dims are contiguous), the same
 //               swizzled layout as the keys
 //
-// The S of the next tile is issued before the softmax of this one, so the tensor cores
-// work while the warps compute exponentials. Keys come in tiles of 64 through a ring of
+// The S of the next tile is issued after this one's row maxima and before its
+// exponentials, so the tensor cores work while the warps compute them. The kernel is
+// bound by its warps' instruction streams (two warps a scheduler; docs/BENCHMARKS.md), so
+// a tile does no more than it must: the causal mask only in tiles that reach a row's own
+// position (a second copy of the loop runs the others), the output's rescaling only where
+// a row's running max moved, and the max moves only when a tile's exceeds it by more than
+// kCwSlack. Keys come in tiles of 64 through a ring of
 // kCwStages tiles that every thread fills with cp.async (its 16-byte pieces written at
 // their swizzled places); a tile's stage is refilled once every warpgroup's products of it
 // have completed. The block ids of a refill are read one iteration before its copies.
-// Every warpgroup computes every tile of the block's key range (a wgmma in flight across
-// a branch would make the compiler wait for each as it is issued): a block whose rows fit
-// one warpgroup still runs two.
+// Every warpgroup computes every tile of the block's key range, and no branch is taken
+// while a wgmma is in flight (the compiler would then wait for each as it is issued): a
+// block whose rows fit one warpgroup still runs two.
 //
 // The 128-byte swizzle: 16-byte piece j of a 128-byte row r sits at piece j ^ (r % 8);
 // groups of 8 rows are 1024 bytes apart and 1024-byte aligned.
 #pragma once
+
+#include <type_traits>
 
 #include "chunk_attention.cuh"
 #include "quant_wgmma.cuh"
@@ -46,6 +53,9 @@ constexpr int kCwHeadDim = 128;
 #define AG_CW_STAGES 4
 #endif
 constexpr int kCwStages = AG_CW_STAGES;
+// A row's running max moves only when a tile's max exceeds it by more than this (base 2),
+// so that the output is rescaled rarely; P stays below 2^kCwSlack, exact in fp16 and bf16.
+constexpr float kCwSlack = 8.f;
 static_assert(kCwStages >= 2, "a tile in flight beside the one computed");
 constexpr int kCwHalfBytes = kCwKeys * 128;        // 64 keys x 64 dims x 2 bytes
 constexpr int kCwTileBytes = 4 * kCwHalfBytes;     // K's two halves of the dims, then V's
@@ -149,33 +159,46 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
     const uint32_t ring_base = smem_address(ring);
     // S of the tile in `stage` into s, issued and committed, not waited for.
     const auto issue_s = [&](float (&s)[32], int stage) {
-      const uint32_t k_base = ring_base + stage * kCwTileBytes;
+      // A descriptor's address field is the byte address / 16 (14 bits; shared memory
+      // stays below 2^18 bytes), so later addresses of the tile add to the first's.
+      const uint64_t k_desc = wgmma_desc_k128(ring_base + stage * kCwTileBytes);
 #pragma unroll
       for (int r = 0; r < 32; ++r) s[r] = 0.f;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        wgmma64<T, 0>(s, qa[kk], wgmma_desc_k128(k_base + (kk / 4) * kCwHalfBytes + 32 * (kk % 4)));
+        wgmma64<T, 0>(s, qa[kk], k_desc + (((kk / 4) * kCwHalfBytes + 32 * (kk % 4)) >> 4));
       }
       wgmma_commit();
     };
-    // The softmax of S (complete) for `tile`, then O += P V issued and committed.
-    const auto softmax_pv = [&](float (&s)[32], int tile, int stage) {
+    // Tile `i` of the range, its S complete: the softmax's max phase, the output rescaled
+    // only where a row's max rose (by more than kCwSlack, so rarely after the first tiles,
+    // and before the next product is in flight: a branch with a product in flight makes
+    // the compiler wait for each one as it is issued), then `next()` (the next tile's S),
+    // the exponentials beside it, and O += P V issued and committed. MASK false (a
+    // std::integral_constant) leaves out the causal mask: for tiles every row sees whole.
+    const auto softmax_pv = [&](auto mask, float (&s)[32], int i, auto&& next) {
+      const int tile = tile_lo + i, stage = i % kCwStages;
 #pragma unroll
       for (int r = 0; r < 32; ++r) fence_register(s[r]);
-      float alpha_lo, alpha_hi;
-      chunk_softmax_tile<kCwKeys / 8>([&](int nt, int r) -> float& { return s[4 * nt + r]; }, tile * kCwKeys,
-                                      (tile + 1) * kCwKeys - 1 > warp_first_pos, pos_lo, pos_hi, p.scale_log2, st,
-                                      alpha_lo, alpha_hi);
+      const auto s_at = [&](int nt, int r) -> float& { return s[4 * nt + r]; };
+      float base_lo, base_hi, alpha_lo, alpha_hi;
+      chunk_softmax_max<kCwKeys / 8>(s_at, tile * kCwKeys,
+                                     decltype(mask)::value && (tile + 1) * kCwKeys - 1 > warp_first_pos, pos_lo,
+                                     pos_hi, p.scale_log2, kCwSlack, st, base_lo, base_hi, alpha_lo, alpha_hi);
+      if (__any_sync(kFullMask, alpha_lo != 1.f || alpha_hi != 1.f)) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          o[h][4 * n] *= alpha_lo;
-          o[h][4 * n + 1] *= alpha_lo;
-          o[h][4 * n + 2] *= alpha_hi;
-          o[h][4 * n + 3] *= alpha_hi;
-        }
+          for (int n = 0; n < 8; ++n) {
+            o[h][4 * n] *= alpha_lo;
+            o[h][4 * n + 1] *= alpha_lo;
+            o[h][4 * n + 2] *= alpha_hi;
+            o[h][4 * n + 3] *= alpha_hi;
+          }
+      }
+      next();
+      chunk_softmax_exp<kCwKeys / 8>(s_at, base_lo, base_hi, alpha_lo, alpha_hi, st);
       // P's accumulator tiles 2j, 2j + 1 are the A fragment of keys 16j .. 16j + 15.
       uint32_t pa[kCwKeys / 16][4];
 #pragma unroll
@@ -185,13 +208,13 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
         pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
         pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
       }
-      const uint32_t v_base = ring_base + stage * kCwTileBytes + 2 * kCwHalfBytes;
+      const uint64_t v_desc = wgmma_desc_mn128(ring_base + stage * kCwTileBytes + 2 * kCwHalfBytes);
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kCwKeys / 16; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          wgmma64<T, 1>(o[h], pa[j], wgmma_desc_mn128(v_base + h * kCwHalfBytes + 16 * j * 128));
+          wgmma64<T, 1>(o[h], pa[j], v_desc + ((h * kCwHalfBytes + 16 * j * 128) >> 4));
         }
       wgmma_commit();
     };
@@ -217,11 +240,10 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
         ldmatrix_x4<false>(qa[kk], q_s + (row0 + (mi % 2) * 8 + ri) * kCwQRow + 16 * kk + (mi / 2) * 8);
       }
     };
-    // S of tile i + 1 is issued before the softmax of tile i and runs beside it. Tile i + 1
-    // is waited for at iteration i: commit group i + 2 of kAhead + 1 + i. Every warpgroup
-    // computes every tile of the block's range (rows past the block's and keys past a
-    // row's are masked as always): a product in flight across a branch makes the compiler
-    // wait for each one as it is issued.
+    // S of tile i + 1 is issued in the softmax of tile i and runs beside its exponentials.
+    // Tile i + 1 is waited for at iteration i: commit group i + 2 of kAhead + 1 + i. Every
+    // warpgroup computes every tile of the block's range (rows past the block's are
+    // computed and not written; keys past a row's are masked in the masked tiles).
     static_assert(kAhead >= 2, "a tile in flight beyond the next");
     const int n = tile_hi - tile_lo;
     {  // Q (rows past the block's are zeros) and tile 0
@@ -232,25 +254,33 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
       load_q();
       issue_s(s0, 0);
       wgmma_wait<0>();
-      const auto step = [&](int i, float (&s_now)[32], float (&s_next)[32]) {
+      const auto step = [&](auto mask, int i, float (&s_now)[32], float (&s_next)[32]) {
         cp_async_wait<kAhead - 2>();
         fence_proxy_async();
         __syncthreads();  // tile i + 1 is in; every warp is done with tile i - 1
         refill(i);
-        issue_s(s_next, (i + 1) % kCwStages);
-        softmax_pv(s_now, tile_lo + i, i % kCwStages);
+        softmax_pv(mask, s_now, i, [&] { issue_s(s_next, (i + 1) % kCwStages); });
         wait_all();  // P V of tile i and S of tile i + 1
       };
+      const std::integral_constant<bool, false> whole;
+      const std::integral_constant<bool, true> masked;
+      // Tiles before plain_end end at or before the block's first position: no row of any
+      // warp needs the mask there.
+      const int plain_end = (first_pos + 1) / kCwKeys;
       int i = 0;
+      for (; i + 2 < n && tile_lo + i + 1 < plain_end; i += 2) {
+        step(whole, i, s0, s1);
+        step(whole, i + 1, s1, s0);
+      }
       for (; i + 2 < n; i += 2) {
-        step(i, s0, s1);
-        step(i + 1, s1, s0);
+        step(masked, i, s0, s1);
+        step(masked, i + 1, s1, s0);
       }
       if (i + 1 < n) {
-        step(i, s0, s1);
-        softmax_pv(s1, tile_lo + i + 1, (i + 1) % kCwStages);
+        step(masked, i, s0, s1);
+        softmax_pv(masked, s1, i + 1, [] {});
       } else {
-        softmax_pv(s0, tile_lo + i, i % kCwStages);
+        softmax_pv(masked, s0, i, [] {});
       }
       wait_all();
     }

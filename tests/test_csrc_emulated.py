@@ -685,6 +685,27 @@ def test_chunk_attention_wgmma_matches_reference(emu, shape, dtype):
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_chunk_attention_wgmma_rescales_when_a_late_key_tile_dominates(emu, num_splits, dtype):
+    # The kernel moves a row's running max only when a tile's max exceeds it by more than
+    # 8 (base 2): keys from position 200 on are scaled so that their scores jump far past
+    # the first tiles' (the output rescaled at tile 3, inside the split's range or at its
+    # start), and keys 64-127 are scaled down, so that tile 1 leaves the max alone.
+    case = make_chunk_case([(70, 250)], num_heads=2, num_kv_heads=2, head_dim=128, block_size=16, dtype=dtype,
+                           seed=11)
+    view = case.k_cache.view(-1, 2, 128)
+    for pos in range(320):
+        slot = int(case.block_tables[0, pos // 16]) * 16 + pos % 16
+        if pos >= 200:
+            view[slot] *= 12
+        elif 64 <= pos < 128:
+            view[slot] *= 0.1
+    out, ref = run_chunk(emu, case, num_splits, kernel=1)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("num_splits, reverse_blocks", [(2, False), (3, True), (8, False)])
 def test_chunk_attention_wgmma_split_combined_by_the_last_block(emu, num_splits, reverse_blocks):
     # 8 splits of a 6-tile context: two splits get no keys and must not disturb the sum.

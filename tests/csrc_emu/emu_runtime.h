@@ -292,6 +292,13 @@ T __shfl_sync(unsigned mask, T value, int source_lane, int width = 32) {
   return emu::shuffle(mask, value, width, [&](int) { return source_lane; });
 }
 
+// Whether any lane of the mask has `predicate` set (every lane gets the same answer).
+inline int __any_sync(unsigned mask, int predicate) {
+  int any = predicate != 0;
+  for (int lane_mask = 1; lane_mask < 32; lane_mask <<= 1) any |= __shfl_xor_sync(mask, any, lane_mask);
+  return any;
+}
+
 inline float __expf(float x) { return std::exp(x); }
 
 // Blocks run one at a time, so atomics and fences need no more than plain memory.
