@@ -20,9 +20,9 @@
 //               swizzled layout as the keys
 //
 // The S of the next tile is issued after this one's row maxima and before its
-// exponentials, so the tensor cores work while the warps compute them. The kernel is
-// bound by its warps' instruction streams (two warps a scheduler; docs/BENCHMARKS.md), so
-// a tile does no more than it must: the causal mask only in tiles that reach a row's own
+// exponentials, so the tensor cores work while the warps compute them. With two warps a
+// scheduler the kernel is bound by its warps' instruction streams (docs/BENCHMARKS.md),
+// so a tile does no more than it must: the causal mask only in tiles that reach a row's own
 // position (a second copy of the loop runs the others), the output's rescaling only where
 // a row's running max moved, and the max moves only when a tile's exceeds it by more than
 // kCwSlack. Keys come in tiles of 64 through a ring of
