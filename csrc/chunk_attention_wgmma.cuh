@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kCwThreads, 1) chunk_attention_wgmma_kernel(co
     // only where a row's max rose (by more than kCwSlack, so rarely after the first tiles,
     // and before the next product is in flight: a branch with a product in flight makes
     // the compiler wait for each one as it is issued), then `next()` (the next tile's S),
-    // the exponentials beside it, and O += P V issued and committed. MASK false (a
+    // the exponentials beside it, and O += P V issued and committed. `mask` false (a
     // std::integral_constant) leaves out the causal mask: for tiles every row sees whole.
     const auto softmax_pv = [&](auto mask, float (&s)[32], int i, auto&& next) {
       const int tile = tile_lo + i, stage = i % kCwStages;
