@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from csrc_emu.cases import make_chunk_case  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+from check_csrc_ops import _chunk_case, _chunk_op  # noqa: E402  (the GPU check's case builder and op call)
 
 from asyncgen._ops import cuda_backend  # noqa: E402
 
@@ -40,20 +39,16 @@ SHAPES = {
 
 
 def cases(seqs, copies: int = 8):
+    """(case on the GPU, output buffer) for each of `copies` seeds, 7B shapes, fp16."""
     out = []
     for i in range(copies):
-        c = make_chunk_case(seqs, num_heads=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16,
-                            seed=100 + i)
-        for name in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"):
-            setattr(c, name, getattr(c, name).cuda())
+        c = _chunk_case(seqs, 32, 32, 128, 16, torch.float16, 100 + i)
         out.append((c, torch.empty_like(c.q)))
     return out
 
 
 def call(item, splits: int, kernel: int, counters: torch.Tensor) -> None:
-    c, out = item
-    torch.ops.asyncgen_C.chunk_attention(out, c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                         c.query_start_loc, counters, c.scale, splits, kernel)
+    _chunk_op(item[0], item[1], splits, counters, kernel)
 
 
 def main() -> None:
