@@ -3,7 +3,8 @@
 ::
 
     AsyncGenError
-    ├── ModelLoadError                 the model directory cannot be served
+    ├── ModelLoadError                 the model cannot be served: its directory, or no
+    │   │                              device or KV-cache room for it as configured
     │   ├── ModelNotFoundError         no such directory, no config.json, hub unreachable
     │   ├── UnsupportedModelError      architecture or option asyncgen does not implement
     │   └── WeightsError               missing, mis-shaped or unreadable tensors
@@ -38,7 +39,9 @@ class AsyncGenError(Exception):
 
 
 class ModelLoadError(AsyncGenError):
-    """The model directory cannot be loaded."""
+    """The model cannot be loaded and served as configured: a problem with its directory,
+    or a device or KV-cache budget that cannot hold it (no CUDA device for
+    ``device="cuda"``, a budget without room for one KV block)."""
 
 
 class ModelNotFoundError(ModelLoadError, FileNotFoundError):

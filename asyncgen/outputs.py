@@ -151,12 +151,12 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_finished_requests: int
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # once per sequence: n times, or best_of times when larger
     num_generation_tokens: int
     kv_cache_usage: float
     num_cached_blocks: int
     prefix_cache_hit_rate: float
-    generation_tokens_per_s: float  # over the last few seconds
+    generation_tokens_per_s: float  # over the last 10 seconds
     gpu_memory_allocated_bytes: Optional[int] = None
     gpu_memory_total_bytes: Optional[int] = None
     gpu_utilization: Optional[float] = None  # percent, where NVML is available

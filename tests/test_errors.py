@@ -14,6 +14,7 @@ from asyncgen import (
     EngineDeadError,
     EngineStateError,
     InvalidRequestError,
+    ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
     SamplingParams,
@@ -83,6 +84,23 @@ def _rewrite_weights(src, dst, edit):
     edit(tensors)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def test_cuda_without_a_gpu_fails_at_the_call(tiny_llama, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelLoadError, match="no CUDA device"):
+        AsyncEngine.from_pretrained(tiny_llama, device="cuda")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_kv_budget_without_room_for_a_block(tiny_llama):
+    engine = AsyncEngine.from_pretrained(tiny_llama, max_model_len=256, kv_cache_memory=1)
+    with pytest.raises(ModelLoadError, match="holds no block"):
+        await engine.start()
+    assert not engine.is_running
 
 
 @pytest.mark.anyio

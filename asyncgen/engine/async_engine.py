@@ -116,6 +116,10 @@ class AsyncEngine:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, **kwargs,
         )
+        if config.device == "cuda":
+            from ..worker.model_runner import resolve_device
+
+            resolve_device("cuda")  # raises ModelLoadError here, not at start(), without a GPU
         path = Path(model).expanduser()
         if path.is_dir():
             from ..model.config import ModelConfig

@@ -86,9 +86,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from ..errors import EngineStateError
+        from ..errors import ModelLoadError
 
-        raise EngineStateError("device='cuda' was asked for but torch sees no CUDA device")
+        raise ModelLoadError("device='cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
 
 
@@ -328,9 +328,9 @@ class ModelRunner:
             budget = cfg.default_cpu_kv_cache_bytes
         num = budget // per_block
         if num < 1:
-            from ..errors import EngineStateError
+            from ..errors import ModelLoadError
 
-            raise EngineStateError(
+            raise ModelLoadError(
                 f"the KV-cache budget ({budget} bytes) holds no block of {per_block} bytes; "
                 "raise kv_cache_memory / gpu_memory_utilization or lower block_size"
             )
