@@ -57,7 +57,15 @@ class WeightsError(ModelLoadError):
 
 
 class InvalidRequestError(AsyncGenError, ValueError):
-    """A request the engine refuses; the engine keeps serving the others."""
+    """A request the engine refuses; the engine keeps serving the others.
+
+    ``param`` names the :class:`~asyncgen.SamplingParams` field the error is about
+    (``"max_tokens"``, ``"stop_token_ids"``, ...), or None for the prompt itself.
+    """
+
+    def __init__(self, message: str, *, param: "str | None" = None):
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

@@ -189,6 +189,71 @@ async def test_logprobs(client, engine):
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+@ASYNCIO_ONLY
+async def test_completion_logprobs_follow_the_text(client, engine):
+    tok = engine.tokenizer
+    prompt = "Voilà: café, naïve, 日本語 😀 and"
+    resp = await client.completions.create(
+        model=client.model, prompt=prompt, max_tokens=6, temperature=1.5, seed=3, logprobs=2, echo=True
+    )
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    ids = tok.encode(prompt)
+    n = len(ids)
+    assert choice.text.startswith(prompt) and len(lp.tokens) == n + 6
+    # prompt offsets: where each token's first byte falls in the prompt's characters
+    assert lp.text_offset[:n] == [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(n)]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(prompt)
+    assert lp.text_offset[-1] < len(choice.text)
+    # the sampled token is among the top logprobs (up to logprobs + 1 of them)
+    for token, value, top in zip(lp.tokens[n:], lp.token_logprobs[n:], lp.top_logprobs[n:]):
+        assert top[token] == pytest.approx(value) and len(top) <= 3
+
+    # a stop string cut from the text takes its tokens out of the logprobs, streamed or not
+    base = await client.completions.create(model=client.model, prompt="The capital of France is", max_tokens=8,
+                                           temperature=0)
+    words = base.choices[0].text.split(" ")
+    stop = " " + words[2]  # the text is cut before the second word
+    kwargs = dict(model=client.model, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1,
+                  stop=[stop])
+    whole = (await client.completions.create(**kwargs)).choices[0]
+    assert whole.finish_reason == "stop" and whole.text == base.choices[0].text[: base.choices[0].text.index(stop)]
+    assert "".join(whole.logprobs.tokens) == whole.text
+    streamed_tokens, streamed_text = [], ""
+    async for chunk in await client.completions.create(**kwargs, stream=True):
+        streamed_tokens += chunk.choices[0].logprobs.tokens
+        streamed_text += chunk.choices[0].text
+    assert (streamed_text, streamed_tokens) == (whole.text, whole.logprobs.tokens)
+    chat_kwargs = dict(model=client.model, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True)
+    reply = (await client.chat.completions.create(**chat_kwargs)).choices[0].message.content
+    cut = " " + reply.split(" ")[2]
+    chat = (await client.chat.completions.create(**chat_kwargs, stop=[cut])).choices[0]
+    assert chat.finish_reason == "stop" and "".join(t.token for t in chat.logprobs.content) == chat.message.content
+    assert_idle(engine)
+
+
+@ASYNCIO_ONLY
+async def test_completion_echo_with_max_tokens_zero_scores_the_prompt(client, engine):
+    prompt = "The capital of France is Paris"
+    scored = await client.completions.create(model=client.model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert (choice.text, choice.finish_reason) == (prompt, "length")
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(engine.tokenizer.encode(prompt)), 0)
+    assert "".join(choice.logprobs.tokens) == prompt and choice.logprobs.token_logprobs[0] is None
+    out = await engine.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp.logprob for lp in out.prompt_logprobs[1:]])
+    chunks = [c async for c in await client.completions.create(
+        model=client.model, prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=True,
+        stream_options={"include_usage": True})]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(BadRequestError) as e:
+        await client.completions.create(model=client.model, prompt=prompt, max_tokens=0)
+    assert e.value.param == "max_tokens"
+    assert_idle(engine)
+
+
 async def test_closing_a_stream_aborts_it(client, engine):
     stream = await client.chat.completions.create(
         model=client.model, messages=MESSAGES, max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
@@ -245,7 +310,8 @@ async def test_request_errors(client, engine, monkeypatch):
     err = await error(messages=[{"role": "user", "content": "word " * 2100}])
     assert (err.param, err.code) == ("messages", "context_length_exceeded")
     err = await error(max_completion_tokens=2040, stream=True)
-    assert err.code == "context_length_exceeded"
+    assert (err.param, err.code) == ("max_completion_tokens", "context_length_exceeded")
+    assert (await error(max_tokens=2040)).param == "max_tokens"
     with pytest.raises(NotFoundError) as e:
         await client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert (e.value.status_code, e.value.code, e.value.param) == (404, "model_not_found", "model")

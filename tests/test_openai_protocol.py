@@ -28,7 +28,14 @@ from asyncgen.openai import (
     sse_stream,
     to_sampling_params,
 )
-from asyncgen.openai.adapter import _template_messages, _TokenText, _visible_logprobs, _parse
+from asyncgen.openai.adapter import (
+    _AlignedLogprobs,
+    _parse,
+    _template_messages,
+    _TokenText,
+    _top_by_text,
+    _visible_logprobs,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -221,8 +228,13 @@ def test_engine_errors_map_to_openai_errors():
     assert (err.status_code, err.param, err.code) == (400, "prompt", "context_length_exceeded")
     err = from_exception(InvalidRequestError("this model's tokenizer has no chat template"))
     assert (err.status_code, err.param) == (400, "messages")
-    err = from_exception(InvalidRequestError("logit_bias holds token ids outside the vocabulary"))
+    err = from_exception(InvalidRequestError("logit_bias holds token ids outside the vocabulary", param="logit_bias"))
     assert err.param == "logit_bias"
+    too_long = PromptTooLongError("prompt (10 tokens) + max_tokens (9000) = 9010 exceeds", param="max_tokens")
+    err = from_exception(too_long, prompt_param="messages")
+    assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
+    err = from_exception(too_long, prompt_param="messages", fields={"max_tokens": "max_completion_tokens"})
+    assert err.param == "max_completion_tokens"
     err = from_exception(EngineDeadError("boom"))
     assert isinstance(err, InternalServerError) and err.status_code == 500 and err.type == "server_error"
     assert from_exception(EngineStateError("closed")).status_code == 503
@@ -328,3 +340,89 @@ def test_a_final_stop_token_is_not_in_the_logprobs():
     assert _visible_logprobs(stop_string_end) == lps
     assert _visible_logprobs(StreamChunk("r", 0, "x", (5, 2), "length", logprobs=lps)) == lps
     assert _visible_logprobs(StreamChunk("r", 0, "x", (5,))) is None
+
+
+def _engine_chunks(tokenizer, ids, stop=(), finish="length"):
+    """The chunks the engine's emit step makes for ``ids`` sampled one a step: a token's
+    id and logprob travel with the first chunk that has text (or the last one)."""
+    from asyncgen.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, True, list(stop))
+    pending, chunks = [], []
+    for i, t in enumerate(ids):
+        pending.append(t)
+        stopped = detok.add([t])
+        last = stopped is not None or i == len(ids) - 1
+        if last:
+            detok.flush()
+        text = detok.delta(last)
+        if not text and not last:
+            continue
+        reason = ("stop" if stopped else finish) if last else None
+        lps = tuple(TokenLogprob(x, -1.0 - j) for j, x in enumerate(pending))
+        chunks.append(StreamChunk("r", 0, text, tuple(pending), reason, stopped, logprobs=lps))
+        pending = []
+        if stopped:
+            break
+    return chunks
+
+
+def test_aligned_logprobs_start_where_their_characters_do(tokenizer):
+    text = " Voilà: café, naïve, 日本語 😀 and 한국"
+    ids = tokenizer.encode(text)
+    aligned = _AlignedLogprobs(tokenizer, True)
+    got, sent = [], ""
+    for c in _engine_chunks(tokenizer, ids):
+        sent += c.text
+        released = aligned.add(c.text, c)
+        assert all(start < len(sent) for start, _ in released)  # released with their text
+        got += released
+    assert sent == text and [lp.token_id for _, lp in got] == ids
+    starts = [start for start, _ in got]
+    # where each token starts: the complete characters of the tokens before it
+    assert starts == [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert starts == sorted(starts) and any(a == b for a, b in zip(starts, starts[1:]))  # split characters
+
+
+def test_aligned_logprobs_leave_out_a_cut_stop_string(tokenizer):
+    ids = tokenizer.encode("The cat is a majestic animal")
+    chunks = _engine_chunks(tokenizer, ids, stop=[" majestic"])
+    assert chunks[-1].stop_reason == " majestic"
+    aligned = _AlignedLogprobs(tokenizer, True)
+    text, kept = "", []
+    for c in chunks:
+        text += c.text
+        kept += [lp.token_id for _, lp in aligned.add(c.text, c)]
+    assert text == "The cat is a" and tokenizer.decode(kept) == text
+    # with the stop string in the output, its tokens stay
+    from asyncgen.engine.detokenizer import IncrementalDetokenizer
+
+    included = _AlignedLogprobs(tokenizer, True)
+    detok = IncrementalDetokenizer(tokenizer, True, [" majestic"], include_stop_str_in_output=True)
+    upto = next(ids[:i] for i in range(len(ids)) if tokenizer.decode(ids[:i]) == "The cat is a majestic")
+    for t in upto:
+        detok.add([t])
+    whole = StreamChunk("r", 0, detok.text, tuple(upto), "stop", " majestic",
+                        logprobs=tuple(TokenLogprob(t, -1.0) for t in upto))
+    assert [lp.token_id for _, lp in included.add(whole.text, whole)] == upto
+    # a final stop token is dropped, the text before it kept whole
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ended = StreamChunk("r", 0, "The cat", (*ids[:2], eos), "stop", eos,
+                        logprobs=tuple(TokenLogprob(t, -1.0) for t in (*ids[:2], eos)))
+    assert [lp.token_id for _, lp in _AlignedLogprobs(tokenizer, True).add(ended.text, ended)] == ids[:2]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(tokenizer):
+    token_text = _TokenText(tokenizer)
+    a, b, c = tokenizer.encode(" Paris London heated")
+    lp = TokenLogprob(c, -5.0, ((a, -0.5), (b, -1.0)))
+    assert _top_by_text(token_text, lp) == {" Paris": -0.5, " London": -1.0, " heated": -5.0}
+    assert _top_by_text(token_text, TokenLogprob(a, -0.5, ((a, -0.5),))) == {" Paris": -0.5}
+    assert _top_by_text(token_text, TokenLogprob(a, -0.5)) == {" Paris": -0.5}  # logprobs=0
+
+
+def test_completion_max_tokens_zero_needs_echo():
+    assert to_sampling_params(completion(max_tokens=0, echo=True, logprobs=1)).max_tokens == 1
+    with pytest.raises(BadRequestError) as info:
+        completion(max_tokens=0)
+    assert info.value.param == "max_tokens" and "echo" in info.value.message

@@ -500,19 +500,23 @@ class AsyncEngine:
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                f"exceeds max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt"
+                f"exceeds max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt",
+                param="max_tokens",
             )
         bm = self._core.block_manager
         need = bm.blocks_for(n + self._max_tokens(token_ids, params))
         if need > bm.num_blocks:
             raise PromptTooLongError(
                 f"a sequence of {n} prompt + {self._max_tokens(token_ids, params)} new tokens needs {need} KV "
-                f"blocks; the pool has {bm.num_blocks}. Lower max_tokens or give the engine more KV memory"
+                f"blocks; the pool has {bm.num_blocks}. Lower max_tokens or give the engine more KV memory",
+                param=None if params.max_tokens is None else "max_tokens",
             )
         for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"{field} holds token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}")
+                raise InvalidRequestError(
+                    f"{field} holds token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}", param=field
+                )
 
     def _register(self, stream: "RequestStream") -> None:
         self._check_running()

@@ -67,6 +67,14 @@ class IncrementalDetokenizer:
             return self._find_stop(max(0, before - self._max_stop + 1))
         return None
 
+    def complete_length(self) -> int:
+        """Characters of the text so far, counting those of a held-back piece up to the
+        partial character it ends with (so where the next token's first byte falls)."""
+        if self._read == len(self.ids) or self.stopped_by is not None:
+            return len(self.text)
+        held = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
+        return len(self.text) + len(held.rstrip(_REPLACEMENT))
+
     def flush(self) -> None:
         """Decodes any held-back partial character (at the end of generation)."""
         if self.stopped_by is None and self._read < len(self.ids):

@@ -19,8 +19,18 @@ Mapping notes:
 * ``top_p=0`` (allowed by OpenAI, not by SamplingParams) is greedy decoding.
 * ``logit_bias`` keys are token ids written as strings, as in OpenAI's JSON.
 * Chat ``logprobs=true`` + ``top_logprobs=k``, or completions ``logprobs=k``, ask the
-  engine for ``k`` alternatives per token. A token that ended generation (end of turn,
-  a stop token id) is not in the text and so not in the logprobs either.
+  engine for ``k`` alternatives per token; completions' ``top_logprobs`` also hold the
+  sampled token (so up to ``k + 1`` entries), as OpenAI documents. The logprobs cover
+  the returned text: a token that ended generation (end of turn, a stop token id) is
+  not in them, nor are the tokens of a stop string cut from the text. When streamed, a
+  token's logprob is sent with the chunk that sends the text it starts (a token whose
+  text is held back, as a possible stop string, waits with it).
+* Completions' ``text_offset`` is where each token starts in the choice's text,
+  counted in characters (a token that only begins a multi-byte character starts where
+  that character does); with ``echo`` the completion's offsets follow the prompt's.
+* Completions ``echo=true`` with ``max_tokens=0`` scores the prompt without
+  generating: the choice is the echoed prompt (with its logprobs when asked for),
+  ``finish_reason`` "length" and no completion tokens.
 * ``developer`` messages are rendered as ``system`` messages; text content parts of one
   message are joined with newlines.
 * ``finish_reason`` "abort" (the engine ended the request early) is passed through, as
@@ -37,6 +47,7 @@ Mapping notes:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator, Generic, Mapping, Optional, TypeVar, Union
@@ -44,6 +55,7 @@ from typing import Any, AsyncIterator, Generic, Mapping, Optional, TypeVar, Unio
 import anyio
 from pydantic import ValidationError
 
+from ..engine.detokenizer import IncrementalDetokenizer
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..sampling_params import SamplingParams
@@ -93,6 +105,8 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
     else:
         max_tokens, max_tokens_field = request.max_tokens, "max_tokens"
         logprobs, logprobs_field = request.logprobs, "logprobs"
+        if max_tokens == 0:  # echo only (the request checked it): one token, not returned
+            max_tokens = 1
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     if top_p == 0.0:
@@ -110,7 +124,7 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
         logprobs=logprobs,
     )
     if not chat:
-        if request.best_of is not None and request.best_of > (request.n or 1):
+        if request.best_of is not None and request.best_of > (request.n or 1) and request.max_tokens != 0:
             kwargs["best_of"] = request.best_of
         if request.echo and request.logprobs is not None:
             kwargs["prompt_logprobs"] = request.logprobs  # echoed tokens carry their logprobs
@@ -228,6 +242,41 @@ def _visible_logprobs(chunk: StreamChunk | CompletionOutput) -> Optional[tuple[T
     return lps
 
 
+class _AlignedLogprobs:
+    """One choice's logprobs, each paired with where its token starts in the choice's
+    text (characters), and released once the text from that point on has been sent.
+
+    The starts come from decoding the tokens one at a time as the engine's detokenizer
+    does, so they count the characters of the engine's text (a token that continues a
+    multi-byte character starts where the character does). The engine sends a token's
+    id and logprob with the chunk that carries its text, except while that text is held
+    back as a possible stop string; such tokens wait here. At a finish by a stop string
+    the tokens starting past the kept text (the stop string's) are dropped.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._held: list[tuple[int, TokenLogprob]] = []
+        self.sent = 0  # characters of the choice's text sent so far
+
+    def add(self, text: str, chunk: StreamChunk | CompletionOutput) -> list[tuple[int, TokenLogprob]]:
+        """Takes a chunk's (or a whole output's) ``text`` as sent and its logprobs; returns
+        the (start, logprob) pairs whose text has now been sent, in order."""
+        for lp in _visible_logprobs(chunk) or ():
+            self._held.append((self._detok.complete_length(), lp))
+            self._detok.add([lp.token_id])
+        self.sent += len(text)
+        if chunk.finish_reason is not None and not isinstance(chunk.stop_reason, str):
+            ready = len(self._held)  # the whole text is out
+        else:
+            ready = 0
+            while ready < len(self._held) and self._held[ready][0] < self.sent:
+                ready += 1
+        out = self._held[:ready]
+        self._held = [] if chunk.finish_reason is not None else self._held[ready:]
+        return out
+
+
 # --- streams ----------------------------------------------------------------------------------
 class AsyncStream(Generic[T], AsyncIterator[T]):
     """The chunks of a streamed response, like the official SDK's ``AsyncStream``.
@@ -318,14 +367,17 @@ class OpenAIAdapter:
         self._check_model(req.model)
         params = to_sampling_params(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._open(None, _template_messages(req), params, rid, "messages")
+        fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
+        stream = self._open(None, _template_messages(req), params, rid, "messages", fields)
         created = int(time.time())
         if req.stream:
             return AsyncStream(self._chat_chunks(stream, req, rid, created))
         outs, usage, _ = await self._collect([stream], params.n, "messages")
         choices = []
         for i, out in enumerate(outs):
-            logprobs = ChoiceLogprobs(content=self._chat_logprobs(out.logprobs)) if req.logprobs else None
+            logprobs = None
+            if req.logprobs:
+                logprobs = ChoiceLogprobs(content=self._chat_logprobs(lp for _, lp in out.logprobs))
             message = ChatCompletionMessage(content="".join(out.texts))
             choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=out.finish_reason))
         return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
@@ -337,13 +389,14 @@ class OpenAIAdapter:
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usage = None
+        aligned = [self._aligner(stream) for _ in range(req.n or 1)]
         try:
             for i in range(req.n or 1):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
             async for c in stream:
-                lps = _visible_logprobs(c)
+                lps = [lp for _, lp in aligned[c.index].add(c.text, c)] if req.logprobs else None
                 if c.text or lps:
-                    logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps or ())) if req.logprobs else None
+                    logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps)) if req.logprobs else None
                     yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(content=c.text), logprobs=logprobs)])
                 if c.finish_reason is not None:
                     yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(), finish_reason=c.finish_reason)])
@@ -394,7 +447,7 @@ class OpenAIAdapter:
         if req.stream:
             return AsyncStream(self._completion_chunks(streams, req, params.n, echoes, rid, created))
         prompt_ids = [s.prompt_token_ids for s in streams]
-        outs, usage, prompt_lps = await self._collect(streams, params.n, "prompt")
+        outs, usage, prompt_lps = await self._collect(streams, params.n, "prompt", scoring=req.max_tokens == 0)
         choices = []
         for index, out in enumerate(outs):
             k = index // params.n
@@ -434,7 +487,8 @@ class OpenAIAdapter:
             for out in res.outputs:
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(_visible_logprobs(out) or (), len(echo))
+                    aligned = self._aligner(params).add(out.text, out)
+                    logprobs = self._completion_logprobs(aligned, len(echo))
                     if req.echo:
                         logprobs = _joined(self._prompt_logprobs(res.prompt_token_ids, res.prompt_logprobs), logprobs)
                 choices.append(CompletionChoice(index=k * params.n + out.index, text=echo + out.text,
@@ -443,8 +497,10 @@ class OpenAIAdapter:
                           usage=_usage([r.usage for r in results]))
 
     async def _completion_chunks(self, streams, req: CompletionRequest, n: int, echoes, rid: str, created: int):
+        scoring = req.max_tokens == 0
         model = req.model
-        offsets = [len(echoes[k // n]) for k in range(n * len(streams))]
+        bases = [len(echoes[k // n]) for k in range(n * len(streams))]
+        aligned = [self._aligner(streams[k // n]) for k in range(n * len(streams))]
 
         def chunk(choices, usage=None):
             return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
@@ -470,6 +526,8 @@ class OpenAIAdapter:
                     k, stream = active.pop(0)
                     try:
                         c = await stream.__anext__()
+                        if scoring:
+                            c = _without_generation(c)
                     except StopAsyncIteration:
                         if k in pending_echo:  # ended before its prompt logprobs (aborted)
                             pending_echo.discard(k)
@@ -490,12 +548,10 @@ class OpenAIAdapter:
                         ready.append((k, c))
                         continue
                 index = k * n + c.index
-                lps = _visible_logprobs(c)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(lps or (), offsets[index])
-                offsets[index] += len(c.text)
-                if c.text or lps or c.finish_reason is not None:
+                    logprobs = self._completion_logprobs(aligned[index].add(c.text, c), bases[index])
+                if c.text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
                     yield chunk([CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)])
                 if c.usage is not None:
                     usages.append(c.usage)
@@ -507,48 +563,51 @@ class OpenAIAdapter:
         if req.include_usage and usages:
             yield chunk([], _usage(usages))
 
-    def _completion_logprobs(self, lps, offset: int) -> CompletionLogprobs:
+    def _completion_logprobs(self, aligned, base: int) -> CompletionLogprobs:
+        """``aligned``: (start in the completion's text, logprob) pairs; ``base``: the
+        length of the text before the completion (the echo)."""
         text = self._text_of()
         out = CompletionLogprobs()
-        for lp in lps:
-            token = text(lp.token_id)[0]
-            out.tokens.append(token)
+        for start, lp in aligned:
+            out.tokens.append(text(lp.token_id)[0])
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append(_top_by_text(text, lp))
-            out.text_offset.append(offset)
-            offset += len(token)
+            out.text_offset.append(base + start)
         return out
 
     def _prompt_logprobs(self, token_ids, lps) -> CompletionLogprobs:
         """The echoed prompt's tokens with their logprobs (None for the first token, which
-        nothing predicts); text offsets from 0."""
+        nothing predicts); text offsets from 0, in characters of the decoded prompt."""
         text = self._text_of()
+        detok = IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True)
         out = CompletionLogprobs()
-        offset = 0
         for i, token_id in enumerate(token_ids):
-            token = text(token_id)[0]
             lp = lps[i] if lps is not None and i < len(lps) else None
-            out.tokens.append(token)
-            out.text_offset.append(offset)
+            out.tokens.append(text(token_id)[0])
+            out.text_offset.append(detok.complete_length())
+            detok.add([token_id])
             out.token_logprobs.append(None if lp is None else lp.logprob)
             out.top_logprobs.append(None if lp is None else _top_by_text(text, lp))
-            offset += len(token)
         return out
 
     def _echo(self, prompt) -> str:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     # --- shared -------------------------------------------------------------------------------
-    def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str):
+    def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str, fields=None):
         try:
             return self.engine.stream(prompt, params, messages=messages, request_id=request_id)
         except (AsyncGenError, ValidationError) as e:
-            raise from_exception(e, prompt_param=prompt_param) from e
+            raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 
-    async def _collect(self, streams, n: int, prompt_param: str) -> tuple[list["_Output"], CompletionUsage, list]:
+    async def _collect(
+        self, streams, n: int, prompt_param: str, scoring: bool = False
+    ) -> tuple[list["_Output"], CompletionUsage, list]:
         """Runs every stream to the end; their outputs, ``n`` per stream, the total usage,
-        and each stream's prompt logprobs (None where not asked for)."""
+        and each stream's prompt logprobs (None where not asked for). With ``scoring``
+        the generated token is dropped (completions' ``max_tokens=0``)."""
         outs = [_Output() for _ in range(n * len(streams))]
+        aligned = [self._aligner(streams[i // n]) for i in range(n * len(streams))]
         usages: list[Usage] = []
         prompt_lps: list = [None] * len(streams)
 
@@ -557,13 +616,14 @@ class OpenAIAdapter:
         async def drain(k: int, stream) -> None:
             try:
                 async for c in stream:
+                    if scoring:
+                        c = _without_generation(c)
                     if c.prompt_logprobs is not None:
                         prompt_lps[k] = c.prompt_logprobs
                     out = outs[k * n + c.index]
                     out.texts.append(c.text)
-                    lps = _visible_logprobs(c)
-                    if lps:
-                        out.logprobs.extend(lps)
+                    if c.logprobs is not None:
+                        out.logprobs.extend(aligned[k * n + c.index].add(c.text, c))
                     if c.finish_reason is not None:
                         out.finish_reason = c.finish_reason
                     if c.usage is not None:
@@ -583,6 +643,11 @@ class OpenAIAdapter:
             raise from_exception(errors[0], prompt_param=prompt_param) from errors[0]
         return outs, _usage(usages), prompt_lps
 
+    def _aligner(self, source: Any) -> _AlignedLogprobs:
+        """A logprob aligner for one choice of a stream (or of SamplingParams)."""
+        params = source if isinstance(source, SamplingParams) else source.group.params
+        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens)
+
     def _text_of(self) -> _TokenText:
         if self._token_text is None:
             self._token_text = _TokenText(self.engine.tokenizer)
@@ -594,18 +659,31 @@ class _Output:
 
     def __init__(self):
         self.texts: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
+        self.logprobs: list[tuple[int, TokenLogprob]] = []  # (start in the text, logprob)
         self.finish_reason: Optional[str] = None
 
 
 def _top_by_text(text: "_TokenText", lp: TokenLogprob) -> dict[str, float]:
-    """Completions' ``top_logprobs`` entry: token text -> logprob (the higher one where
-    two ids decode to the same text)."""
+    """Completions' ``top_logprobs`` entry: token text -> logprob for the ``k`` most
+    likely tokens and the sampled one (the higher logprob where two ids decode to the
+    same text)."""
     top: dict[str, float] = {}
-    for t, v in lp.top:
+    for t, v in (*lp.top, (lp.token_id, lp.logprob)):
         s = text(t)[0]
         top[s] = max(v, top.get(s, v))
     return top
+
+
+def _without_generation(chunk: StreamChunk) -> StreamChunk:
+    """A chunk of a prompt scored with completions' ``max_tokens=0`` (generated as one
+    token): the same chunk without that token, finishing with "length"."""
+    finish = chunk.finish_reason
+    usage = chunk.usage
+    return dataclasses.replace(
+        chunk, text="", token_ids=(), logprobs=None if chunk.logprobs is None else (),
+        finish_reason="length" if finish is not None and finish != "abort" else finish, stop_reason=None,
+        usage=None if usage is None else Usage(usage.prompt_tokens, 0),
+    )
 
 
 def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:

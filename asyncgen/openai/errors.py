@@ -15,7 +15,7 @@ SDK, so ``except openai.BadRequestError as e: e.param`` code reads the same here
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
 
@@ -94,23 +94,26 @@ class InternalServerError(APIStatusError):
         super().__init__(message, **kwargs)
 
 
-def from_exception(exc: BaseException, *, prompt_param: str = "messages") -> APIStatusError:
+def from_exception(
+    exc: BaseException, *, prompt_param: str = "messages", fields: Optional[Mapping[str, str]] = None
+) -> APIStatusError:
     """The OpenAI-shaped error for an exception raised while serving a request.
 
     ``prompt_param`` is the request field the prompt came from ("messages" or "prompt"),
-    named by errors about the prompt (too long, no chat template, bad token ids).
+    named by errors about the prompt (too long, no chat template, bad token ids); an
+    error about a sampling field names it, renamed by ``fields`` where the request
+    spells it differently (``{"max_tokens": "max_completion_tokens"}``).
     Exceptions that are not request errors become a 500 without internal details.
     """
     if isinstance(exc, APIStatusError):
         return exc
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
-    if isinstance(exc, PromptTooLongError):
-        err = BadRequestError(str(exc), param=prompt_param, code="context_length_exceeded")
-    elif isinstance(exc, InvalidRequestError):
-        text = str(exc)
-        param = next((f for f in ("logit_bias", "stop_token_ids") if text.startswith(f)), prompt_param)
-        err = BadRequestError(text, param=param)
+    if isinstance(exc, InvalidRequestError):
+        param = getattr(exc, "param", None)
+        param = prompt_param if param is None else (fields or {}).get(param, param)
+        code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
+        err = BadRequestError(str(exc), param=param, code=code)
     elif isinstance(exc, EngineDeadError):
         err = InternalServerError(f"The engine stopped: {exc}")
     elif isinstance(exc, EngineStateError):

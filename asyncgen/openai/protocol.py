@@ -280,7 +280,7 @@ class CompletionRequest(_SamplingExtensions):
     frequency_penalty: Optional[Penalty] = 0.0
     logit_bias: Optional[LogitBias] = None
     logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
-    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = 16  # 0: score the prompt (with echo)
     n: Optional[Annotated[int, Field(ge=1, le=_MAX_N)]] = 1
     presence_penalty: Optional[Penalty] = 0.0
     seed: Optional[int] = None
@@ -295,6 +295,11 @@ class CompletionRequest(_SamplingExtensions):
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
         _check_stream_options(self.stream, self.stream_options)
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequestError(
+                "Invalid value for 'max_tokens': 0 is only allowed with echo=true (to score the prompt).",
+                param="max_tokens",
+            )
         n = self.n or 1
         if self.best_of is not None and self.best_of < n:
             raise BadRequestError(f"Invalid value for 'best_of': it must be >= n ({n}).", param="best_of")
