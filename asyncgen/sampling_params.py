@@ -9,16 +9,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = ["SamplingParams"]
 
 _MAX_LOGPROBS = 20
+_GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (as vLLM does)
 
 
 class SamplingParams(BaseModel):
     """Sampling settings of one request, validated once at construction.
 
-    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p=1`` disable those
+    ``temperature=0`` means greedy, as does any temperature below 1e-5 (dividing the
+    logits by it could overflow). ``top_k`` of 0 or -1 and ``top_p=1`` disable those
     filters. Penalties follow their usual definitions: ``repetition_penalty`` divides
     positive (multiplies negative) logits of every token seen in the prompt or output;
     ``presence_penalty`` and ``frequency_penalty`` subtract from logits of tokens in the
-    output (OpenAI's definitions). ``max_tokens=None`` means "up to ``max_model_len``".
+    output (OpenAI's definitions). ``max_tokens=None`` means "up to ``max_model_len``"
+    (or to what the KV pool holds for one sequence, if that is less). ``min_tokens``
+    keeps stop tokens and stop strings from ending a completion before that many tokens.
     ``best_of`` (>= ``n``) samples that many sequences and returns the ``n`` with the
     highest cumulative logprob (``generate()`` only: the choice is made at the end).
     Invalid values raise pydantic's ``ValidationError`` naming the field.
@@ -92,4 +96,4 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_BELOW

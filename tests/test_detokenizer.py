@@ -69,6 +69,17 @@ def test_held_back_prefix_is_released_when_it_does_not_become_a_stop(tokenizer):
     assert "".join(pieces) == "alpha ST beta"
 
 
+def test_min_tokens_keeps_an_early_stop_string_in_the_text(tokenizer):
+    ids = tokenizer.encode("one STOP two three STOP four")
+    k = next(i for i in range(len(ids)) if "STOP" in tokenizer.decode(ids[: i + 1]))  # completes the first
+    det = IncrementalDetokenizer(tokenizer, stop=["STOP"], min_tokens=k + 1)
+    found = [(i, det.add([t])) for i, t in enumerate(ids)]
+    first = next(i for i, stop in found if stop)
+    assert first > k and det.text == "one STOP two three "
+    eager = IncrementalDetokenizer(tokenizer, stop=["STOP"], min_tokens=k)
+    assert [eager.add([t]) for t in ids[: k + 1]][-1] == "STOP" and eager.text == "one "
+
+
 def test_include_stop_str_in_output(tokenizer):
     det = IncrementalDetokenizer(tokenizer, stop=["END"], include_stop_str_in_output=True)
     assert det.add(tokenizer.encode("a b END c")) == "END"

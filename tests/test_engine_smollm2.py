@@ -213,6 +213,16 @@ async def test_api_forms(smollm2_path):
 
         stops = await engine.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=30, temperature=0, stop=[" 6"]))
         assert stops.finish_reason == "stop" and stops.outputs[0].stop_reason == " 6" and " 6" not in stops.text
+        # A stop string completed by the last token allowed still ends the completion as "stop".
+        count = await engine.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=30, temperature=0))
+        k = next(i for i in range(1, 31) if " 6" in engine.tokenizer.decode(count.token_ids[:i]))
+        last = await engine.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=k, temperature=0, stop=[" 6"]))
+        assert (last.finish_reason, last.outputs[0].stop_reason, last.text) == ("stop", " 6", stops.text)
+        # One completed within the first min_tokens tokens does not end it.
+        later = await engine.generate(
+            "Count: 1, 2, 3,", SamplingParams(max_tokens=k + 4, min_tokens=k, temperature=0, stop=[" 6"])
+        )
+        assert len(later.token_ids) > k and later.text.startswith(stops.text + " 6")
 
         lp = await engine.generate("Hello", SamplingParams(max_tokens=3, temperature=0, logprobs=2))
         assert [x.token_id for x in lp.outputs[0].logprobs] == list(lp.token_ids)

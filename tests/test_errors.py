@@ -179,6 +179,37 @@ async def test_bad_requests_raise_and_engine_keeps_serving(smollm2_path):
 
 
 @pytest.mark.anyio
+async def test_request_id_clashing_with_a_sample_of_another(smollm2_path):
+    import anyio
+
+    params = SamplingParams(n=2, max_tokens=8, ignore_eos=True, temperature=0)
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        with anyio.fail_after(60):
+            live = engine.stream("Hello there", params, request_id="a")
+            first = await live.__anext__()
+            with pytest.raises(DuplicateRequestError, match="'a#0'"):
+                engine.stream("Hi", SamplingParams(max_tokens=4), request_id="a#0")
+            rest = [c async for c in live]
+            assert sum(len(c.token_ids) for c in (first, *rest)) == 16
+            single = engine.stream("Hi", SamplingParams(max_tokens=8, ignore_eos=True), request_id="b#1")
+            await single.__anext__()
+            with pytest.raises(DuplicateRequestError, match="'b#1'"):
+                engine.stream("Hello", params, request_id="b")
+            assert sum(len(c.token_ids) for c in [c async for c in single]) == 7
+        s = engine.stats()
+        assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
+
+
+@pytest.mark.anyio
+async def test_without_max_tokens_a_small_kv_pool_bounds_the_length(smollm2_path):
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=1024, num_kv_blocks=4) as engine:  # 64 tokens
+        out = await engine.generate("Hello", SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+        assert out.finish_reason == "length" and out.usage.total_tokens == 64
+        with pytest.raises(PromptTooLongError, match="KV pool"):
+            engine.stream("word " * 70, SamplingParams(max_tokens=None))
+
+
+@pytest.mark.anyio
 async def test_duplicate_request_id(smollm2_path):
     async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
         s1 = engine.stream("Hello", SamplingParams(max_tokens=30), request_id="same")

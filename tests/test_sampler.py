@@ -23,6 +23,14 @@ def test_greedy_is_argmax():
     assert lps == [None] * 4
 
 
+def test_temperatures_too_small_to_divide_by_are_greedy():
+    logits = torch.randn(3, 50) * 30
+    for t in (1e-38, 1e-30, 9e-6):
+        tokens, _ = sample(logits.clone(), [row(temperature=t, seed=1) for _ in range(3)])
+        assert tokens == logits.argmax(-1).tolist(), t
+    assert SamplingParams(temperature=9e-6).is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy():
     logits = torch.randn(3, 100)
     expected = logits.argmax(-1).tolist()

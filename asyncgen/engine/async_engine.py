@@ -28,7 +28,6 @@ import anyio
 
 from ..config import EngineConfig
 from ..errors import (
-    DuplicateRequestError,
     EngineDeadError,
     EngineStateError,
     InvalidRequestError,
@@ -86,6 +85,7 @@ class AsyncEngine:
         self._heap_frozen = False  # this engine holds a heap.freeze() (freeze_gc)
         self.model_name = str(model)
         self.max_model_len = 0
+        self._max_seq_tokens = 0  # the longest sequence: max_model_len, or what the KV pool holds
         self.vocab_size = 0
 
     # --- construction -----------------------------------------------------------------------
@@ -179,6 +179,13 @@ class AsyncEngine:
         self._runner = runner
         self._tokenizer = tokenizer
         self.max_model_len = max_len
+        self._max_seq_tokens = min(max_len, num_blocks * self.config.block_size)
+        if self._max_seq_tokens < max_len:
+            log.warning(
+                "the KV pool holds %d tokens (%d blocks), fewer than max_model_len=%d: requests without max_tokens "
+                "generate up to %d tokens in all; give the engine more KV memory to allow more",
+                num_blocks * self.config.block_size, num_blocks, max_len, self._max_seq_tokens,
+            )
         self.vocab_size = model_cfg.vocab_size
         self.model_name = _display_name(self._model, path)
         self._core = EngineCore(
@@ -382,8 +389,8 @@ class AsyncEngine:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        elif request_id in self._core.groups:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in use")
+        else:
+            self._core.check_request_id(request_id, params.num_sequences)
         group = RequestGroup(request_id, prompt_text, token_ids, params)
         return RequestStream(self, group, self._max_tokens(token_ids, params))
 
@@ -487,8 +494,10 @@ class AsyncEngine:
         raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
 
     def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        """``params.max_tokens``, or without it as many as fit: up to ``max_model_len``
+        tokens in all, or what the KV pool holds for one sequence if that is fewer."""
         if params.max_tokens is None:
-            return self.max_model_len - len(token_ids)
+            return self._max_seq_tokens - len(token_ids)
         return params.max_tokens
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -496,6 +505,11 @@ class AsyncEngine:
         if n >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no room to generate"
+            )
+        if params.max_tokens is None and n >= self._max_seq_tokens:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; the KV pool holds {self._max_seq_tokens} tokens for one sequence, which "
+                "leaves no room to generate. Give the engine more KV memory"
             )
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
@@ -520,10 +534,7 @@ class AsyncEngine:
 
     def _register(self, stream: "RequestStream") -> None:
         self._check_running()
-        group = stream.group
-        if group.request_id in self._core.groups:
-            raise DuplicateRequestError(f"request_id {group.request_id!r} is already in use")
-        self._core.add(group, stream.max_tokens)
+        self._core.add(stream.group, stream.max_tokens)  # DuplicateRequestError for an id in use
         self._wake()
 
 

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from ..errors import DuplicateRequestError
 from ..outputs import EngineStats, RequestMetrics, StreamChunk, Usage
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
@@ -96,24 +97,37 @@ class EngineCore:
         self.num_generation_tokens = 0
 
     # --- requests ---------------------------------------------------------------------------
+    def check_request_id(self, request_id: str, count: int) -> None:
+        """Raises DuplicateRequestError if a request with this id and ``count`` sequences
+        would share an id with a live request or one of its sequences."""
+        if request_id in self.groups:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in use")
+        for seq_id in _seq_ids(request_id, count):
+            other = self._group_of.get(seq_id)
+            if other is not None:
+                raise DuplicateRequestError(
+                    f"request_id {request_id!r} clashes with live request {other.request_id!r}: the sequence id "
+                    f"{seq_id!r} is taken (the samples of a request with n > 1 are '<request_id>#<i>')"
+                )
+
     def add(self, group: RequestGroup, max_tokens: int) -> None:
         """Registers every sequence of ``group`` with the scheduler (atomic)."""
         p = group.params
         count = p.num_sequences
+        self.check_request_id(group.request_id, count)
         if count > p.n and p.logprobs is None:
             # best_of ranks the samples by cumulative logprob: each sequence reports its
             # sampled tokens' logprobs (the output keeps them only if they were asked for).
             p = p.model_copy(update={"logprobs": 0})
         leader = None
-        for i in range(count):
-            seq_id = group.request_id if count == 1 else f"{group.request_id}#{i}"
+        for i, seq_id in enumerate(_seq_ids(group.request_id, count)):
             seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
             if self.block_manager.enable_prefix_caching:
                 req.prefix_leader = leader
                 leader = leader or req
             detok = IncrementalDetokenizer(
-                self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output
+                self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output, p.min_tokens
             )
             group.seqs[seq_id] = _Seq(req, detok)
             self._group_of[seq_id] = group
@@ -207,6 +221,10 @@ class EngineCore:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     finished = True
+                elif stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
+                    # The last token allowed completed a stop string: the text ends there.
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = stop
             if finished:
                 seq.detok.flush()
             self._emit(group, seq, finished, notify=False)
@@ -280,6 +298,10 @@ class EngineCore:
 
 
 _RATE_WINDOW_S = 10.0
+
+
+def _seq_ids(request_id: str, count: int) -> list[str]:
+    return [request_id] if count == 1 else [f"{request_id}#{i}" for i in range(count)]
 
 
 def _metrics(req) -> RequestMetrics:

@@ -12,7 +12,9 @@ everything at once, so the emitted pieces concatenate to ``tokenizer.decode(ids)
 
 A delta that ends in U+FFFD is held back until the next token completes the character.
 Text that could still be the start of a stop string is also held back, so a stop
-string is never split across two deltas and never emitted.
+string is never split across two deltas and never emitted. As ``min_tokens`` keeps
+stop tokens away, a stop string completed by one of the first ``min_tokens`` tokens
+does not end the text.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or ())
         self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
         self._prefix = 0
@@ -63,7 +67,7 @@ class IncrementalDetokenizer:
         if final or (len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT)):
             self.text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
-        if self.stop:
+        if self.stop and len(self.ids) > self.min_tokens:
             return self._find_stop(max(0, before - self._max_stop + 1))
         return None
 

@@ -177,7 +177,7 @@ def _sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch
         logits -= _dev(pres, logits.dtype, device).unsqueeze(1) * (out_counts > 0)
 
     processed = logits  # what logprobs are computed from; later steps make new tensors
-    greedy = [r.params.temperature == 0.0 for r in rows]
+    greedy = [r.params.is_greedy for r in rows]
     tokens = logits.argmax(dim=-1)
     if all(greedy):
         return tokens, processed
