@@ -35,6 +35,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncgen import AsyncEngine
 from asyncgen.openai import APIStatusError, AsyncStream, BadRequestError, OpenAIAdapter, sse_stream
@@ -66,6 +67,13 @@ def create_app(model: Optional[str] = None, **engine_kwargs: Any) -> FastAPI:
     @app.exception_handler(APIStatusError)
     async def openai_error(request: Request, exc: APIStatusError) -> JSONResponse:
         return JSONResponse(exc.to_response().to_dict(), status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # An unknown route (404) or method (405) answers in OpenAI's error shape too.
+        body = {"message": f"{exc.detail}: {request.method} {request.url.path}", "type": "invalid_request_error",
+                "param": None, "code": None}
+        return JSONResponse({"error": body}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -258,6 +258,10 @@ async def test_errors_are_openai_error_objects(client, server):
     assert e.value.code == "model_not_found"
     async with httpx.AsyncClient() as http:
         r = await http.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await http.post(f"{server}/v1/nope", json={})
+        assert r.status_code == 404 and "/v1/nope" in r.json()["error"]["message"]
+        r = await http.get(f"{server}/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     stats = await _stats(server)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
