@@ -217,6 +217,18 @@ async def test_duplicate_request_id(smollm2_path):
         with pytest.raises(DuplicateRequestError, match="same"):
             engine.stream("Hello", request_id="same")
         await s1.aclose()
+        # Taken from the stream() call on, before the first stream is iterated.
+        s2 = engine.stream("Hello", SamplingParams(max_tokens=2), request_id="later")
+        with pytest.raises(DuplicateRequestError, match="not iterated"):
+            engine.stream("Hello", request_id="later")
+        sample = engine.stream("Hello", SamplingParams(max_tokens=2), request_id="x#1")
+        with pytest.raises(DuplicateRequestError, match="not iterated"):
+            engine.stream("Hello", SamplingParams(n=2), request_id="x")  # its samples are x#0 and x#1
+        await sample.aclose()
+        assert len([c async for c in s2]) >= 1
+        s3 = engine.stream("Hello", SamplingParams(max_tokens=2), request_id="later")  # free again
+        await s3.aclose()
+        assert len([c async for c in engine.stream("Hello", SamplingParams(max_tokens=2), request_id="later")]) >= 1
 
 
 @pytest.mark.anyio

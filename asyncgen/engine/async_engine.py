@@ -28,6 +28,7 @@ import anyio
 
 from ..config import EngineConfig
 from ..errors import (
+    DuplicateRequestError,
     EngineDeadError,
     EngineStateError,
     InvalidRequestError,
@@ -37,7 +38,7 @@ from ..errors import (
 from ..outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
 from . import heap
-from .core import EngineCore, RequestGroup
+from .core import EngineCore, RequestGroup, seq_ids
 from .device_thread import DeviceThread, current_async_library, threadsafe_caller
 
 __all__ = ["AsyncEngine", "RequestStream"]
@@ -80,6 +81,9 @@ class AsyncEngine:
         self._wakeup: Optional[anyio.Event] = None
         self._stopped: Optional[anyio.Event] = None
         self._pending_aborts: deque[str] = deque()
+        # Streams opened with a request_id of the caller's, until their first __anext__
+        # submits them: their ids are taken from the stream() call on.
+        self._unsent: "weakref.WeakValueDictionary[str, RequestStream]" = weakref.WeakValueDictionary()
         self._dead_error: Optional[EngineDeadError] = None
         self._task = None
         self._heap_frozen = False  # this engine holds a heap.freeze() (freeze_gc)
@@ -385,14 +389,32 @@ class AsyncEngine:
         params = _coerce_params(params)
         prompt_text, token_ids = self._tokenize(prompt, messages)
         self._check_fits(token_ids, params)
-        if request_id is None:
+        own_id = request_id is not None
+        if not own_id:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         else:
-            self._core.check_request_id(request_id, params.num_sequences)
+            self._check_request_id(request_id, params.num_sequences)
         group = RequestGroup(request_id, prompt_text, token_ids, params)
-        return RequestStream(self, group, self._max_tokens(token_ids, params))
+        stream = RequestStream(self, group, self._max_tokens(token_ids, params))
+        if own_id:
+            self._unsent[request_id] = stream
+        return stream
+
+    def _check_request_id(self, request_id: str, count: int) -> None:
+        """DuplicateRequestError if the id (or a sample id of it) is taken by a live request
+        or by a stream opened with it and not submitted yet."""
+        self._core.check_request_id(request_id, count)
+        mine = set(seq_ids(request_id, count))
+        for other_id, other in list(self._unsent.items()):
+            if other._registered or other._closed:
+                continue
+            if other_id == request_id or mine & set(seq_ids(other_id, other.group.params.num_sequences)):
+                raise DuplicateRequestError(
+                    f"request_id {request_id!r} clashes with {other_id!r}, the id of a stream opened and not "
+                    "iterated yet"
+                )
 
     async def generate(
         self,
@@ -535,6 +557,8 @@ class AsyncEngine:
     def _register(self, stream: "RequestStream") -> None:
         self._check_running()
         self._core.add(stream.group, stream.max_tokens)  # DuplicateRequestError for an id in use
+        if self._unsent.get(stream.group.request_id) is stream:
+            del self._unsent[stream.group.request_id]
         self._wake()
 
 

@@ -67,9 +67,6 @@ class RequestGroup:
     def finished(self) -> bool:
         return self.num_unfinished == 0
 
-    def seq_ids(self) -> list[str]:
-        return list(self.seqs)
-
 
 class EngineCore:
     def __init__(
@@ -102,7 +99,7 @@ class EngineCore:
         would share an id with a live request or one of its sequences."""
         if request_id in self.groups:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in use")
-        for seq_id in _seq_ids(request_id, count):
+        for seq_id in seq_ids(request_id, count):
             other = self._group_of.get(seq_id)
             if other is not None:
                 raise DuplicateRequestError(
@@ -120,7 +117,7 @@ class EngineCore:
             # sampled tokens' logprobs (the output keeps them only if they were asked for).
             p = p.model_copy(update={"logprobs": 0})
         leader = None
-        for i, seq_id in enumerate(_seq_ids(group.request_id, count)):
+        for i, seq_id in enumerate(seq_ids(group.request_id, count)):
             seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
             if self.block_manager.enable_prefix_caching:
@@ -300,7 +297,8 @@ class EngineCore:
 _RATE_WINDOW_S = 10.0
 
 
-def _seq_ids(request_id: str, count: int) -> list[str]:
+def seq_ids(request_id: str, count: int) -> list[str]:
+    """The sequence ids of a request's ``count`` samples."""
     return [request_id] if count == 1 else [f"{request_id}#{i}" for i in range(count)]
 
 
