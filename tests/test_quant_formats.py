@@ -252,6 +252,76 @@ def test_modules_to_not_convert_and_dynamic_skip(tmp_path):
         assert hasattr(model.layers[0].mlp.down_proj.method, "scheme")
 
 
+def test_modules_in_block_to_quantize(tmp_path):
+    """transformers' list of the quantized modules of a block: the others load as fp16."""
+    path = tmp_path / "in-block"
+    write_checkpoint(path, VARIANTS["gptq-4b-g128-sym"])
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(4)
+    for layer in range(2):
+        name = f"model.layers.{layer}.mlp.down_proj"
+        for t in ("qweight", "qzeros", "scales", "g_idx"):
+            del tensors[f"{name}.{t}"]
+        tensors[f"{name}.weight"] = torch.randn(*PROJ["mlp.down_proj"], generator=gen).half()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    blocks = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+              ["mlp.gate_proj", "mlp.up_proj"]]
+    config["quantization_config"]["modules_in_block_to_quantize"] = blocks
+    (path / "config.json").write_text(json.dumps(config))
+    model = load_model(path)
+    for layer in range(2):
+        mlp = model.layers[layer].mlp
+        assert torch.equal(mlp.down_proj.weight, tensors[f"model.layers.{layer}.mlp.down_proj.weight"].float())
+        assert hasattr(mlp.gate_up_proj.method, "scheme") and not hasattr(mlp.down_proj.method, "scheme")
+
+
+def test_tool_config_files_must_agree_with_config_json(tmp_path):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json next to a
+    quantization_config: the same settings load, different ones are refused by name."""
+    path = tmp_path / "both"
+    write_checkpoint(path, VARIANTS["gptq-4b-g128-asym"])
+    config = json.loads((path / "config.json").read_text())
+    qcfg = config["quantization_config"]
+    (path / "quantize_config.json").write_text(json.dumps({**qcfg, "checkpoint_format": "gptq", "damp_percent": 0.1}))
+    merged = ModelConfig.from_dir(path).quantization  # what config.json lacks comes from the tool's file
+    assert (merged["bits"], merged["checkpoint_format"], merged["damp_percent"]) == (4, "gptq", 0.1)
+    config["quantization_config"] = {**qcfg, "checkpoint_format": "gptq"}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "quantize_config.json").write_text(json.dumps({**qcfg, "checkpoint_format": "gptq_v2"}))
+    with pytest.raises(UnsupportedModelError, match="quantize_config.json disagree on format"):
+        ModelConfig.from_dir(path)
+    (path / "quantize_config.json").unlink()
+    (path / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 64}))
+    with pytest.raises(UnsupportedModelError, match="quant_config.json disagree on group_size"):
+        ModelConfig.from_dir(path)
+
+
+def test_autoawq_quant_config_json(tmp_path):
+    """Older AutoAWQ writes its settings only to quant_config.json."""
+    path = tmp_path / "autoawq"
+    qcfg = {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}
+    truth = write_checkpoint(path, VARIANTS["awq-g128"], config_file="quant_config.json")
+    (path / "quant_config.json").write_text(json.dumps(qcfg))  # AutoAWQ's names, no quant_method
+    assert ModelConfig.from_dir(path).quantization == qcfg
+    weights = loaded_weights(load_model(path))
+    codes, zeros, scales, g_idx = truth["model.layers.0.mlp.up_proj"]
+    assert torch.equal(weights["model.layers.0.mlp.up_proj"].half(), expected_weight(codes, zeros, scales, g_idx, 128))
+
+
+def test_a_tensor_after_its_layer_was_assembled_is_named(tmp_path):
+    path = _corrupt(tmp_path, "gptq-4b-g128-sym", "model.layers.0.mlp.up_proj.qweight", lambda t: t)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(*PROJ["mlp.up_proj"]).half()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight' arrived after"):
+        load_model(path)
+
+
 def test_quantize_config_json(tmp_path):
     """AutoGPTQ's separate quantize_config.json (no quant_method in it) is read."""
     path = tmp_path / "autogptq"
@@ -280,6 +350,17 @@ def test_quantize_config_json(tmp_path):
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, ["int16"]),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, ["lm_head"]),
         ({"quant_method": "gptq", "bits": 4, "group_size": 0}, ["group_size 0"]),
+        ({"quant_method": "gptq", "bits": 4.5, "group_size": 128}, ["bits", "4.5"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, ["Marlin"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq_v2", "checkpoint_format": "gptq"},
+         ["gptq_v2", "gptq'"]),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "checkpoint_format": "gemv"}, ["checkpoint_format", "gemv"]),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "backend": "llm-awq"}, ["llm-awq"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": [[".*", {}]]}, ["dynamic"]),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "modules_to_not_convert": "lm_head"},
+         ["modules_to_not_convert"]),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "modules_in_block_to_quantize": ["mlp.up_proj"]},
+         ["modules_in_block_to_quantize"]),
     ],
 )
 def test_unsupported_configs_are_named(qcfg, words):

@@ -47,12 +47,22 @@ class ModelConfig:
             raw = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(f"{cfg_path} is not valid JSON: {e}") from e
-        quant_path = path / "quantize_config.json"  # AutoGPTQ's file, when config.json has none
-        if raw.get("quantization_config") is None and quant_path.is_file():
+        # AutoGPTQ's and (older) AutoAWQ's own files: read when config.json has no
+        # quantization_config; when it has one, they must agree, and fill in what it lacks.
+        for name in ("quantize_config.json", "quant_config.json"):
+            quant_path = path / name
+            if not quant_path.is_file():
+                continue
             try:
-                raw["quantization_config"] = json.loads(quant_path.read_text())
+                side = json.loads(quant_path.read_text())
             except (OSError, ValueError) as e:
                 raise ModelNotFoundError(f"{quant_path} is not valid JSON: {e}") from e
+            if raw.get("quantization_config") is None:
+                raw["quantization_config"] = side
+            else:
+                _check_same_quantization(raw["quantization_config"], side, name)
+                if isinstance(side, dict) and isinstance(raw["quantization_config"], dict):
+                    raw["quantization_config"] = {**side, **raw["quantization_config"]}
         return cls.from_dict(raw)
 
     @classmethod
@@ -147,3 +157,30 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]
         if kind == "default":
             scaling = None
     return float(theta), scaling
+
+
+# The settings that decide how a quantized checkpoint's tensors read, under each name the
+# tools write them.
+_QUANT_SETTINGS = {
+    "method": ("quant_method",),
+    "bits": ("bits", "w_bit"),
+    "group_size": ("group_size", "q_group_size"),
+    "format": ("checkpoint_format", "format", "version"),
+    "desc_act": ("desc_act",),
+    "sym": ("sym",),
+    "zero_point": ("zero_point",),
+}
+
+
+def _check_same_quantization(in_config: Any, side: Any, side_name: str) -> None:
+    """UnsupportedModelError if config.json's quantization_config and a tool's own config
+    file set one of the settings that decide the tensors' reading differently."""
+    if not isinstance(in_config, dict) or not isinstance(side, dict):
+        return  # the quantization config's own checks report a malformed one
+    for setting, keys in _QUANT_SETTINGS.items():
+        a = next((in_config[k] for k in keys if in_config.get(k) is not None), None)
+        b = next((side[k] for k in keys if side.get(k) is not None), None)
+        if a is not None and b is not None and str(a).lower() != str(b).lower():
+            raise UnsupportedModelError(
+                f"config.json's quantization_config and {side_name} disagree on {setting}: {a!r} against {b!r}"
+            )

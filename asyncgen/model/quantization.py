@@ -1,7 +1,7 @@
 """AWQ and GPTQ checkpoints: their config, their tensors, and the linear method that runs them.
 
 A checkpoint whose ``config.json`` has a ``quantization_config`` (or whose directory has
-a ``quantize_config.json``) gets :func:`linear_method_factory`; every decoder linear layer
+a ``quantize_config.json`` or ``quant_config.json``) gets :func:`linear_method_factory`; every decoder linear layer
 then loads its packed tensors through :class:`QuantLinearMethod`. Embeddings, norms and
 the LM head are never quantized by these tools and load as usual.
 
@@ -114,11 +114,14 @@ class QuantConfig:
     ``skip``: module-name substrings left unquantized (AWQ's ``modules_to_not_convert``).
     ``dynamic``: GPTQModel's per-module rules, in order: (regex, None) leaves a matching
     module unquantized, (regex, scheme) quantizes it with ``scheme``; the first match wins.
+    ``in_block``: the only decoder-layer modules that are quantized (names within a layer,
+    such as ``mlp.up_proj``; transformers' ``modules_in_block_to_quantize``), or None.
     """
 
     scheme: QuantScheme
     skip: tuple[str, ...] = ()
     dynamic: tuple[tuple[re.Pattern, Optional[QuantScheme]], ...] = ()
+    in_block: Optional[frozenset[str]] = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "QuantConfig":
@@ -134,10 +137,26 @@ class QuantConfig:
         pack_dtype = str(raw.get("pack_dtype", "int32")).replace("torch.", "")
         if pack_dtype != "int32":
             raise UnsupportedModelError(f"{method} pack_dtype {pack_dtype!r} is not supported; only 'int32'")
+        if raw.get("is_marlin_format"):
+            raise UnsupportedModelError("the GPTQ Marlin format (quantization_config.is_marlin_format) is not supported")
         scheme = _scheme(method, raw, raw)
-        skip = tuple(raw.get("modules_to_not_convert") or ())
+        skip = _names(raw, "modules_to_not_convert")
+        in_block = None
+        if raw.get("modules_in_block_to_quantize") is not None:
+            groups = raw["modules_in_block_to_quantize"]
+            if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+                raise UnsupportedModelError(
+                    "quantization_config.modules_in_block_to_quantize must be a list of lists of module names"
+                )
+            in_block = frozenset(_names({"modules": [m for g in groups for m in g]}, "modules"))
+        rules = raw.get("dynamic") or {}
+        if not isinstance(rules, dict) or not all(isinstance(v, dict) or v is None for v in rules.values()):
+            raise UnsupportedModelError(
+                "quantization_config.dynamic must be an object of pattern -> overrides (an object), "
+                f"got {type(rules).__name__}"
+            )
         dynamic = []
-        for pattern, overrides in (raw.get("dynamic") or {}).items():
+        for pattern, overrides in rules.items():
             negative = pattern.startswith("-:")
             regex = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
             try:
@@ -145,17 +164,51 @@ class QuantConfig:
             except re.error as e:
                 raise UnsupportedModelError(f"quantization_config.dynamic pattern {pattern!r} is invalid: {e}") from e
             dynamic.append((compiled, None if negative else _scheme(method, {**raw, **(overrides or {})}, raw)))
-        return cls(scheme, skip, tuple(dynamic))
+        return cls(scheme, skip, tuple(dynamic), in_block)
 
     def scheme_for(self, module: str) -> Optional[QuantScheme]:
         """The scheme of checkpoint module ``module`` (e.g. ``model.layers.0.mlp.up_proj``),
         or None when the checkpoint keeps it unquantized."""
         if any(s in module for s in self.skip):
             return None
+        if self.in_block is not None:
+            inner = _LAYER_PREFIX.sub("", module, count=1)
+            if inner != module and inner not in self.in_block:
+                return None
         for regex, scheme in self.dynamic:
             if regex.match(module):
                 return scheme
         return self.scheme
+
+
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
+
+
+def _names(raw: dict[str, Any], key: str) -> tuple[str, ...]:
+    """``raw[key]``, a list of module names (or null), as a tuple."""
+    value = raw.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UnsupportedModelError(f"quantization_config.{key} must be a list of module names, got {value!r}")
+    return tuple(value)
+
+
+def _int_field(method: str, raw: dict[str, Any], names: tuple[str, ...], default: int) -> int:
+    """The first of ``names`` present in ``raw`` as an integer (``default`` if none is)."""
+    name = next((n for n in names if raw.get(n) is not None), None)
+    if name is None:
+        return default
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        value = None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not number.is_integer():
+        raise UnsupportedModelError(f"{method} quantization_config.{name} must be an integer, got {raw[name]!r}")
+    return int(number)
 
 
 def _guess_method(raw: dict[str, Any]) -> str:
@@ -168,25 +221,31 @@ def _guess_method(raw: dict[str, Any]) -> str:
 
 
 def _scheme(method: str, raw: dict[str, Any], base: dict[str, Any]) -> QuantScheme:
-    try:
-        bits = int(raw.get("bits", raw.get("w_bit", 4)))
-        group_size = int(raw.get("group_size", raw.get("q_group_size", 128)))
-    except (TypeError, ValueError) as e:
-        raise UnsupportedModelError(f"{method} quantization_config has a non-integer bits or group_size: {e}") from e
+    bits = _int_field(method, raw, ("bits", "w_bit"), 4)
+    group_size = _int_field(method, raw, ("group_size", "q_group_size"), 128)
     if group_size == 0 or group_size < -1:
         raise UnsupportedModelError(f"{method} group_size {group_size} is not supported; use a positive size or -1")
     if method == "awq":
         if bits != 4:
             raise UnsupportedModelError(f"AWQ with {bits} bits is not supported; only 4-bit")
-        version = str(raw.get("version") or raw.get("format") or "gemm").lower()
-        if version != "gemm":
-            raise UnsupportedModelError(f"AWQ version/format {version!r} is not supported; only 'gemm'")
+        for key in ("version", "format", "checkpoint_format"):
+            value = str(raw.get(key) or "gemm").lower()
+            if value != "gemm":
+                raise UnsupportedModelError(f"AWQ {key} {value!r} is not supported; only 'gemm'")
+        if str(raw.get("backend") or "").lower().replace("_", "-") == "llm-awq":
+            raise UnsupportedModelError("AWQ backend 'llm-awq' (its own packing) is not supported; only GEMM packing")
         if group_size == -1:
             raise UnsupportedModelError("AWQ with group_size -1 is not supported")
         return QuantScheme("awq", 4, group_size, False, 0)
     if bits not in (4, 8):
         raise UnsupportedModelError(f"GPTQ with {bits} bits is not supported; supported: 4, 8")
-    fmt = str(base.get("checkpoint_format") or base.get("format") or "gptq").lower()
+    formats = {k: str(base[k]).lower() for k in ("format", "checkpoint_format") if base.get(k)}
+    if len(set(formats.values())) > 1:
+        raise UnsupportedModelError(
+            f"GPTQ quantization_config names two checkpoint formats: format {formats['format']!r} and "
+            f"checkpoint_format {formats['checkpoint_format']!r}"
+        )
+    fmt = next(iter(formats.values()), "gptq")
     if fmt not in _GPTQ_FORMATS:
         raise UnsupportedModelError(
             f"GPTQ checkpoint_format {fmt!r} is not supported; supported: {', '.join(_GPTQ_FORMATS)}"
@@ -291,7 +350,8 @@ class QuantLinearMethod(LinearMethod):
         layer.quant_num_groups = -(-k // size)
 
     def load(self, layer: LinearBase, name: str, tensor: torch.Tensor, shard) -> None:
-        part = layer.quant_parts.get(shard) if hasattr(layer, "quant_parts") else None
+        parts = getattr(layer, "quant_parts", None)  # None once the layer is assembled
+        part = None if parts is None else parts.get(shard)
         full = f"{layer.checkpoint_name(shard)}.{name}"
         if part is None:
             raise WeightsError(f"tensor {full!r} arrived after its layer was assembled")
