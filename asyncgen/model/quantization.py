@@ -1,8 +1,8 @@
 """AWQ and GPTQ checkpoints: their config, their tensors, and the linear method that runs them.
 
 A checkpoint whose ``config.json`` has a ``quantization_config`` (or whose directory has
-a ``quantize_config.json`` or ``quant_config.json``) gets :func:`linear_method_factory`; every decoder linear layer
-then loads its packed tensors through :class:`QuantLinearMethod`. Embeddings, norms and
+a ``quantize_config.json`` or ``quant_config.json``) gets :func:`linear_method_factory`;
+every decoder linear layer then loads its packed tensors through :class:`QuantLinearMethod`. Embeddings, norms and
 the LM head are never quantized by these tools and load as usual.
 
 The two formats, per checkpoint module with ``K`` input and ``N`` output features::
@@ -200,15 +200,13 @@ def _int_field(method: str, raw: dict[str, Any], names: tuple[str, ...], default
     if name is None:
         return default
     value = raw[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        value = None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not number.is_integer():
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
         raise UnsupportedModelError(f"{method} quantization_config.{name} must be an integer, got {raw[name]!r}")
-    return int(number)
+    return value
 
 
 def _guess_method(raw: dict[str, Any]) -> str:
