@@ -63,7 +63,7 @@ class InvalidRequestError(AsyncGenError, ValueError):
     (``"max_tokens"``, ``"stop_token_ids"``, ...), or None for the prompt itself.
     """
 
-    def __init__(self, message: str, *, param: "str | None" = None):
+    def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
         self.param = param
 

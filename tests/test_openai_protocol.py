@@ -374,7 +374,7 @@ def test_aligned_logprobs_start_where_their_characters_do(tokenizer):
     got, sent = [], ""
     for c in _engine_chunks(tokenizer, ids):
         sent += c.text
-        released = aligned.add(c.text, c)
+        released = aligned.add(c)
         assert all(start < len(sent) for start, _ in released)  # released with their text
         got += released
     assert sent == text and [lp.token_id for _, lp in got] == ids
@@ -392,7 +392,7 @@ def test_aligned_logprobs_leave_out_a_cut_stop_string(tokenizer):
     text, kept = "", []
     for c in chunks:
         text += c.text
-        kept += [lp.token_id for _, lp in aligned.add(c.text, c)]
+        kept += [lp.token_id for _, lp in aligned.add(c)]
     assert text == "The cat is a" and tokenizer.decode(kept) == text
     # with the stop string in the output, its tokens stay
     from asyncgen.engine.detokenizer import IncrementalDetokenizer
@@ -404,12 +404,12 @@ def test_aligned_logprobs_leave_out_a_cut_stop_string(tokenizer):
         detok.add([t])
     whole = StreamChunk("r", 0, detok.text, tuple(upto), "stop", " majestic",
                         logprobs=tuple(TokenLogprob(t, -1.0) for t in upto))
-    assert [lp.token_id for _, lp in included.add(whole.text, whole)] == upto
+    assert [lp.token_id for _, lp in included.add(whole)] == upto
     # a final stop token is dropped, the text before it kept whole
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ended = StreamChunk("r", 0, "The cat", (*ids[:2], eos), "stop", eos,
                         logprobs=tuple(TokenLogprob(t, -1.0) for t in (*ids[:2], eos)))
-    assert [lp.token_id for _, lp in _AlignedLogprobs(tokenizer, True).add(ended.text, ended)] == ids[:2]
+    assert [lp.token_id for _, lp in _AlignedLogprobs(tokenizer, True).add(ended)] == ids[:2]
 
 
 def test_completion_top_logprobs_hold_the_sampled_token(tokenizer):

@@ -259,13 +259,13 @@ class _AlignedLogprobs:
         self._held: list[tuple[int, TokenLogprob]] = []
         self.sent = 0  # characters of the choice's text sent so far
 
-    def add(self, text: str, chunk: StreamChunk | CompletionOutput) -> list[tuple[int, TokenLogprob]]:
-        """Takes a chunk's (or a whole output's) ``text`` as sent and its logprobs; returns
-        the (start, logprob) pairs whose text has now been sent, in order."""
+    def add(self, chunk: StreamChunk | CompletionOutput) -> list[tuple[int, TokenLogprob]]:
+        """Takes a chunk (or a whole output), its text as sent; returns the (start, logprob)
+        pairs whose text has now been sent, in order."""
         for lp in _visible_logprobs(chunk) or ():
             self._held.append((self._detok.complete_length(), lp))
             self._detok.add([lp.token_id])
-        self.sent += len(text)
+        self.sent += len(chunk.text)
         if chunk.finish_reason is not None and not isinstance(chunk.stop_reason, str):
             ready = len(self._held)  # the whole text is out
         else:
@@ -394,7 +394,7 @@ class OpenAIAdapter:
             for i in range(req.n or 1):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
             async for c in stream:
-                lps = [lp for _, lp in aligned[c.index].add(c.text, c)] if req.logprobs else None
+                lps = [lp for _, lp in aligned[c.index].add(c)] if req.logprobs else None
                 if c.text or lps:
                     logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps)) if req.logprobs else None
                     yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(content=c.text), logprobs=logprobs)])
@@ -487,7 +487,7 @@ class OpenAIAdapter:
             for out in res.outputs:
                 logprobs = None
                 if req.logprobs is not None:
-                    aligned = self._aligner(params).add(out.text, out)
+                    aligned = self._aligner(params).add(out)
                     logprobs = self._completion_logprobs(aligned, len(echo))
                     if req.echo:
                         logprobs = _joined(self._prompt_logprobs(res.prompt_token_ids, res.prompt_logprobs), logprobs)
@@ -550,7 +550,7 @@ class OpenAIAdapter:
                 index = k * n + c.index
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(aligned[index].add(c.text, c), bases[index])
+                    logprobs = self._completion_logprobs(aligned[index].add(c), bases[index])
                 if c.text or (logprobs is not None and logprobs.tokens) or c.finish_reason is not None:
                     yield chunk([CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)])
                 if c.usage is not None:
@@ -623,7 +623,7 @@ class OpenAIAdapter:
                     out = outs[k * n + c.index]
                     out.texts.append(c.text)
                     if c.logprobs is not None:
-                        out.logprobs.extend(aligned[k * n + c.index].add(c.text, c))
+                        out.logprobs.extend(aligned[k * n + c.index].add(c))
                     if c.finish_reason is not None:
                         out.finish_reason = c.finish_reason
                     if c.usage is not None:

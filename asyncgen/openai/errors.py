@@ -110,8 +110,7 @@ def from_exception(
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
     if isinstance(exc, InvalidRequestError):
-        param = getattr(exc, "param", None)
-        param = prompt_param if param is None else (fields or {}).get(param, param)
+        param = prompt_param if exc.param is None else (fields or {}).get(exc.param, exc.param)
         code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
         err = BadRequestError(str(exc), param=param, code=code)
     elif isinstance(exc, EngineDeadError):
