@@ -44,6 +44,7 @@ def save_tiny_model(directory: Path, arch: str, tokenizer_dir: Path, **overrides
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     settings = dict(

@@ -12,7 +12,8 @@ from ..errors import ModelNotFoundError, UnsupportedModelError
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,6 +37,15 @@ class ModelConfig:
     sliding_window: Optional[int]
     torch_dtype: Optional[str]
     quantization: Optional[dict[str, Any]]
+    # RMSNorm over each head's q and k before the rotary embedding (Qwen3).
+    qk_norm: bool = False
+    # The attention window of each layer (None: full attention); empty means every
+    # layer has ``sliding_window``.
+    layer_windows: tuple[Optional[int], ...] = ()
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of layer ``layer``, or None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -88,9 +98,7 @@ class ModelConfig:
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )
         rope_theta, rope_scaling = _rope_settings(raw)
-        sliding_window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_window, layer_windows = _sliding_windows(raw, arch, num_layers)
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
         quant = raw.get("quantization_config")
@@ -110,9 +118,11 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=sliding_window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=quant,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            layer_windows=layer_windows,
         )
 
     def inv_freq(self):
@@ -136,6 +146,33 @@ class ModelConfig:
             medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
             return torch.where(medium, smoothed, scaled)
         return base
+
+
+def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], tuple]:
+    """(window, per-layer windows) as transformers reads them: Llama never slides,
+    Mistral in every layer; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers ``layer_types``
+    marks "sliding_attention" or, without it, from ``max_window_layers`` on."""
+    window = raw.get("sliding_window")
+    if arch == "LlamaForCausalLM" or (arch in _QWEN and not raw.get("use_sliding_window", False)):
+        window = None  # transformers' Llama has no window; Qwen's is off unless switched on
+    if window is None or window == 0:
+        return None, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"sliding_window must be a positive integer, got {window!r}")
+    if arch not in _QWEN:
+        return window, ()
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise UnsupportedModelError(f"max_window_layers must be a non-negative integer, got {first!r}")
+        return window, tuple(window if i >= first else None for i in range(num_layers))
+    kinds = {"full_attention": None, "sliding_attention": window}
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+        raise UnsupportedModelError(
+            f"layer_types must list one of {sorted(kinds)} for each of the {num_layers} layers, got {types!r}"
+        )
+    return window, tuple(kinds[t] for t in types)
 
 
 def _rope_settings(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:

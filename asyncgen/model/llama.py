@@ -1,10 +1,10 @@
-"""The Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 One forward pass computes a flat batch of tokens from many sequences::
 
     input_ids  [T]            positions [T]
-    embed -> L x (norm -> qkv -> rotary -> cache write -> paged attention -> o_proj
-                  -> norm -> gate_up -> silu*mul -> down) -> norm -> hidden [T, hidden]
+    embed -> L x (norm -> qkv [-> q/k norm] -> rotary -> cache write -> paged attention
+                  -> o_proj -> norm -> gate_up -> silu*mul -> down) -> norm -> hidden [T, hidden]
 
 and ``compute_logits`` projects only the rows that sample. Every op comes from the
 ``Ops`` bundle chosen at construction, so the same module runs the torch reference on
@@ -49,14 +49,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, ops: Ops, dtype, device, method_factory):
+    def __init__(self, cfg: ModelConfig, layer: int, prefix: str, ops: Ops, dtype, device, method_factory):
         super().__init__()
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.window(layer)
+        # Qwen3: RMSNorm over each head's q and k, before the rotary embedding.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops, dtype, device) if cfg.qk_norm else None
         self.qkv_proj = QKVLinear(
             prefix, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.attention_bias, dtype, device, method_factory(f"{prefix}.qkv_proj"),
@@ -78,6 +81,10 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            # The kernels take rows of head_dim as a view: one copy of q and of k.
+            q = self.q_norm(q.contiguous())[0]
+            k = self.k_norm(k.contiguous())[0]
         o = self.ops.rotary_attention(
             positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, meta.query_start_loc, self.scale, self.sliding_window,
@@ -108,10 +115,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, prefix, ops, dtype, device, method_factory):
+    def __init__(self, cfg, layer, prefix, ops, dtype, device, method_factory):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
-        self.self_attn = Attention(cfg, f"{prefix}.self_attn", ops, dtype, device, method_factory)
+        self.self_attn = Attention(cfg, layer, f"{prefix}.self_attn", ops, dtype, device, method_factory)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
         self.mlp = MLP(cfg, f"{prefix}.mlp", ops, dtype, device, method_factory)
 
@@ -137,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, f"model.layers.{i}", ops, dtype, device, linear_method) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, f"model.layers.{i}", ops, dtype, device, linear_method) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
         if cfg.tie_word_embeddings:

@@ -83,6 +83,9 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     for i, layer in enumerate(model.layers):
         simple[f"model.layers.{i}.input_layernorm.weight"] = layer.input_layernorm.weight
         simple[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        if layer.self_attn.q_norm is not None:
+            simple[f"model.layers.{i}.self_attn.q_norm.weight"] = layer.self_attn.q_norm.weight
+            simple[f"model.layers.{i}.self_attn.k_norm.weight"] = layer.self_attn.k_norm.weight
     loaded: set[str] = set()
     unexpected: list[str] = []
 

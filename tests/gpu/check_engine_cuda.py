@@ -1,7 +1,8 @@
 """On a CUDA machine: greedy tokens of the CUDA path equal transformers' generate().
 
 A Llama-shaped model with random weights (fp32 in both, so the comparison is exact up
-to kernel rounding), 12 prompts of very different lengths submitted at once, in three
+to kernel rounding), and a Qwen3-shaped one (q/k norms; a 128-token sliding window in
+its later layers), 12 prompts of very different lengths submitted at once, in three
 settings: plenty of KV blocks; a pool so small that requests are preempted; a token
 budget smaller than the longest prompt (chunked prefill); requests arriving one by
 one while others decode, three of them after a shared 400-token prefix is cached (mixed steps of every size, each replaying a prompt-step CUDA
@@ -26,20 +27,29 @@ NEW_TOKENS = 24
 GATED: dict = {}  # backend -> whether the last engine's gate|up layers take the gated GEMV
 
 
-def build(directory: Path, tokenizer_dir: Path, head_dim: int):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def build(directory: Path, tokenizer_dir: Path, head_dim: int, arch: str = "llama"):
+    import transformers
+    from transformers import AutoTokenizer
 
     heads = 1024 // head_dim
-    cfg = LlamaConfig(
+    shape = dict(
         vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), max_position_embeddings=2048,
     )
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(**shape, head_dim=head_dim, use_sliding_window=True, sliding_window=128,
+                                       max_window_layers=3)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        cfg, model_cls = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
     torch.manual_seed(head_dim)
-    model = LlamaForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.05)
+            elif arch == "qwen3":  # norm weights away from 1, so that a missing q/k norm shows
+                p.normal_(1.0, 0.1)
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
     return model.cuda()
@@ -75,7 +85,7 @@ async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, dtype="f
     return results, stats
 
 
-def check_half(path: Path, prompts, head_dim: int) -> int:
+def check_half(path: Path, prompts, label: str) -> int:
     """fp16, where the csrc decode kernels (the fused rotary + attention, the GEMVs) and the
     dependent launches run: the cuda backend against the Triton one in the same dtype.
     Rounding differs, so tokens must agree until the first position where the two
@@ -104,7 +114,7 @@ def check_half(path: Path, prompts, head_dim: int) -> int:
                 if not gaps or max(gaps) > 0.1:
                     bad.append((i, j, gaps))
         ok = worst < 0.05 and not bad
-        print(f"head_dim={head_dim} fp16 cuda (gated GEMV {GATED.get('cuda')}) vs triton "
+        print(f"{label} fp16 cuda (gated GEMV {GATED.get('cuda')}) vs triton "
               f"{name:10s} max logprob diff {worst:.3f}, {diverged} prompts "
               f"diverge at a near tie{'' if not bad else f'; NOT a tie: {bad}'}  {'OK' if ok else 'MISMATCH'}", flush=True)
         failures += not ok
@@ -115,6 +125,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--head-dims", default="64,128", help="comma-separated head dims to check (default 64,128)")
+    ap.add_argument("--archs", default="llama,qwen3",
+                    help="llama (at each head dim) and/or qwen3 (at head dim 128); default both")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -129,9 +141,12 @@ def main() -> int:
     prefix = torch.randint(0, 32000, (400,), generator=gen).tolist()
     prompts += [prefix + torch.randint(0, 32000, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     failures = 0
-    for head_dim in [int(h) for h in args.head_dims.split(",")]:
+    archs = args.archs.split(",")
+    cases = [("llama", int(h)) for h in args.head_dims.split(",")] if "llama" in archs else []
+    cases += [("qwen3", 128)] if "qwen3" in archs else []
+    for arch, head_dim in cases:
         with tempfile.TemporaryDirectory() as d:
-            model = build(Path(d), Path(args.tokenizer), head_dim)
+            model = build(Path(d), Path(args.tokenizer), head_dim, arch)
             ref = hf_greedy(model, prompts)
             del model
             torch.cuda.empty_cache()
@@ -150,14 +165,14 @@ def main() -> int:
                         next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), None) for i in bad
                     ]
                     status = "OK" if not bad else f"MISMATCH in prompts {bad} at tokens {first}"
-                    print(f"head_dim={head_dim} backend={backend:6s} {name:10s} preemptions={stats.num_preemptions:3d} "
+                    print(f"{arch} head_dim={head_dim} backend={backend:6s} {name:10s} preemptions={stats.num_preemptions:3d} "
                           f"prefix-cache hits {stats.prefix_cache_hit_rate:.2f}  {status}", flush=True)
                     if name == "preemption" and stats.num_preemptions == 0:
                         print("  (no preemption happened: the setting is too generous)")
                         failures += 1
                     failures += bool(bad)
             if "cuda" in backends:
-                failures += check_half(Path(d), prompts, head_dim)
+                failures += check_half(Path(d), prompts, f"{arch} head_dim={head_dim}")
     print("engine-vs-transformers:", "PASS" if not failures else f"FAIL ({failures})")
     return 1 if failures else 0
 
