@@ -60,7 +60,8 @@ class InvalidRequestError(AsyncGenError, ValueError):
     """A request the engine refuses; the engine keeps serving the others.
 
     ``param`` names the :class:`~asyncgen.SamplingParams` field the error is about
-    (``"max_tokens"``, ``"stop_token_ids"``, ...), or None for the prompt itself.
+    (``"max_tokens"``, ``"stop_token_ids"``, ...) or the call's argument
+    (``"chat_template_kwargs"``), or None for the prompt itself.
     """
 
     def __init__(self, message: str, *, param: str | None = None):

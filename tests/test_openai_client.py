@@ -328,6 +328,43 @@ async def test_request_errors(client, engine, monkeypatch):
     assert_idle(engine)
 
 
+THINK = "<think>\n\n</think>\n\n"
+
+
+@ASYNCIO_ONLY
+async def test_chat_template_kwargs_reach_the_template(client, engine, monkeypatch):
+    from asyncgen.errors import InvalidRequestError
+
+    # A template variable as Qwen3's templates read enable_thinking.
+    template = engine.tokenizer.chat_template + (
+        "{%- if enable_thinking is defined and enable_thinking is false %}" + THINK + "{% endif %}"
+    )
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    plain = await engine.generate(messages=MESSAGES, params=one)
+    off = await engine.generate(messages=MESSAGES, params=one, chat_template_kwargs={"enable_thinking": False})
+    assert not plain.prompt.endswith(THINK) and off.prompt == plain.prompt + THINK
+    assert list(off.prompt_token_ids) == engine.tokenizer.encode(off.prompt, add_special_tokens=False)
+
+    added = len(off.prompt_token_ids) - len(plain.prompt_token_ids)
+    kwargs = dict(model=client.model, messages=MESSAGES, max_tokens=1)
+    base = await client.chat.completions.create(**kwargs)
+    resp = await client.chat.completions.create(**kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert added > 0 and resp.usage.prompt_tokens == base.usage.prompt_tokens + added
+
+    with pytest.raises(InvalidRequestError, match="messages") as e:
+        engine.stream("Hello", one, chat_template_kwargs={"enable_thinking": False})
+    assert e.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidRequestError, match="'tokenize'") as e:
+        engine.stream(messages=MESSAGES, params=one, chat_template_kwargs={"tokenize": True})
+    assert e.value.param == "chat_template_kwargs"
+    for bad in ({"tokenize": True}, ["enable_thinking"]):
+        with pytest.raises(BadRequestError) as err:
+            await client.chat.completions.create(**kwargs, extra_body={"chat_template_kwargs": bad})
+        assert err.value.param == "chat_template_kwargs"
+    assert_idle(engine)
+
+
 @ASYNCIO_ONLY
 async def test_sdk_sentinels_count_as_absent(client):
     openai = pytest.importorskip("openai")

@@ -367,6 +367,7 @@ class AsyncEngine:
         *,
         messages: Optional[list[dict[str, Any]]] = None,
         request_id: Optional[str] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> "RequestStream":
         """Generates for one prompt, yielding :class:`StreamChunk` as text arrives.
 
@@ -375,6 +376,9 @@ class AsyncEngine:
         is checked here, so bad input raises at the call site; it is submitted when
         iteration starts. Leaving the loop early, cancelling the consuming task or
         ``aclose()`` on the stream aborts it and frees its blocks at once.
+
+        ``chat_template_kwargs`` (with ``messages`` only) are extra variables for the chat
+        template, e.g. ``{"enable_thinking": False}`` for Qwen3's.
         """
         params = _coerce_params(params)
         if params.num_sequences > params.n:
@@ -382,12 +386,12 @@ class AsyncEngine:
                 f"best_of={params.best_of} > n={params.n} cannot be streamed: the best {params.n} are only "
                 "known at the end; use generate()"
             )
-        return self._open_stream(prompt, params, messages, request_id)
+        return self._open_stream(prompt, params, messages, request_id, chat_template_kwargs)
 
-    def _open_stream(self, prompt, params, messages, request_id) -> "RequestStream":
+    def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None) -> "RequestStream":
         self._check_running()
         params = _coerce_params(params)
-        prompt_text, token_ids = self._tokenize(prompt, messages)
+        prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs)
         self._check_fits(token_ids, params)
         own_id = request_id is not None
         if not own_id:
@@ -423,10 +427,11 @@ class AsyncEngine:
         *,
         messages: Optional[list[dict[str, Any]]] = None,
         request_id: Optional[str] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> RequestOutput:
         """Generates for one prompt and returns the whole :class:`RequestOutput`. With
         ``best_of``, the ``n`` completions with the highest cumulative logprob, best first."""
-        stream = self._open_stream(prompt, params, messages, request_id)
+        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs)
         stream.group.wake_each_chunk = False
         want = stream.group.params
         n = want.num_sequences
@@ -489,14 +494,19 @@ class AsyncEngine:
         return self._core.stats()
 
     # --- request checks ---------------------------------------------------------------------
-    def _tokenize(self, prompt, messages) -> tuple[Optional[str], list[int]]:
+    def _tokenize(self, prompt, messages, chat_template_kwargs=None) -> tuple[Optional[str], list[int]]:
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' and 'messages'")
+        if chat_template_kwargs is not None and messages is None:
+            raise InvalidRequestError(
+                "chat_template_kwargs apply to 'messages' only; this request gave a prompt",
+                param="chat_template_kwargs",
+            )
         tok = self._tokenizer
         if messages is not None:
             from .tokenizer import apply_chat_template
 
-            text = apply_chat_template(tok, messages)
+            text = apply_chat_template(tok, messages, chat_template_kwargs)
             return text, tok.encode(text, add_special_tokens=False)
         if isinstance(prompt, str):
             if not prompt:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 
@@ -60,8 +60,29 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return tokenizer, frozenset(eos)
 
 
-def apply_chat_template(tokenizer, messages: Any) -> str:
-    """The prompt text for chat ``messages``, ending with the assistant's turn opening."""
+# apply_chat_template's own parameters: not template variables, so not for a request to set.
+_TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """The prompt text for chat ``messages``, ending with the assistant's turn opening;
+    ``template_kwargs`` are extra variables the template sees (``enable_thinking``, ...)."""
+    if template_kwargs is not None:
+        if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+            raise InvalidRequestError(
+                f"chat_template_kwargs must be a dict with string keys, got {template_kwargs!r}",
+                param="chat_template_kwargs",
+            )
+        taken = sorted(_TEMPLATE_CALL_ARGS.intersection(template_kwargs))
+        if taken:
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {', '.join(map(repr, taken))}: the engine sets "
+                "how the template is applied", param="chat_template_kwargs",
+            )
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
@@ -72,6 +93,8 @@ def apply_chat_template(tokenizer, messages: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; pass 'prompt' instead of 'messages'")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
     except Exception as e:
         raise InvalidRequestError(f"the chat template rejected these messages: {type(e).__name__}: {e}") from e

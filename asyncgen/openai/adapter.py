@@ -368,7 +368,7 @@ class OpenAIAdapter:
         params = to_sampling_params(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
-        stream = self._open(None, _template_messages(req), params, rid, "messages", fields)
+        stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs)
         created = int(time.time())
         if req.stream:
             return AsyncStream(self._chat_chunks(stream, req, rid, created))
@@ -594,9 +594,11 @@ class OpenAIAdapter:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     # --- shared -------------------------------------------------------------------------------
-    def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str, fields=None):
+    def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str, fields=None,
+              chat_template_kwargs=None):
         try:
-            return self.engine.stream(prompt, params, messages=messages, request_id=request_id)
+            return self.engine.stream(prompt, params, messages=messages, request_id=request_id,
+                                      chat_template_kwargs=chat_template_kwargs)
         except (AsyncGenError, ValidationError) as e:
             raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 

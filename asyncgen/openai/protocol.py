@@ -11,8 +11,9 @@ naming the field. Fields that only label or route a request (``user``, ``metadat
 
 A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``), are accepted as extensions;
-the official client sends them through ``extra_body``.
+``skip_special_tokens``, ``include_stop_str_in_output``), are accepted as extensions,
+and so is chat's ``chat_template_kwargs`` (variables for the chat template, such as
+Qwen3's ``enable_thinking``); the official client sends them through ``extra_body``.
 
 Responses (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``ModelList``,
 ``ErrorResponse``) serialise to the JSON OpenAI sends. ``finish_reason`` is "stop" or
@@ -187,6 +188,8 @@ class ChatCompletionRequest(_SamplingExtensions):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
+    # vLLM's extension: extra variables for the chat template ({"enable_thinking": false}).
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     audio: Optional[dict[str, Any]] = None
     frequency_penalty: Optional[Penalty] = 0.0
     function_call: Optional[Union[str, dict[str, Any]]] = None
