@@ -112,6 +112,8 @@ class AskBot(discord.Client):
 
     async def answer(self, channel_id: int, question: str, editor: ThrottledEditor) -> str:
         """Streams the answer to ``question`` into ``editor``'s message; returns the text."""
+        if self.engine is None:
+            raise RuntimeError("the bot's engine is not started; it starts in setup_hook")
         history = self.history[channel_id]
         messages = [
             {"role": "system", "content": "You are a friendly assistant in a Discord chat. Keep answers short."},

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from contextlib import aclosing
-from typing import AsyncIterator, Optional, TextIO
+from typing import AsyncGenerator, AsyncIterator, Optional, TextIO
 
 import trio
 
@@ -28,7 +28,7 @@ from asyncgen import AsyncEngine, InvalidRequestError, SamplingParams
 SYSTEM = "You are a helpful assistant. Answer clearly and briefly."
 
 
-async def stdin_lines() -> AsyncIterator[str]:
+async def stdin_lines() -> AsyncGenerator[str, None]:
     """Lines typed by the user, read in a worker thread so the event loop stays free."""
     while True:
         line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)

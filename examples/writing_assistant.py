@@ -114,8 +114,9 @@ async def run(engine: AsyncEngine, num_users: int, max_tokens: int, out_dir: Opt
         for i in range(num_users):
             tg.start_soon(one, i)
     wall = time.perf_counter() - start
-    print_table(results, wall)
-    return results
+    done = [r for r in results if r is not None]  # all of them: the task group waited for every one
+    print_table(done, wall)
+    return done
 
 
 def print_table(results: list[Result], wall: float) -> None:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator, Generic, Mapping, Optional, TypeVar, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Generic, Mapping, Optional, TypeVar, Union
 
 import anyio
 from pydantic import ValidationError
@@ -306,7 +306,7 @@ class AsyncStream(Generic[T], AsyncIterator[T]):
         await self.close()
 
 
-async def sse_stream(stream: AsyncStream) -> AsyncIterator[str]:
+async def sse_stream(stream: AsyncStream) -> AsyncGenerator[str, None]:
     """Server-sent events for a streamed response: ``data: {json}\\n\\n`` per chunk, then
     ``data: [DONE]\\n\\n``. An error after the first chunk (the engine died) is sent as
     ``data: {"error": ...}``, which the official client raises as an APIError. Closing
