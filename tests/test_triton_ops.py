@@ -338,6 +338,38 @@ def test_reference_paged_attention_matches_attention_written_out(scenario, slidi
     assert torch.equal(batch["v_cache"].nan_to_num(7.0), v_before.nan_to_num(7.0))
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the bf16 prompt path is the CPU engine's")
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("scenario", ["prefill", "mixed", "chunked"])
+def test_reference_runs_bf16_prompts_in_bf16_when_not_exact(scenario, sliding_window, monkeypatch):
+    """``exact=False``, the CPU engine's ops: a bf16 prompt's attention runs torch's fused
+    kernel in bf16 and still agrees with the attention written out, to bf16's precision;
+    ``exact=True``, the kernels' oracle, stays in fp32."""
+    q_lens, seq_lens = SCENARIOS[scenario]
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=16,
+                                 block_size=8, dtype=torch.bfloat16, seed=3)
+    seen = []
+    fused = ref.F.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return fused(q, *args, **kwargs)
+
+    monkeypatch.setattr(ref.F, "scaled_dot_product_attention", recording)
+    scale = 16 ** -0.5
+    fast = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window, exact=False)
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    exact = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window)
+    assert seen and set(seen) == {torch.float32}
+    expected = _attention_written_out(batch, scale, sliding_window)
+    assert fast.dtype == torch.bfloat16 and not fast.isnan().any()
+    torch.testing.assert_close(fast.double(), expected, atol=2e-2, rtol=2e-2)
+    starts = batch["query_start_loc"].tolist()
+    decode_rows = [starts[i] for i, n in enumerate(q_lens) if n == 1]  # the same path either way
+    assert torch.equal(fast[decode_rows], exact[decode_rows])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_paged_attention_batches(dtype, scenario):

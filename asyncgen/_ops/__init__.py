@@ -5,7 +5,8 @@ plain-torch reference in :mod:`asyncgen._ops.reference` (``rotary_store_kv`` is 
 then the cache write, and ``rotary_attention`` those then attention, which a backend may
 fuse):
 
-- ``"torch"``: the references themselves; runs anywhere (the CPU path).
+- ``"torch"``: the references themselves (bf16 prompts' attention in bf16 on the CPU, see
+  ``reference.paged_attention``); runs anywhere (the CPU path).
 - ``"triton"``: Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests).
 - ``"cuda"``: the compiled csrc extension for attention, the cache write and the fused
   rotary + cache write (+ decode attention), Triton for the rest; only where the
@@ -17,6 +18,7 @@ The model receives one ``Ops`` at construction; nothing here is global state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 __all__ = ["Ops", "get_ops"]
@@ -41,8 +43,10 @@ def get_ops(backend: str) -> Ops:
     if backend == "torch":
         from . import reference as r
 
-        return Ops("torch", r.rms_norm, r.rotary_embedding, r.silu_and_mul, r.store_kv_cache, r.paged_attention,
-                   r.rotary_store_kv, r.rotary_attention)
+        # exact=False: bf16 prompts' attention in bf16 on the CPU (see r.paged_attention).
+        return Ops("torch", r.rms_norm, r.rotary_embedding, r.silu_and_mul, r.store_kv_cache,
+                   functools.partial(r.paged_attention, exact=False), r.rotary_store_kv,
+                   functools.partial(r.rotary_attention, exact=False))
     if backend == "triton":
         from . import triton_backend
 
