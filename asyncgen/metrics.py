@@ -112,14 +112,17 @@ _HISTOGRAMS = (
 
 class EngineCollector:
     """A ``prometheus_client`` collector for one engine; register it with
-    ``registry.register(EngineCollector(engine, model_name=...))``.
+    ``registry.register(EngineCollector(engine, model_name=...))``. It records every
+    completion the engine finishes (``observe_all=False``: only those passed to
+    :meth:`observe`).
 
     ``model_name`` is the value of every metric's ``model_name`` label (default: the
     engine's ``model_name``). Raises ``ImportError`` at construction when
     prometheus_client is missing.
     """
 
-    def __init__(self, engine: Any, *, model_name: Optional[str] = None, stats_timeout: float = 1.0):
+    def __init__(self, engine: Any, *, model_name: Optional[str] = None, stats_timeout: float = 1.0,
+                 observe_all: bool = True):
         _prometheus()
         self._engine = engine
         self._model_name = model_name
@@ -129,6 +132,10 @@ class EngineCollector:
         self._finished = {reason: 0 for reason in _FINISH_REASONS}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        # Every completion the engine finishes, whoever reads it (see AsyncEngine.add_finish_listener).
+        self._listening = observe_all and hasattr(engine, "add_finish_listener")
+        if self._listening:
+            engine.add_finish_listener(self._record)
 
     @property
     def model_name(self) -> str:
@@ -136,7 +143,10 @@ class EngineCollector:
 
     # --- per-request observations -------------------------------------------------------------
     def observe(self, output: Any) -> int:
-        """Records finished completions; returns how many it recorded.
+        """Records finished completions; returns how many it recorded. Only for a
+        collector made with ``observe_all=False``: by default the collector records every
+        completion of its engine itself, and this raises ``RuntimeError`` rather than
+        count them twice.
 
         ``output`` is a :class:`~asyncgen.RequestOutput` (all its completions are
         recorded) or a :class:`~asyncgen.StreamChunk` (recorded only when it is the last
@@ -144,6 +154,14 @@ class EngineCollector:
         so calling this on every chunk is fine). Completions without ``metrics`` count
         only towards ``asyncgen:request_success_total``.
         """
+        if self._listening:
+            raise RuntimeError(
+                "this EngineCollector records every completion of its engine already; observe() would count "
+                "them twice (make it with observe_all=False to record only what you pass to observe())"
+            )
+        return self._record(output)
+
+    def _record(self, output: Any) -> int:
         outputs = getattr(output, "outputs", None)
         finals = list(outputs) if outputs is not None else [output]
         finals = [o for o in finals if getattr(o, "finish_reason", None) is not None]

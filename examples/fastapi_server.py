@@ -4,7 +4,10 @@
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``,
-plus ``GET /health`` and ``GET /stats`` (the engine's load and KV-cache figures).
+plus ``GET /health`` (200 while the engine serves, 503 once it is down, for a load
+balancer's or orchestrator's probe), ``GET /stats`` (the engine's load and KV-cache
+figures) and, where ``prometheus-client`` is installed, ``GET /metrics`` (every request's
+timings and the engine's counters in Prometheus' text format; docs/METRICS.md).
 
 The model is ``--model``, else ``$ASYNCGEN_MODEL``, else the bundled SmolLM2-135M-Instruct.
 The official client works unchanged but for the address::
@@ -60,6 +63,7 @@ def create_app(model: Optional[str] = None, **engine_kwargs: Any) -> FastAPI:
         async with AsyncEngine.from_pretrained(resolve_model(model), **engine_kwargs) as engine:
             app.state.engine = engine
             app.state.openai = OpenAIAdapter(engine)
+            app.state.metrics = _metrics_registry(engine)
             yield
 
     app = FastAPI(title="asyncgen OpenAI-compatible server", lifespan=lifespan)
@@ -94,14 +98,39 @@ def create_app(model: Optional[str] = None, **engine_kwargs: Any) -> FastAPI:
         return request.app.state.openai.retrieve_model(model).to_dict()
 
     @app.get("/health")
-    async def health(request: Request) -> dict:
-        return {"status": "ok" if request.app.state.engine.is_running else "down"}
+    async def health(request: Request) -> JSONResponse:
+        if request.app.state.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "down"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.metrics
+        if registry is None:
+            raise StarletteHTTPException(404, "Not Found (pip install prometheus-client to serve /metrics)")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
     async def stats(request: Request) -> dict:
         return asdict(request.app.state.engine.stats())
 
     return app
+
+
+def _metrics_registry(engine: AsyncEngine) -> Any:
+    """A Prometheus registry with the engine's collector (it records every request), or
+    None without prometheus_client."""
+    try:
+        from prometheus_client import CollectorRegistry
+    except ImportError:
+        return None
+    from asyncgen.metrics import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    return registry
 
 
 async def _respond(request: Request, create) -> Response:

@@ -265,3 +265,47 @@ async def test_errors_are_openai_error_objects(client, server):
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     stats = await _stats(server)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_metrics_count_every_request_and_health_answers(client, server):
+    async with httpx.AsyncClient() as http:
+        before = await http.get(f"{server}/metrics")
+        assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+        await client.completions.create(model=MODEL, prompt="One, two,", max_tokens=3,
+                                        extra_body={"ignore_eos": True})
+        text = (await http.get(f"{server}/metrics")).text
+        health = await http.get(f"{server}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+    def value(body: str, name: str) -> float:
+        line = next(ln for ln in body.splitlines() if ln.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    # The request above, read by the OpenAI layer, is counted without any host code.
+    name = 'asyncgen:request_success_total{finished_reason="length",model_name="SmolLM2-135M-Instruct"}'
+    assert name in text
+    assert value(text, "asyncgen:engine_running") == 1
+    assert value(text, "asyncgen:request_generation_tokens_count") == value(
+        before.text, "asyncgen:request_generation_tokens_count"
+    ) + 1
+    assert value(text, "asyncgen:time_to_first_token_seconds_count") >= 1
+
+
+def test_health_is_503_once_the_engine_is_down():
+    from fastapi.testclient import TestClient
+
+    spec = importlib.util.spec_from_file_location("fastapi_server", REPO_ROOT / "examples" / "fastapi_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    app = module.create_app(max_model_len=256, num_kv_blocks=16)
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        engine = app.state.engine
+
+        class Down:  # the engine as it is after a failed step or aclose()
+            is_running = False
+
+        app.state.engine = Down()
+        r = http.get("/health")
+        app.state.engine = engine
+    assert r.status_code == 503 and r.json() == {"status": "down"}

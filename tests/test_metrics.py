@@ -59,7 +59,7 @@ async def test_values_follow_the_engine_from_before_start_to_after_requests(tiny
     # A pool of 12 blocks cannot hold 6 sequences of 60 tokens: preemptions happen.
     engine = AsyncEngine.from_pretrained(tiny_model, max_model_len=128, num_kv_blocks=12)
     registry = CollectorRegistry()
-    collector = EngineCollector(engine, model_name="tiny")
+    collector = EngineCollector(engine, model_name="tiny", observe_all=False)  # the host observes
     registry.register(collector)
 
     # Before start: the families exist, the engine-state ones have no samples yet.
@@ -115,6 +115,49 @@ async def test_values_follow_the_engine_from_before_start_to_after_requests(tiny
     text = generate_latest(registry).decode()
     assert 'asyncgen:num_preemptions_total{model_name="tiny"}' in text
     assert "# TYPE asyncgen:time_per_output_token_seconds histogram" in text
+
+
+@pytest.mark.anyio
+async def test_by_default_every_completion_is_recorded(tiny_model, caplog):
+    """Without observe() calls: generate(), streams read to the end or left early, and
+    the OpenAI layer's requests all count; a host's failing listener is logged and
+    changes nothing for the requests."""
+    async with AsyncEngine.from_pretrained(tiny_model, max_model_len=128, num_kv_blocks=64) as engine:
+        registry = CollectorRegistry()
+        collector = EngineCollector(engine, model_name="tiny")
+        registry.register(collector)
+        seen = []
+        remove = engine.add_finish_listener(seen.append)
+
+        def broken(chunk):
+            raise ValueError("a host bug")
+
+        engine.add_finish_listener(broken)
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        out = await engine.generate([5, 6, 7], SamplingParams(n=2, max_tokens=6, ignore_eos=True))
+        async for _ in engine.stream([8, 9], params):
+            pass
+        async with engine.stream([8, 10], SamplingParams(max_tokens=50, ignore_eos=True)) as stream:
+            async for _ in stream:
+                break  # leaving early aborts it
+        client = engine.openai_client()
+        resp = await client.completions.create(model=engine.model_name, prompt=[11, 12], max_tokens=4)
+        remove()
+        await engine.generate([13], params)  # after remove(): not in seen
+
+        assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+        assert resp.choices[0].finish_reason == "length"
+        assert sorted(c.finish_reason for c in seen) == ["abort", "length", "length", "length", "length"]
+        assert all(c.metrics is not None for c in seen)
+        assert _value(registry, "asyncgen:request_success_total", finished_reason="length") == 5
+        assert _value(registry, "asyncgen:request_success_total", finished_reason="abort") == 1
+        assert _value(registry, "asyncgen:time_to_first_token_seconds_count") == 6
+        aborted = sum(c.metrics.num_generation_tokens for c in seen if c.finish_reason == "abort")
+        # generate() n=2, the stream, the OpenAI request, the generate() after remove().
+        assert _value(registry, "asyncgen:request_generation_tokens_sum") == 2 * 6 + 6 + 4 + 6 + aborted
+        assert "a host bug" in caplog.text and "finish listener" in caplog.text
+        with pytest.raises(RuntimeError, match="twice"):
+            collector.observe(out)
 
 
 @pytest.mark.anyio

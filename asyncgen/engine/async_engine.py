@@ -22,7 +22,7 @@ import weakref
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 import anyio
 
@@ -84,6 +84,7 @@ class AsyncEngine:
         # Streams opened with a request_id of the caller's, until their first __anext__
         # submits them: their ids are taken from the stream() call on.
         self._unsent: "weakref.WeakValueDictionary[str, RequestStream]" = weakref.WeakValueDictionary()
+        self._finish_listeners: list[Callable[[StreamChunk], Any]] = []
         self._dead_error: Optional[EngineDeadError] = None
         self._task = None
         self._heap_frozen = False  # this engine holds a heap.freeze() (freeze_gc)
@@ -196,6 +197,7 @@ class AsyncEngine:
             tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
             self.config.max_num_batched_tokens, max_len, eos_ids, self.config.enable_prefix_caching,
         )
+        self._core.finish_listeners = self._finish_listeners
         if self.config.freeze_gc:  # last: everything loading made is long-lived now
             heap.freeze()
             self._heap_frozen = True
@@ -479,6 +481,22 @@ class AsyncEngine:
         if self._core is None:
             return False
         return self._core.abort(request_id)
+
+    def add_finish_listener(self, listener: Callable[[StreamChunk], Any]) -> Callable[[], None]:
+        """Calls ``listener(chunk)`` with the last chunk of every completion this engine
+        finishes (``finish_reason`` set, ``metrics`` attached), whoever reads the request:
+        ``generate()``, a stream, the OpenAI layer; aborted ones too (finish_reason
+        "abort"). It runs on the event loop's thread as the chunk is made, so it must be
+        quick; an exception from it is logged and affects neither the request nor the
+        engine. Returns a function that removes the listener. :class:`asyncgen.metrics.EngineCollector`
+        uses this to record every request."""
+        self._finish_listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._finish_listeners:
+                self._finish_listeners.remove(listener)
+
+        return remove
 
     def openai_client(self):
         """An in-process client with the surface of ``openai.AsyncOpenAI`` (chat

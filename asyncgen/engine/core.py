@@ -9,6 +9,7 @@ so each is atomic with respect to the tasks that consume streams.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -19,6 +20,8 @@ from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, RequestStatus
+
+log = logging.getLogger("asyncgen")
 from .scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["EngineCore", "RequestGroup"]
@@ -81,6 +84,8 @@ class EngineCore:
         enable_prefix_caching: bool = True,
     ):
         self.tokenizer = tokenizer
+        # Called with the last chunk of every completion (AsyncEngine.add_finish_listener).
+        self.finish_listeners: list[Callable[[StreamChunk], object]] = []
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.max_model_len = max_model_len
@@ -260,6 +265,12 @@ class EngineCore:
         seq.pending_ids = []
         seq.pending_logprobs = []
         group.queue.append(chunk)
+        if finished:
+            for listener in tuple(self.finish_listeners):
+                try:
+                    listener(chunk)
+                except Exception:  # a host's callback must not stop the engine or the request
+                    log.exception("finish listener %r failed on request %r", listener, group.request_id)
         if notify:
             group.notify()
 
