@@ -150,8 +150,8 @@ class ModelConfig:
 
 def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], tuple]:
     """(window, per-layer windows) as transformers reads them: Llama never slides,
-    Mistral in every layer; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers ``layer_types``
-    marks "sliding_attention" or, without it, from ``max_window_layers`` on."""
+    Mistral in every layer; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers
+    ``layer_types`` marks "sliding_attention" or, without it, from ``max_window_layers`` on."""
     window = raw.get("sliding_window")
     if arch == "LlamaForCausalLM" or (arch in _QWEN and not raw.get("use_sliding_window", False)):
         window = None  # transformers' Llama has no window; Qwen's is off unless switched on
