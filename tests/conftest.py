@@ -73,6 +73,33 @@ def save_tiny_model(directory: Path, arch: str, tokenizer_dir: Path, **overrides
     return directory
 
 
+def forward_in_chunks(model, ids, chunks, block_size=4):
+    """Logits of ``ids`` from the paged model, run in the given (start, end) chunks over a
+    NaN-filled cache whose blocks are scattered."""
+    import torch
+
+    from asyncgen.model.llama import AttentionMetadata
+
+    cfg = model.cfg
+    num_blocks = 64
+    for layer in model.layers:
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        layer.self_attn.k_cache = torch.full(shape, float("nan"))
+        layer.self_attn.v_cache = torch.full(shape, float("nan"))
+    n = ids.shape[0]
+    table = torch.randperm(num_blocks)[: -(-n // block_size)].to(torch.int32)
+    pos = torch.arange(n)
+    slots = table[pos // block_size].long() * block_size + pos % block_size
+    logits = []
+    for s, e in chunks:
+        meta = AttentionMetadata(
+            slots[s:e], table.unsqueeze(0), torch.tensor([e], dtype=torch.int32),
+            torch.tensor([0, e - s], dtype=torch.int32), e - s, e,
+        )
+        logits.append(model.compute_logits(model(ids[s:e], pos[s:e], meta)))
+    return torch.cat(logits)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smollm2_path) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_path)

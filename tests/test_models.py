@@ -13,10 +13,10 @@ import torch
 from asyncgen import AsyncEngine, SamplingParams
 from asyncgen._ops import get_ops
 from asyncgen.model.config import ModelConfig
-from asyncgen.model.llama import AttentionMetadata, LlamaForCausalLM
+from asyncgen.model.llama import LlamaForCausalLM
 from asyncgen.model.loader import load_weights
 
-from conftest import save_tiny_model
+from conftest import forward_in_chunks, save_tiny_model
 
 VARIANTS = {
     "llama": {},
@@ -43,28 +43,6 @@ def tiny(request, tmp_path_factory, smollm2_path):
     return save_tiny_model(tmp_path_factory.mktemp(name), arch, smollm2_path, **VARIANTS[name])
 
 
-def _forward_in_chunks(model, ids: torch.Tensor, chunks, block_size=4):
-    """Runs ``ids`` through the paged model in the given chunks, blocks scattered."""
-    cfg = model.cfg
-    num_blocks = 64
-    for layer in model.layers:
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        layer.self_attn.k_cache = torch.full(shape, float("nan"))
-        layer.self_attn.v_cache = torch.full(shape, float("nan"))
-    n = ids.shape[0]
-    table = torch.randperm(num_blocks)[: -(-n // block_size)].to(torch.int32)
-    pos = torch.arange(n)
-    slots = table[pos // block_size].long() * block_size + pos % block_size
-    logits = []
-    for s, e in chunks:
-        meta = AttentionMetadata(
-            slots[s:e], table.unsqueeze(0), torch.tensor([e], dtype=torch.int32),
-            torch.tensor([0, e - s], dtype=torch.int32), e - s, e,
-        )
-        logits.append(model.compute_logits(model(ids[s:e], pos[s:e], meta)))
-    return torch.cat(logits)
-
-
 def test_logits_match_transformers(tiny: Path):
     from transformers import AutoModelForCausalLM
 
@@ -76,7 +54,7 @@ def test_logits_match_transformers(tiny: Path):
     ids = torch.randint(0, cfg.vocab_size, (40,))
     with torch.no_grad():
         ref = hf(ids.unsqueeze(0)).logits[0]
-        got = _forward_in_chunks(model, ids, [(0, 17), (17, 18), (18, 40)])
+        got = forward_in_chunks(model, ids, [(0, 17), (17, 18), (18, 40)])
     assert ref.abs().max() > 1.0  # logits are not trivially flat
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 

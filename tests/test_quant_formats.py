@@ -83,8 +83,9 @@ def _g_idx(k: int, group_size: int, kind: str, gen: torch.Generator, shared: dic
     return g
 
 
-def write_checkpoint(path: Path, qcfg: dict, seed: int = 0, config_file: str = "config.json") -> dict:
-    """A random quantized Llama checkpoint in ``path``; returns {module: (codes, zeros, scales, g_idx)}."""
+def write_checkpoint(path: Path, qcfg: dict, seed: int = 0, config_file: str = "config.json", arch: str = "llama") -> dict:
+    """A random quantized Llama (or, with ``arch="qwen3"``, Qwen3: q/k norms) checkpoint in
+    ``path``; returns {module: (codes, zeros, scales, g_idx)}."""
     gen = torch.Generator().manual_seed(seed)
     qcfg = dict(qcfg)
     g_kind = qcfg.pop("g_idx", "shared")
@@ -99,6 +100,9 @@ def write_checkpoint(path: Path, qcfg: dict, seed: int = 0, config_file: str = "
     for i in range(LAYERS):
         tensors[f"model.layers.{i}.input_layernorm.weight"] = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).half()
         tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).half()
+        if arch == "qwen3":
+            for norm in ("q_norm", "k_norm"):
+                tensors[f"model.layers.{i}.self_attn.{norm}.weight"] = (1 + 0.1 * torch.randn(HEAD_DIM, generator=gen)).half()
         shared: dict = {}
         for proj, (n, k) in PROJ.items():
             name = f"model.layers.{i}.{proj}"
@@ -134,6 +138,8 @@ def write_checkpoint(path: Path, qcfg: dict, seed: int = 0, config_file: str = "
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "torch_dtype": "float16",
     }
+    if arch == "qwen3":
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1000000.0)
     if config_file == "config.json":
         config["quantization_config"] = qcfg
     else:
@@ -223,6 +229,34 @@ def test_unquantized_layers_stay_fp16(checkpoints):
     assert model.lm_head.dtype == torch.float16 and torch.equal(model.lm_head, raw["lm_head.weight"])
     assert torch.equal(model.embed_tokens.weight, raw["model.embed_tokens.weight"])
     assert model.layers[0].mlp.down_proj.qweight.dtype == torch.int32
+
+
+@pytest.mark.parametrize("variant", ["awq-g128", "gptq-4b-g32-act-per-part"])
+def test_quantized_qwen3_matches_transformers_on_its_dequantized_weights(tmp_path, variant):
+    """A Qwen3 checkpoint in AWQ's or GPTQ's layout (q/k norms stay fp16): the logits of
+    transformers' Qwen3 with the weights the formats define, for both kernels."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from conftest import forward_in_chunks
+
+    path = tmp_path / variant
+    truth = write_checkpoint(path, VARIANTS[variant], seed=5, arch="qwen3")
+    state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()
+             if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))}
+    for name, (codes, zeros, scales, g_idx) in truth.items():
+        state[f"{name}.weight"] = expected_weight(codes, zeros, scales, g_idx, VARIANTS[variant]["group_size"]).float()
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization_config")
+    hf = Qwen3ForCausalLM(Qwen3Config(**config)).eval()
+    hf.load_state_dict(state, strict=True)
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf(ids.unsqueeze(0)).logits[0]
+        for kernel in ("dense", "reference"):
+            got = forward_in_chunks(load_model(path, kernel), ids, [(0, 10), (10, 11), (11, 24)])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert want.abs().max() > 0.1
 
 
 def test_modules_to_not_convert_and_dynamic_skip(tmp_path):
