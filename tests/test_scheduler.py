@@ -1,11 +1,16 @@
-"""Scheduler and block manager: exact block ids, chunking, preemption order (no torch)."""
+"""Scheduler and block manager: exact block ids, chunking, preemption order, steps that
+outlive their request (no torch)."""
+
+from types import SimpleNamespace
 
 import pytest
 
 from asyncgen import SamplingParams
 from asyncgen.engine.block_manager import BlockManager
+from asyncgen.engine.core import EngineCore, RequestGroup
 from asyncgen.engine.request import PLACEHOLDER, Request, RequestStatus
 from asyncgen.engine.scheduler import Scheduler
+from asyncgen.outputs import TokenLogprob
 
 EOS = frozenset({2})
 
@@ -255,3 +260,61 @@ def test_preemption_drops_a_pending_token_and_recomputes_it():
     got = s.update(first, {"a": 50, "b": 51})
     assert [r.request_id for r in got] == ["a"]  # b's token is dropped with its blocks
     assert b.token_ids == list(range(100, 108)) and b.num_computed_tokens == 0
+
+
+def test_step_planned_for_an_aborted_request_skips_a_new_one_with_its_id():
+    # Two steps of "a" are planned ahead; "a" is aborted and its id at once given to a new
+    # request, which the next step admits. The old steps' tokens belong to nobody now.
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    s.add(make("a", 6, max_tokens=10))
+    first, second = s.schedule(), s.schedule()
+    assert s.abort("a")
+    s.add(make("a", 9, first=100))
+    third = s.schedule()
+    new = s.requests["a"]
+    assert new.status is RequestStatus.RUNNING and [(q.start_pos, q.sample) for q in third.seqs] == [(0, True)]
+    assert s.update(first, {"a": 40}) == [] and s.update(second, {"a": 41}) == []
+    assert new.token_ids == list(range(100, 109)) + [PLACEHOLDER] and new.num_confirmed_tokens == 0
+    assert s.update(third, {"a": 42}) == [new]
+    assert new.output_token_ids == [42] and new.num_confirmed_tokens == 9
+
+
+def core_of(max_num_batched_tokens: int) -> EngineCore:
+    """An engine core whose tokenizer decodes every token as one "t"."""
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "t" * len(ids))
+    return EngineCore(tokenizer, num_blocks=16, block_size=4, max_num_seqs=8,
+                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=64, eos_token_ids=EOS)
+
+
+def test_prompt_logprobs_of_a_step_planned_for_an_aborted_request_are_dropped():
+    core = core_of(max_num_batched_tokens=4)
+    params = SamplingParams(max_tokens=4, prompt_logprobs=0)
+    core.add(RequestGroup("x", None, list(range(10, 22)), params), 4)
+    first, second = core.schedule(), core.schedule()  # the old prompt's chunks 0-3 and 4-7
+    core.abort("x")
+    new = RequestGroup("x", None, [5, 6, 7], params)
+    core.add(new, 4)
+    third = core.schedule()
+    assert [(q.start_pos, q.prompt_logprobs) for q in third.seqs] == [(0, True)]
+    # The old steps report positions the new, shorter prompt does not even have.
+    for out, positions in ((first, range(1, 5)), (second, range(5, 9))):
+        core.update(out, {}, None, {"x": [(p, TokenLogprob(10 + p, -1.0)) for p in positions]})
+    assert new.prompt_logprobs == [None, None, None]
+    core.update(third, {"x": 9}, None, {"x": [(1, TokenLogprob(6, -0.5)), (2, TokenLogprob(7, -0.25))]})
+    assert new.prompt_logprobs == [None, TokenLogprob(6, -0.5), TokenLogprob(7, -0.25)]
+
+
+def test_token_of_a_request_aborted_before_its_emit_reaches_no_new_request_with_its_id():
+    core = core_of(max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    old = RequestGroup("x", None, [10, 11, 12], params)
+    core.add(old, 4)
+    out = core.schedule()
+    reqs = core.update(out, {"x": 20})
+    # Between update and emit the stream is aborted and its id reused at once.
+    core.abort("x")
+    assert [(c.token_ids, c.finish_reason) for c in old.queue] == [((20,), "abort")]
+    new = RequestGroup("x", None, [30, 31], params)
+    core.add(new, 4)
+    core.emit(reqs)
+    assert not new.queue and new.num_completion_tokens == 0 and len(old.queue) == 1

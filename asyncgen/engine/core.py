@@ -187,9 +187,13 @@ class EngineCore:
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
             self._recent.popleft()
         if prompt_logprobs:
-            for seq_id, items in prompt_logprobs.items():
-                group = self._group_of.get(seq_id)
-                if group is not None and group.prompt_logprobs is not None:
+            for seq in out.seqs:
+                items = prompt_logprobs.get(seq.req_id)
+                # A stale step's (see ScheduledSeq.epoch) may be of another prompt under the same id.
+                if items is None or self.scheduler.running_request(seq) is None:
+                    continue
+                group = self._group_of[seq.req_id]
+                if group.prompt_logprobs is not None:
                     for pos, lp in items:
                         group.prompt_logprobs[pos] = lp
         reqs = self.scheduler.update(out, sampled)
@@ -211,7 +215,9 @@ class EngineCore:
             if group is None:
                 continue
             seq = group.seqs[req.request_id]
-            if seq.done:
+            # Aborted since update (the host's tasks run between emit's slices), its id
+            # perhaps taken by a new request already: its token goes nowhere.
+            if seq.done or seq.req is not req:
                 continue
             group.num_completion_tokens += 1
             finished = req.status.finished

@@ -38,12 +38,13 @@ class Request:
     ``num_confirmed_tokens`` those whose step has finished. A step computes the tokens
     after ``num_computed_tokens`` and, when it reaches ``num_tokens``, samples one more.
     Preemption resets both counters to 0: the tokens stay and are recomputed.
+    ``epoch`` tells the steps of one admission from any other's (see ``ScheduledSeq.epoch``).
     """
 
     __slots__ = (
         "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_confirmed_tokens",
         "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
-        "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time",
+        "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time", "epoch",
     )
 
     def __init__(
@@ -72,6 +73,7 @@ class Request:
         self.prefix_leader: Optional["Request"] = None  # the n > 1 sample whose prompt blocks to share
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
+        self.epoch = -1  # set by the scheduler at each admission
 
     @property
     def prompt_done(self) -> bool:

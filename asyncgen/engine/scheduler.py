@@ -29,7 +29,10 @@ class ScheduledSeq:
     start_pos: int
     block_ids: list[int]
     sample: bool  # the step reaches the sequence's last known token: sample the next one
-    epoch: int = 0  # the request's preemption count when scheduled (a later update skips a stale step)
+    # The admission of the request this step belongs to, unique within the scheduler: a
+    # step planned before its request was preempted, or for an earlier request with the
+    # same id (aborted, then the id reused while the step ran), is stale, and update skips it.
+    epoch: int = 0
     prompt_logprobs: bool = False  # report the logprob of each prompt token this chunk predicts
 
 
@@ -76,6 +79,7 @@ class Scheduler:
         self._unseen: dict[str, NewRequestData] = {}  # added, not yet sent to the runner
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self._num_admissions = 0
         self.num_needing_history = 0  # live requests whose sampling reads earlier output tokens
 
     @property
@@ -190,6 +194,8 @@ class Scheduler:
                     req.num_cached_tokens = len(cached) * bm.block_size
                 req.num_computed_tokens = req.num_confirmed_tokens = start
                 req.status = RequestStatus.RUNNING
+                req.epoch = self._num_admissions
+                self._num_admissions += 1
                 self.running.append(req)
                 seqs.append(self._take(req, n, cached))
                 budget -= n
@@ -209,7 +215,7 @@ class Scheduler:
             req.first_scheduled_time = time.monotonic()
         sample = end == req.num_tokens
         seq = ScheduledSeq(
-            req.request_id, req.token_ids[start:end], start, list(table), sample, req.num_preemptions,
+            req.request_id, req.token_ids[start:end], start, list(table), sample, req.epoch,
             req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1,
         )
         req.num_computed_tokens = end
@@ -234,8 +240,8 @@ class Scheduler:
         and a preempted sequence recomputes (and resamples) what it lost."""
         got: list[Request] = []
         for seq in out.seqs:
-            req = self.requests.get(seq.req_id)
-            if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != seq.epoch:
+            req = self.running_request(seq)
+            if req is None:
                 continue
             end = seq.start_pos + len(seq.token_ids)
             if end > req.num_confirmed_tokens:
@@ -252,6 +258,14 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status)
         return got
+
+    def running_request(self, seq: ScheduledSeq) -> Optional[Request]:
+        """The request ``seq`` was scheduled for, if it still runs in the admission that
+        step belongs to (None: finished, preempted, or its id now names another request)."""
+        req = self.requests.get(seq.req_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.epoch != seq.epoch:
+            return None
+        return req
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> Optional[RequestStatus]:
         """Whether ``token``, the ``num_output``-th output token of ``req``, ends it."""
