@@ -472,6 +472,29 @@ async def test_a_request_id_reused_right_after_an_abort_gets_only_its_own_tokens
         assert soak.find_leaks(engine) == {}
 
 
+@pytest.mark.anyio
+async def test_seeded_samples_are_the_same_when_preemption_drops_them(tiny_model):
+    """A preempted request loses the token its step in flight drew and draws it again:
+    from the generator state of the first draw, so a seeded request sampled at
+    temperature 1 gets the tokens it gets alone."""
+    rng = random.Random(0)
+    prompts = [[rng.choice(IDS) for _ in range(rng.randint(5, 40))] for _ in range(8)]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(8)]
+    async with AsyncEngine.from_pretrained(tiny_model, **REFERENCE) as engine:
+        alone = [(await engine.generate(p, sp)).token_ids for p, sp in zip(prompts, params)]
+    got: list = [None] * len(prompts)
+    async with AsyncEngine.from_pretrained(tiny_model, **COMMON, num_kv_blocks=10, block_size=8) as engine:
+
+        async def one(i: int) -> None:
+            got[i] = await engine.generate(prompts[i], params[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    assert sum(out.metrics.num_preemptions for out in got) >= 4
+    assert [out.token_ids for out in got] == alone
+
+
 async def fuzz(model: Path, seeds, num_requests: int) -> collections.Counter:
     """Runs a case per seed; fails listing every case that went wrong, with its plan."""
     failures = []

@@ -136,6 +136,28 @@ class _SeqState:
     output_token_ids: list[int]  # as collected (penalties read it; they never run ahead)
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
+    # The seeded generator's state before each recent output position was sampled: a
+    # token dropped by preemption is drawn again from the same state, so a seeded request
+    # gets the tokens it gets alone.
+    generator_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+# Output positions behind the newest whose generator states are kept: tokens a
+# preemption drops are the steps in flight, at most a few positions back.
+_GENERATOR_STATES_KEPT = 4
+
+
+def _position_generator(st: _SeqState, position: int) -> None:
+    """Puts ``st``'s generator where it was when output ``position`` was first sampled
+    (or records where it is now, on the first visit)."""
+    states = st.generator_states
+    saved = states.get(position)
+    if saved is not None:
+        st.generator.set_state(saved)
+    else:
+        states[position] = st.generator.get_state()
+    for old in [p for p in states if p < position - _GENERATOR_STATES_KEPT or p > position]:
+        del states[old]
 
 
 class ModelRunner:
@@ -590,6 +612,8 @@ class ModelRunner:
             generated = end - len(st.prompt_token_ids)  # output tokens before the one sampled now
             if len(st.output_token_ids) > generated:  # a preempted sequence resamples a dropped token
                 del st.output_token_ids[generated:]
+            if st.generator is not None:
+                _position_generator(st, generated)
             rows.append(SamplingRow(
                 st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated
             ))
