@@ -318,3 +318,17 @@ def test_token_of_a_request_aborted_before_its_emit_reaches_no_new_request_with_
     core.add(new, 4)
     core.emit(reqs)
     assert not new.queue and new.num_completion_tokens == 0 and len(old.queue) == 1
+
+
+@pytest.mark.parametrize("max_tokens, reason", [(4, "abort"), (2, "length")])
+def test_an_abort_between_update_and_emit_keeps_the_last_token_in_text_and_usage(max_tokens, reason):
+    core = core_of(max_num_batched_tokens=64)
+    group = RequestGroup("x", None, [10, 11, 12], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    core.add(group, max_tokens)
+    core.emit(core.update(core.schedule(), {"x": 20}))
+    core.update(core.schedule(), {"x": 21})  # (the second token ends the request at max_tokens=2)
+    core.abort("x")  # before that token's emit
+    chunks = list(group.queue)
+    assert [c.token_ids for c in chunks] == [(20,), (21,)]
+    assert "".join(c.text for c in chunks) == "tt"
+    assert chunks[-1].finish_reason == reason and chunks[-1].usage.completion_tokens == 2

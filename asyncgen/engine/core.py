@@ -28,13 +28,14 @@ __all__ = ["EngineCore", "RequestGroup"]
 
 
 class _Seq:
-    __slots__ = ("req", "detok", "pending_ids", "pending_logprobs", "done")
+    __slots__ = ("req", "detok", "pending_ids", "pending_logprobs", "undecoded", "done")
 
     def __init__(self, req: Request, detok: IncrementalDetokenizer):
         self.req = req
         self.detok = detok
         self.pending_ids: list[int] = []  # generated but not yet sent in a chunk
         self.pending_logprobs: list = []
+        self.undecoded = 0  # the last of pending_ids that update added and emit has not decoded
         self.done = False
 
 
@@ -149,8 +150,26 @@ class EngineCore:
         for seq_id, seq in group.seqs.items():
             if not seq.done:
                 self.scheduler.abort(seq_id)
+                self._catch_up(group, seq)
+                seq.detok.flush()
                 self._emit(group, seq, finished=True)
         return True
+
+    def _catch_up(self, group: RequestGroup, seq: _Seq) -> None:
+        """Decodes what emit would have for tokens update gave ``seq`` just before an
+        abort, so that the final chunk's text and usage cover all its token ids."""
+        n, seq.undecoded = seq.undecoded, 0
+        if not n:
+            return
+        group.num_completion_tokens += n
+        req = seq.req
+        ids = seq.pending_ids[-n:]
+        if req.status is RequestStatus.FINISHED_STOPPED:
+            ids = ids[:-1]  # a stop token is kept in token_ids, not in text
+        stop = seq.detok.add(ids) if ids else None
+        if stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
+            req.status = RequestStatus.FINISHED_STOPPED  # as emit does
+            req.stop_reason = stop
 
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with ``error`` (the engine died)."""
@@ -200,6 +219,7 @@ class EngineCore:
         for req in reqs:
             seq = self._group_of[req.request_id].seqs[req.request_id]
             seq.pending_ids.append(sampled[req.request_id])
+            seq.undecoded += 1
             if logprobs and req.request_id in logprobs:
                 seq.pending_logprobs.append(logprobs[req.request_id])
         self.num_generation_tokens += len(reqs)
@@ -219,6 +239,7 @@ class EngineCore:
             # perhaps taken by a new request already: its token goes nowhere.
             if seq.done or seq.req is not req:
                 continue
+            seq.undecoded -= 1
             group.num_completion_tokens += 1
             finished = req.status.finished
             # A token that ended the sequence as a stop token is kept in token_ids, not in text.
