@@ -447,11 +447,13 @@ def compare(r: Planned, got: Received, ref, tally: collections.Counter) -> list[
 
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.anyio
-async def test_a_request_id_reused_right_after_an_abort_gets_only_its_own_tokens(tiny_model):
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+async def test_a_request_id_reused_right_after_an_abort_gets_only_its_own_tokens(tiny_model, penalty):
     """The consumer runs between two steps, the next one already planned for the old request;
     the new request with its id joins the step after that. (Once, the old request's token
-    landed in the new one's prompt, or the engine died.)"""
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    landed in the new one's prompt, or the engine died.) With a repetition penalty the new
+    request's sampling reads its own output tokens, which must not include the old one's."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0, repetition_penalty=penalty)
     prompt = list(range(100, 140))
     async with AsyncEngine.from_pretrained(tiny_model, **REFERENCE) as ref_engine:
         want = await ref_engine.generate(prompt, params)

@@ -127,6 +127,9 @@ class LaunchedStep:
     # (per-sequence (req_id, first position, count, k), [R] targets, [R] logprobs,
     #  [R, k] top ids, [R, k] top logprobs) on the device, or None
     prompt_logprobs: Optional[tuple] = None
+    # The sampled sequences' states as of the launch: a token collected after its request
+    # ended goes to that request's history, never to a new request given the same id.
+    states: tuple = ()
 
 
 @dataclasses.dataclass
@@ -606,9 +609,10 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[inputs.logits_idx])
                 if inputs.plp is not None:
                     plp = self._prompt_logprobs(hidden, inputs.plp)
-        rows = []
+        rows, states = [], []
         for req_id, end in zip(host.sampling_ids, host.sample_ends):
             st = self.states[req_id]
+            states.append(st)
             generated = end - len(st.prompt_token_ids)  # output tokens before the one sampled now
             if len(st.output_token_ids) > generated:  # a preempted sequence resamples a dropped token
                 del st.output_token_ids[generated:]
@@ -620,7 +624,7 @@ class ModelRunner:
         tokens, pending = sample_async(logits, rows)  # (its event also covers plp's tensors)
         self._last_tokens = tokens
         self._last_rows = {req_id: i for i, req_id in enumerate(host.sampling_ids)}
-        return LaunchedStep(host.sampling_ids, pending, plp)
+        return LaunchedStep(host.sampling_ids, pending, plp, tuple(states))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plp: tuple) -> tuple:
         """Log-probabilities of the prompt tokens this step's chunks predict (and each
@@ -640,10 +644,10 @@ class ModelRunner:
         tokens, logprobs = step.pending.result()
         if step.prompt_logprobs is not None:
             result.prompt_logprobs = _prompt_logprobs_to_host(step.prompt_logprobs)
-        for req_id, tok, lp in zip(step.sampling_ids, tokens, logprobs):
-            st = self.states.get(req_id)
-            if st is not None:  # else: finished while the step ran; the scheduler drops the token
-                st.output_token_ids.append(tok)
+        for req_id, st, tok, lp in zip(step.sampling_ids, step.states, tokens, logprobs):
+            # (If the request ended while the step ran, the scheduler drops the token; its
+            # state is no longer in self.states, and a new request with its id has another.)
+            st.output_token_ids.append(tok)
             result.sampled[req_id] = tok
             if lp is not None:
                 result.logprobs[req_id] = lp
