@@ -20,11 +20,11 @@ from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, RequestStatus
-
-log = logging.getLogger("asyncgen")
 from .scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["EngineCore", "RequestGroup"]
+
+log = logging.getLogger("asyncgen")
 
 
 class _Seq:
