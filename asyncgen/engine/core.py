@@ -151,7 +151,7 @@ class EngineCore:
             if not seq.done:
                 self.scheduler.abort(seq_id)
                 self._catch_up(group, seq)
-                seq.detok.flush()
+                self._flush(seq)
                 self._emit(group, seq, finished=True)
         return True
 
@@ -169,6 +169,18 @@ class EngineCore:
         stop = seq.detok.add(ids) if ids else None
         if stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
             req.status = RequestStatus.FINISHED_STOPPED  # as emit does
+            req.stop_reason = stop
+
+    @staticmethod
+    def _flush(seq: _Seq) -> None:
+        """Releases the text a finished sequence held back for a partial character. A stop
+        string completed only by that text ends the completion as "stop" too, as one
+        completed by its last token would (the stop string overrides a stop token's
+        reason, as it does in vLLM: the text was cut at it)."""
+        stop = seq.detok.flush()
+        req = seq.req
+        if stop is not None and req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = stop
 
     def fail_all(self, error: BaseException) -> None:
@@ -255,7 +267,7 @@ class EngineCore:
                     req.status = RequestStatus.FINISHED_STOPPED
                     req.stop_reason = stop
             if finished:
-                seq.detok.flush()
+                self._flush(seq)
             self._emit(group, seq, finished, notify=False)
             if group.wake_each_chunk or group.finished:
                 touched.append(group)

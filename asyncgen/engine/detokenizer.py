@@ -14,7 +14,8 @@ A delta that ends in U+FFFD is held back until the next token completes the char
 Text that could still be the start of a stop string is also held back, so a stop
 string is never split across two deltas and never emitted. As ``min_tokens`` keeps
 stop tokens away, a stop string completed by one of the first ``min_tokens`` tokens
-does not end the text.
+does not end the text. The text ends at the first stop string to appear; of several
+that one token completes, at the one that starts earliest.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
         if self.stop and len(self.ids) > self.min_tokens:
-            return self._find_stop(max(0, before - self._max_stop + 1))
+            return self._find_stop(before)
         return None
 
     def complete_length(self) -> int:
@@ -79,15 +80,21 @@ class IncrementalDetokenizer:
         held = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
         return len(self.text) + len(held.rstrip(_REPLACEMENT))
 
-    def flush(self) -> None:
-        """Decodes any held-back partial character (at the end of generation)."""
+    def flush(self) -> Optional[str]:
+        """Decodes any held-back partial character (at the end of generation); returns
+        the stop string if the text it releases completes one."""
         if self.stopped_by is None and self._read < len(self.ids):
-            self.add([], final=True)
+            return self.add([], final=True)
+        return None
 
-    def _find_stop(self, search_from: int) -> Optional[str]:
+    def _find_stop(self, searched: int) -> Optional[str]:
+        """Cuts the text at the first-starting stop string of those that end past its
+        first ``searched`` characters. Each string's window starts where it alone could
+        end there: one shared window, as long as the longest string, would also find a
+        shorter one that ended inside the first ``min_tokens`` tokens' text."""
         best: Optional[tuple[int, str]] = None
         for s in self.stop:
-            at = self.text.find(s, search_from)
+            at = self.text.find(s, max(0, searched - len(s) + 1))
             if at != -1 and (best is None or at < best[0]):
                 best = (at, s)
         if best is None:
