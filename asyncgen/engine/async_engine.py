@@ -249,6 +249,12 @@ class AsyncEngine:
     def tokenizer(self):
         return self._tokenizer
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end generation unless ``ignore_eos`` (the tokenizer's EOS and the
+        model's generation config's); empty before the engine started."""
+        return self._core.eos_token_ids if self._core is not None else frozenset()
+
     # --- the background loop ----------------------------------------------------------------
     def _wake(self) -> None:
         if self._wakeup is not None:

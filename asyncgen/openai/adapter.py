@@ -231,13 +231,23 @@ class _TokenText:
         return self._tok.decode([token_id]).encode()
 
 
-def _visible_logprobs(chunk: StreamChunk | CompletionOutput) -> Optional[tuple[TokenLogprob, ...]]:
+def _visible_logprobs(
+    chunk: StreamChunk | CompletionOutput, stop_token_ids: frozenset[int] = frozenset()
+) -> Optional[tuple[TokenLogprob, ...]]:
     """The chunk's (or completion's) logprobs without a final stop token (which is not
-    part of the text)."""
+    part of the text). ``stop_token_ids``: the request's (EOS included unless ignored).
+
+    A "stop" whose stop_reason is not a string ended on a stop token. One whose reason is
+    a string may have too: when the flush of a partial character at the end completes a
+    stop string, the string is the reason, whatever ended generation. A last token that
+    is one of the request's stop tokens is then the one that ended it: sampled past
+    min_tokens, a stop token ends the completion before its text is decoded."""
     lps = chunk.logprobs
     if lps is None:
         return None
-    if lps and chunk.finish_reason == "stop" and not isinstance(chunk.stop_reason, str):
+    if lps and chunk.finish_reason == "stop" and (
+        not isinstance(chunk.stop_reason, str) or lps[-1].token_id in stop_token_ids
+    ):
         lps = lps[:-1]
     return lps
 
@@ -254,15 +264,16 @@ class _AlignedLogprobs:
     the tokens starting past the kept text (the stop string's) are dropped.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool):
+    def __init__(self, tokenizer, skip_special_tokens: bool, stop_token_ids: frozenset[int] = frozenset()):
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stop_token_ids = stop_token_ids
         self._held: list[tuple[int, TokenLogprob]] = []
         self.sent = 0  # characters of the choice's text sent so far
 
     def add(self, chunk: StreamChunk | CompletionOutput) -> list[tuple[int, TokenLogprob]]:
         """Takes a chunk (or a whole output), its text as sent; returns the (start, logprob)
         pairs whose text has now been sent, in order."""
-        for lp in _visible_logprobs(chunk) or ():
+        for lp in _visible_logprobs(chunk, self._stop_token_ids) or ():
             self._held.append((self._detok.complete_length(), lp))
             self._detok.add([lp.token_id])
         self.sent += len(chunk.text)
@@ -579,7 +590,8 @@ class OpenAIAdapter:
         """The echoed prompt's tokens with their logprobs (None for the first token, which
         nothing predicts); text offsets from 0, in characters of the decoded prompt."""
         text = self._text_of()
-        detok = IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True)
+        # Special tokens counted as their text: the echo keeps them (see _echo).
+        detok = IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=False)
         out = CompletionLogprobs()
         for i, token_id in enumerate(token_ids):
             lp = lps[i] if lps is not None and i < len(lps) else None
@@ -648,7 +660,10 @@ class OpenAIAdapter:
     def _aligner(self, source: Any) -> _AlignedLogprobs:
         """A logprob aligner for one choice of a stream (or of SamplingParams)."""
         params = source if isinstance(source, SamplingParams) else source.group.params
-        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens)
+        stop_ids = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.engine.eos_token_ids
+        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens, stop_ids)
 
     def _text_of(self) -> _TokenText:
         if self._token_text is None:
