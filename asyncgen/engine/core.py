@@ -27,6 +27,14 @@ __all__ = ["EngineCore", "RequestGroup"]
 log = logging.getLogger("asyncgen")
 
 
+def _end_at_stop_string(req: Request, stop: Optional[str], over=(RequestStatus.FINISHED_LENGTH,)) -> None:
+    """A request that finished as one of ``over`` and whose text a stop string then cut
+    ends as "stop" with that string."""
+    if stop is not None and req.status in over:
+        req.status = RequestStatus.FINISHED_STOPPED
+        req.stop_reason = stop
+
+
 class _Seq:
     __slots__ = ("req", "detok", "pending_ids", "pending_logprobs", "undecoded", "done")
 
@@ -166,10 +174,7 @@ class EngineCore:
         ids = seq.pending_ids[-n:]
         if req.status is RequestStatus.FINISHED_STOPPED:
             ids = ids[:-1]  # a stop token is kept in token_ids, not in text
-        stop = seq.detok.add(ids) if ids else None
-        if stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
-            req.status = RequestStatus.FINISHED_STOPPED  # as emit does
-            req.stop_reason = stop
+        _end_at_stop_string(req, seq.detok.add(ids) if ids else None)  # as emit does
 
     @staticmethod
     def _flush(seq: _Seq) -> None:
@@ -177,11 +182,7 @@ class EngineCore:
         string completed only by that text ends the completion as "stop" too, as one
         completed by its last token would (the stop string overrides a stop token's
         reason, as it does in vLLM: the text was cut at it)."""
-        stop = seq.detok.flush()
-        req = seq.req
-        if stop is not None and req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = stop
+        _end_at_stop_string(seq.req, seq.detok.flush(), (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED))
 
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with ``error`` (the engine died)."""
@@ -262,10 +263,8 @@ class EngineCore:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     finished = True
-                elif stop is not None and req.status is RequestStatus.FINISHED_LENGTH:
-                    # The last token allowed completed a stop string: the text ends there.
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = stop
+                elif stop is not None:  # completed by the last token allowed: the text ends there
+                    _end_at_stop_string(req, stop)
             if finished:
                 self._flush(seq)
             self._emit(group, seq, finished, notify=False)

@@ -2,8 +2,9 @@
 
 A checkpoint whose ``config.json`` has a ``quantization_config`` (or whose directory has
 a ``quantize_config.json`` or ``quant_config.json``) gets :func:`linear_method_factory`;
-every decoder linear layer then loads its packed tensors through :class:`QuantLinearMethod`. Embeddings, norms and
-the LM head are never quantized by these tools and load as usual.
+every decoder linear layer then loads its packed tensors through
+:class:`QuantLinearMethod`. Embeddings, norms and the LM head are never quantized by
+these tools and load as usual.
 
 The two formats, per checkpoint module with ``K`` input and ``N`` output features::
 
@@ -144,11 +145,13 @@ class QuantConfig:
         in_block = None
         if raw.get("modules_in_block_to_quantize") is not None:
             groups = raw["modules_in_block_to_quantize"]
-            if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+            if not isinstance(groups, list) or not all(
+                isinstance(g, list) and all(isinstance(m, str) for m in g) for g in groups
+            ):
                 raise UnsupportedModelError(
                     "quantization_config.modules_in_block_to_quantize must be a list of lists of module names"
                 )
-            in_block = frozenset(_names({"modules": [m for g in groups for m in g]}, "modules"))
+            in_block = frozenset(m for g in groups for m in g)
         rules = raw.get("dynamic") or {}
         if not isinstance(rules, dict) or not all(isinstance(v, dict) or v is None for v in rules.values()):
             raise UnsupportedModelError(
