@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from ..errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 
-__all__ = ["apply_chat_template", "load_tokenizer", "resolve_model_path"]
+__all__ = ["TokenBytes", "apply_chat_template", "load_tokenizer", "resolve_model_path"]
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +98,54 @@ def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict
         )
     except Exception as e:
         raise InvalidRequestError(f"the chat template rejected these messages: {type(e).__name__}: {e}") from e
+
+
+# --- the bytes of each token --------------------------------------------------------------------
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes
+    stand for themselves, the other 68 are moved to code points 256 and up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+class TokenBytes:
+    """The exact bytes a token stands for (byte-level BPE, SentencePiece with byte
+    fallback, or the token's own text); ``special`` holds the ids of special and added
+    tokens, whose bytes are their text."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = _byte_decoder() if "ByteLevel" in repr(decoder) else None
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        added = set(self.special)
+        try:
+            added.update(tokenizer.get_added_vocab().values())
+        except Exception:
+            pass  # a tokenizer without added tokens
+        self._added = frozenset(added)
+
+    def __call__(self, token_id: int) -> bytes:
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode()
+        return self._tok.decode([token_id]).encode()
+
+    def vocabulary(self) -> list[Optional[bytes]]:
+        """Every token id's bytes (``len(tokenizer)`` entries), None for special and added
+        tokens: a decode may skip those, so their text is not reliably in the output."""
+        return [None if i in self._added else self(i) for i in range(len(self._tok))]

@@ -56,6 +56,7 @@ import anyio
 from pydantic import ValidationError
 
 from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.tokenizer import TokenBytes
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..sampling_params import SamplingParams
@@ -182,32 +183,12 @@ def _parse(model_cls, request: Any):
 
 
 # --- token text for logprobs ----------------------------------------------------------------------
-def _byte_decoder() -> dict[str, int]:
-    """Byte-level BPE writes each byte as one printable character: printable Latin-1 bytes
-    stand for themselves, the other 68 are moved to code points 256 and up, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shift)] = b
-            shift += 1
-    return table
-
-
 class _TokenText:
     """The exact bytes of a token, and its text as OpenAI's logprobs show it."""
 
     def __init__(self, tokenizer):
-        self._tok = tokenizer
+        self._bytes = TokenBytes(tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._byte_level = _byte_decoder() if "ByteLevel" in repr(decoder) else None
-        self._added = set(getattr(tokenizer, "all_special_ids", ()))
-        try:
-            self._added.update(tokenizer.get_added_vocab().values())
-        except Exception:
-            pass
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
@@ -215,20 +196,6 @@ class _TokenText:
             raw = self._bytes(token_id)
             hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
         return hit
-
-    def _bytes(self, token_id: int) -> bytes:
-        piece = self._tok.convert_ids_to_tokens(token_id)
-        if piece is None:
-            return b""
-        if token_id in self._added:
-            return piece.encode()
-        if self._byte_level is not None and all(c in self._byte_level for c in piece):
-            return bytes(self._byte_level[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
-        if "\u2581" in piece:
-            return piece.replace("\u2581", " ").encode()
-        return self._tok.decode([token_id]).encode()
 
 
 def _visible_logprobs(
