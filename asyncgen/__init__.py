@@ -24,7 +24,7 @@ from .errors import (
     WeightsError,
 )
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamChunk, TokenLogprob, Usage
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -46,6 +46,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "StreamChunk",
+    "StructuredOutputsParams",
     "TokenLogprob",
     "UnsupportedModelError",
     "Usage",

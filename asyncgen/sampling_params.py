@@ -2,14 +2,74 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+import functools
+import json as _json
+from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 _MAX_LOGPROBS = 20
 _GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (as vLLM does)
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class StructuredOutputsParams:
+    """Constrains a request's output (vLLM's ``StructuredOutputsParams``); set exactly one:
+
+    * ``json``: a JSON Schema (a dict, or its JSON text, e.g. ``Model.model_json_schema()``
+      of a pydantic model): the output is one JSON value that satisfies it. Object
+      properties come in the schema's order and no others are allowed (OpenAI's strict
+      mode); the keywords :mod:`asyncgen.structured` does not enforce are refused.
+    * ``json_object=True``: the output is a JSON object (OpenAI's JSON mode).
+    * ``choice``: the output is exactly one of these strings.
+
+    The output ends, with the request's stop token, once it is complete; it may still be
+    cut short by ``max_tokens`` (finish reason "length") or a stop string. The schema is
+    compiled when the params are made, so an unsupported or malformed one raises
+    pydantic's ``ValidationError`` there, naming the keyword and where it is.
+    """
+
+    json: Optional[Union[dict[str, Any], bool, str]] = None
+    json_object: Optional[bool] = None
+    choice: Optional[list[str]] = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "json_object", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of json, json_object and choice (got {given or 'none'})")
+        if self.json_object is False:
+            raise ValueError("json_object must be True when given")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", _json.loads(self.json))
+            except ValueError as e:
+                raise ValueError(f"json is not valid JSON text: {e}") from None
+        self.grammar  # compile now: a bad schema fails at construction
+
+    @property
+    def key(self) -> str:
+        """The constraint as canonical text (property order kept: it is part of the grammar)."""
+        return _json.dumps({"json": self.json, "json_object": self.json_object, "choice": self.choice})
+
+    @property
+    def grammar(self):
+        """The compiled :class:`asyncgen.structured.Grammar` (cached by :attr:`key`)."""
+        return _compile(self.key)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(key: str):
+    from . import structured
+
+    spec = _json.loads(key)
+    if spec["json"] is not None:
+        return structured.json_schema_grammar(spec["json"])
+    if spec["json_object"]:
+        return structured.json_object_grammar()
+    return structured.choice_grammar(spec["choice"])
 
 
 class SamplingParams(BaseModel):
@@ -25,6 +85,9 @@ class SamplingParams(BaseModel):
     keeps stop tokens and stop strings from ending a completion before that many tokens.
     ``best_of`` (>= ``n``) samples that many sequences and returns the ``n`` with the
     highest cumulative logprob (``generate()`` only: the choice is made at the end).
+    ``structured_outputs`` constrains the output to a JSON Schema, any JSON object or a
+    list of choices (:class:`StructuredOutputsParams`); logprobs are then those of the
+    model before the constraint masks the tokens it rules out.
     Invalid values raise pydantic's ``ValidationError`` naming the field.
     """
 
@@ -50,6 +113,7 @@ class SamplingParams(BaseModel):
     prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=_MAX_LOGPROBS)]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     @field_validator("stop")
     @classmethod
@@ -72,6 +136,17 @@ class SamplingParams(BaseModel):
     def _best_of_ge_n(self):
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        return self
+
+    @model_validator(mode="after")
+    def _structured_outputs_end(self):
+        if self.structured_outputs is not None:
+            if self.ignore_eos:
+                raise ValueError("structured_outputs end with the stop token once complete; ignore_eos=True "
+                                 "would never let them end")
+            if self.min_tokens:
+                raise ValueError("structured_outputs decide when the output is complete; min_tokens cannot "
+                                 "be combined with them")
         return self
 
     @property

@@ -164,7 +164,6 @@ def test_missing_model_and_unrecognized_argument_messages():
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),

@@ -148,6 +148,8 @@ class AsyncEngine:
         except BaseException:
             self._state = _State.CLOSED
             self._device.stop()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._device.join)
             raise
         self._loop_thread = threading.get_ident()
         self._call_soon = threadsafe_caller()
@@ -168,7 +170,7 @@ class AsyncEngine:
         """Device thread: resolve the path, tokenizer, model, KV pool."""
         from ..model.config import ModelConfig
         from ..worker.model_runner import ModelRunner
-        from .tokenizer import load_tokenizer, resolve_model_path
+        from .tokenizer import TokenBytes, load_tokenizer, resolve_model_path
 
         path = resolve_model_path(self._model)
         model_cfg = ModelConfig.from_dir(path)
@@ -180,6 +182,7 @@ class AsyncEngine:
 
             linear_method = linear_method_factory(model_cfg)
         runner = ModelRunner(path, model_cfg, self.config, max_len, linear_method)
+        runner.token_bytes = lambda: TokenBytes(tokenizer).vocabulary()
         num_blocks = runner.load()
         self._runner = runner
         self._tokenizer = tokenizer
@@ -220,7 +223,10 @@ class AsyncEngine:
                 await self._stopped.wait()
         with anyio.CancelScope(shield=True):
             await self._device.run(self._runner.shutdown)
-        self._device.stop()
+            self._device.stop()
+            # Wait for the thread to end: a process that exits while it still unwinds
+            # its torch state can abort ("terminate called without an active exception").
+            await anyio.to_thread.run_sync(self._device.join)
         self._runner = None
         if self._heap_frozen:
             self._heap_frozen = False

@@ -86,8 +86,9 @@ class Scheduler:
     def can_run_ahead(self) -> bool:
         """Whether the next step may be planned before the current one's tokens are known.
 
-        Penalties read every earlier output token on the host, so a request using one
-        makes the engine plan each step after the previous one's tokens arrived."""
+        Penalties and structured outputs read every earlier output token on the host, so a
+        request using one makes the engine plan each step after the previous one's tokens
+        arrived."""
         return self.num_needing_history == 0
 
     # --- admission and removal --------------------------------------------------------------
@@ -287,4 +288,4 @@ class Scheduler:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    return params.structured_outputs is not None or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0

@@ -133,10 +133,14 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
         value = getattr(request, name)
         if value is not None:
             kwargs[name] = value
+    names = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+    structured = request.structured_spec()
+    if structured is not None:
+        names["structured_outputs"], kwargs["structured_outputs"] = structured
     try:
         return SamplingParams(**kwargs)
     except ValidationError as e:
-        raise from_validation_error(e, {"max_tokens": max_tokens_field, "logprobs": logprobs_field}) from e
+        raise from_validation_error(e, names) from e
 
 
 def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:

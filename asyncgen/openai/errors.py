@@ -129,12 +129,19 @@ def from_exception(
 _UNION_MEMBERS = {"str", "int", "float", "bool", "none", "dict", "list"}
 _TAGS = {"system", "developer", "user", "assistant", "tool", "function", "text", "refusal", "image_url",
          "input_audio", "file"}
+# Discriminated fields that are not in a list: the member's tag follows the field's name.
+_FIELD_TAGS = {"response_format": {"text", "json_object", "json_schema"}}
 
 
 def _param(loc: tuple, field_names: dict[str, str]) -> Optional[str]:
     out = ""
     after_index = False
+    tags: set = set()
     for item in loc:
+        if item in tags:
+            tags = set()
+            continue
+        tags = _FIELD_TAGS.get(item, set()) if isinstance(item, str) else set()
         if isinstance(item, int):
             out += f"[{item}]"
             after_index = True

@@ -6,12 +6,15 @@ they reject unknown fields the way OpenAI does ("Unrecognized request argument
 supplied"). Fields OpenAI documents but this engine cannot honour (tools, audio,
 structured outputs, ...) are accepted when absent, null or at their neutral value and
 refused otherwise by :meth:`ChatCompletionRequest.check_supported`, with ``param``
-naming the field. Fields that only label or route a request (``user``, ``metadata``,
+naming the field. ``response_format`` of type ``json_object`` and ``json_schema`` is
+honoured (structured outputs: :class:`asyncgen.StructuredOutputsParams`), on completions
+too as vLLM allows. Fields that only label or route a request (``user``, ``metadata``,
 ``store``, ``service_tier``, ``prompt_cache_key``, ...) are accepted and ignored.
 
 A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``), are accepted as extensions,
+``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs``, e.g.
+``{"choice": ["yes", "no"]}``), are accepted as extensions,
 and so is chat's ``chat_template_kwargs`` (variables for the chat template, such as
 Qwen3's ``enable_thinking``); the official client sends them through ``extra_body``.
 
@@ -169,6 +172,32 @@ Stop = Union[str, Annotated[list[str], Field(max_length=_MAX_STOP_SEQUENCES)]]
 LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]
 
 
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchema(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Optional[str] = None
+    # ("schema" on the wire; the attribute would shadow BaseModel.schema)
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced
+
+
+class ResponseFormatJSONSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[
+    Union[ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema], Field(discriminator="type")
+]
+
+
 class _SamplingExtensions(_Strict):
     """Sampling fields beyond OpenAI's, with vLLM's names (``extra_body`` in the SDK)."""
 
@@ -180,6 +209,27 @@ class _SamplingExtensions(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} (StructuredOutputsParams)
+    structured_outputs: Optional[dict[str, Any]] = None
+    # OpenAI's (chat), also taken on completions as vLLM does
+    response_format: Optional[ResponseFormat] = None
+
+    def structured_spec(self) -> Optional[tuple[str, dict[str, Any]]]:
+        """(the field it came from, StructuredOutputsParams' arguments), or None."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if self.structured_outputs is not None:
+                raise BadRequestError(
+                    "Invalid value for 'structured_outputs': give either it or a response_format of type "
+                    f"{fmt.type!r}, not both.", param="structured_outputs",
+                )
+            if isinstance(fmt, ResponseFormatJSONObject):
+                return "response_format", {"json_object": True}
+            schema = fmt.json_schema.schema_
+            return "response_format.json_schema.schema", {"json": True if schema is None else schema}
+        if self.structured_outputs is not None:
+            return "structured_outputs", self.structured_outputs
+        return None
 
 
 class ChatCompletionRequest(_SamplingExtensions):
@@ -209,7 +259,6 @@ class ChatCompletionRequest(_SamplingExtensions):
     prompt_cache_options: Optional[Any] = None
     prompt_cache_retention: Optional[str] = None
     reasoning_effort: Optional[str] = None
-    response_format: Optional[dict[str, Any]] = None
     safety_identifier: Optional[str] = None
     seed: Optional[int] = None
     service_tier: Optional[str] = None
@@ -244,9 +293,6 @@ class ChatCompletionRequest(_SamplingExtensions):
             _unsupported("tool_choice", "tool and function calling")
         if self.function_call not in (None, "none", "auto"):
             _unsupported("function_call", "tool and function calling")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            _unsupported("response_format", f"response_format of type {fmt!r} (structured outputs)")
         if self.audio is not None or (self.modalities and "audio" in self.modalities):
             _unsupported("audio" if self.audio is not None else "modalities", "audio output")
         if self.prediction is not None:

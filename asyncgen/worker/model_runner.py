@@ -20,7 +20,7 @@ import os
 import time
 from itertools import chain
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from ..model.config import ModelConfig
 from ..model.llama import AttentionMetadata, LlamaForCausalLM
 from ..model.loader import load_weights
 from ..outputs import TokenLogprob
+from .guided import GuideFactory, SequenceGuide
 from .sampler import PendingSample, SamplingRow, sample_async
 
 __all__ = ["LaunchedStep", "ModelOutput", "ModelRunner", "resolve_device", "resolve_dtype"]
@@ -143,6 +144,7 @@ class _SeqState:
     # token dropped by preemption is drawn again from the same state, so a seeded request
     # gets the tokens it gets alone.
     generator_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    guide: Optional[SequenceGuide] = None  # structured outputs: the grammar's states and masks
 
 
 # Output positions behind the newest whose generator states are kept: tokens a
@@ -185,6 +187,17 @@ class ModelRunner:
         self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy, the buffer as an array]
         self._lt_workspace: Optional[torch.Tensor] = None  # the cuBLASLt routes' workspace (_choose_dense_algos)
         self._staging_next = 0
+        # Structured outputs: the engine sets token_bytes (the vocabulary's bytes, read when
+        # a request first needs them); the guides are made on the first such request.
+        self.token_bytes: Optional[Callable[[], list[Optional[bytes]]]] = None
+        self._guide_factory: Optional[GuideFactory] = None
+
+    def _guides(self) -> GuideFactory:
+        if self._guide_factory is None:
+            if self.token_bytes is None:
+                raise RuntimeError("structured outputs need the runner's token_bytes (set by the engine)")
+            self._guide_factory = GuideFactory(self.token_bytes, self.model_cfg.vocab_size)
+        return self._guide_factory
 
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
@@ -587,7 +600,10 @@ class ModelRunner:
             if new.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(new.seed)
-            self.states[new.req_id] = _SeqState(new.params, new.prompt_token_ids, [], new.stop_token_ids, gen)
+            st = _SeqState(new.params, new.prompt_token_ids, [], new.stop_token_ids, gen)
+            if new.params.structured_outputs is not None:
+                st.guide = self._guides()(new.params.structured_outputs, new.stop_token_ids)
+            self.states[new.req_id] = st
         if not out.seqs:
             return LaunchedStep([], None)
 
@@ -618,8 +634,9 @@ class ModelRunner:
                 del st.output_token_ids[generated:]
             if st.generator is not None:
                 _position_generator(st, generated)
+            allowed = None if st.guide is None else st.guide.mask(st.output_token_ids, generated)
             rows.append(SamplingRow(
-                st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated
+                st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated, allowed
             ))
         tokens, pending = sample_async(logits, rows)  # (its event also covers plp's tensors)
         self._last_tokens = tokens

@@ -1,7 +1,8 @@
 """Turns the logits of a step into one token per sampling sequence, in one batched pass.
 
 Per row, in this order (the order vLLM documents): stop tokens masked until
-``min_tokens``; ``logit_bias`` added; repetition / frequency / presence penalties;
+``min_tokens``; ``logit_bias`` added; repetition / frequency / presence penalties
+(logprobs are computed here); tokens a structured output rules out masked;
 greedy rows take the argmax here; the others are divided by their temperature, filtered
 by min_p, top_k and top_p, and sampled with the exponential-race form of the Gumbel-max
 trick (``argmax(p / E)``, ``E ~ Exp(1)``), drawing ``E`` from the row's own generator when
@@ -33,6 +34,7 @@ class SamplingRow:
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
     num_generated: Optional[int] = None  # output tokens so far (default: len(output_token_ids))
+    allowed: Optional[torch.Tensor] = None  # structured outputs: [vocab] bool on the host, True = may come next
 
     @property
     def num_output(self) -> int:
@@ -144,6 +146,21 @@ def sample_async(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.T
     return tokens, PendingSample(tokens, rows, _logprobs(processed, tokens, rows))
 
 
+def _mask_disallowed(logits: torch.Tensor, guided: list[int], allowed: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of ``logits`` with the tokens each guided row's mask rules out at -inf."""
+    width = logits.shape[1]
+    masks = torch.zeros(len(guided), width, dtype=torch.bool)
+    for j, m in enumerate(allowed):
+        n = min(width, m.shape[0])
+        masks[j, :n] = m[:n]
+    if logits.device.type == "cuda":
+        masks = masks.pin_memory().to(logits.device, non_blocking=True)
+    idx = _dev(guided, torch.int64, logits.device)
+    out = logits.clone()
+    out[idx] = logits.index_select(0, idx).masked_fill(~masks, float("-inf"))
+    return out
+
+
 def _sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled token ids [N] and the logits after penalties (for logprobs)."""
     n, vocab = logits.shape
@@ -177,6 +194,9 @@ def _sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch
         logits -= _dev(pres, logits.dtype, device).unsqueeze(1) * (out_counts > 0)
 
     processed = logits  # what logprobs are computed from; later steps make new tensors
+    guided = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if guided:
+        logits = _mask_disallowed(logits, guided, [rows[i].allowed for i in guided])
     greedy = [r.params.is_greedy for r in rows]
     tokens = logits.argmax(dim=-1)
     if all(greedy):

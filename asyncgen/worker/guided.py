@@ -1,0 +1,111 @@
+"""Token masks for structured outputs, on the runner's side.
+
+A request with ``structured_outputs`` gets a :class:`SequenceGuide`: the grammar's state
+after each of its output tokens, and from the state the mask of tokens that may come
+next (:meth:`asyncgen.structured.TokenGuide.allowed`), plus the request's stop tokens
+once the output is complete. Masks are cached per grammar and state, so requests that
+share a schema share them; the vocabulary's bytes are read from the tokenizer the first
+time a request needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..sampling_params import StructuredOutputsParams
+
+__all__ = ["GuideFactory", "SequenceGuide"]
+
+log = logging.getLogger(__name__)
+
+_MASKS_KEPT = 4096  # a grammar's cached masks (one bool per vocabulary entry each)
+
+
+class _SharedGuide:
+    """One grammar over the vocabulary: its token guide and a cache of masks by state."""
+
+    def __init__(self, grammar, vocabulary, token_bytes: list[Optional[bytes]], width: int):
+        from ..structured import TokenGuide
+
+        self.grammar = grammar
+        self.tokens = TokenGuide(grammar, vocabulary)
+        self.token_bytes = token_bytes
+        self.width = width
+        self._masks: dict = {}
+
+    def allowed_mask(self, state) -> torch.Tensor:
+        mask = self._masks.get(state)
+        if mask is None:
+            mask = torch.zeros(self.width, dtype=torch.bool)
+            ids = torch.tensor(self.tokens.allowed(state), dtype=torch.int64)
+            mask[ids[ids < self.width]] = True
+            if len(self._masks) >= _MASKS_KEPT:
+                self._masks.clear()
+            self._masks[state] = mask
+        return mask
+
+
+class GuideFactory:
+    """Makes each structured request's :class:`SequenceGuide`; ``token_bytes`` gives the
+    vocabulary's bytes (index = token id, None for tokens never allowed) when first needed;
+    ``width`` is the logits' width (the model's vocabulary, maybe padded)."""
+
+    def __init__(self, token_bytes: Callable[[], list[Optional[bytes]]], width: int):
+        self._token_bytes = token_bytes
+        self._width = width
+        self._vocabulary = None
+        self._bytes: list[Optional[bytes]] = []
+        self._shared: dict[str, _SharedGuide] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, spec: StructuredOutputsParams, stop_token_ids: frozenset[int]) -> "SequenceGuide":
+        with self._lock:
+            shared = self._shared.get(spec.key)
+            if shared is None:
+                if self._vocabulary is None:
+                    from ..structured import Vocabulary
+
+                    self._bytes = self._token_bytes()
+                    self._vocabulary = Vocabulary(self._bytes)
+                shared = _SharedGuide(spec.grammar, self._vocabulary, self._bytes, self._width)
+                self._shared[spec.key] = shared
+        return SequenceGuide(shared, stop_token_ids)
+
+
+class SequenceGuide:
+    """One sequence's grammar states, one per output token so far."""
+
+    def __init__(self, shared: _SharedGuide, stop_token_ids: frozenset[int]):
+        self._shared = shared
+        self._states = [shared.grammar.initial]
+        stops = [t for t in stop_token_ids if t < shared.width]
+        self._stops = torch.tensor(stops, dtype=torch.int64)
+
+    def mask(self, output_token_ids: Sequence[int], generated: int) -> torch.Tensor:
+        """The tokens allowed after the first ``generated`` output tokens ([width] bool, on
+        the host): the grammar's, and the stop tokens where the output is complete."""
+        states = self._states
+        del states[generated + 1 :]  # tokens a preemption dropped
+        grammar = self._shared.grammar
+        tokens_bytes = self._shared.token_bytes
+        while len(states) <= generated and states[-1] is not None:
+            tok = output_token_ids[len(states) - 1]
+            data = tokens_bytes[tok] if tok < len(tokens_bytes) else None
+            states.append(None if data is None else grammar.advance(states[-1], data))
+        state = states[-1] if len(states) > generated else None
+        if state is None:  # a token the grammar did not allow (never sampled under the mask)
+            log.error("structured output left its grammar at output token %d; only stop tokens are allowed", generated)
+            mask = torch.zeros(self._shared.width, dtype=torch.bool)
+            mask[self._stops] = True
+            return mask
+        mask = self._shared.allowed_mask(state)
+        if grammar.accepts(state) or not mask.any():
+            if not grammar.accepts(state):
+                log.error("structured output has no token to continue with; only stop tokens are allowed")
+            mask = mask.clone()
+            mask[self._stops] = True
+        return mask
