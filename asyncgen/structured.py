@@ -85,6 +85,7 @@ __all__ = [
 
 MAX_WHITESPACE = 40  # bytes in one run of whitespace between JSON tokens
 MAX_NUMBER_BYTES = 32  # bytes in one JSON number, sign and exponent included
+MEMO_IDS = 16_000_000  # token ids a TokenGuide's memo holds before it is emptied (~128 MB)
 
 State = Any  # a stack (tuple of frames) or a frozenset of two or more stacks
 
@@ -1112,6 +1113,9 @@ class TokenGuide:
 
     :meth:`allowed` is memoized per state (states are canonical, so the memo holds one
     entry per distinct situation; a grammar without unbounded nesting has finitely many).
+    A state inside a string allows most of the vocabulary, and a long ``maxLength`` or
+    deep nesting makes many such states, so the memo is emptied once it holds
+    :data:`MEMO_IDS` ids in all (about 8 bytes each) and fills again as states recur.
     One thread may call :meth:`allowed` while others read its results.
     """
 
@@ -1119,14 +1123,20 @@ class TokenGuide:
         self.grammar = grammar
         self.vocabulary = vocabulary
         self._memo: dict[State, tuple[int, ...]] = {}
+        self._memo_ids = 0
 
     def allowed(self, state: State) -> tuple[int, ...]:
         """Sorted ids of the tokens whose whole byte string can follow ``state``; the same
-        tuple object for the same state. Stop tokens are not included: the caller adds
-        them where ``grammar.accepts(state)``."""
+        tuple object for the same state while it stays memoized. Stop tokens are not
+        included: the caller adds them where ``grammar.accepts(state)``."""
         ids = self._memo.get(state)
         if ids is None:
-            ids = self._memo.setdefault(state, self._compute(state))
+            ids = self._compute(state)
+            if self._memo_ids + len(ids) > MEMO_IDS:
+                self._memo = {}
+                self._memo_ids = 0
+            ids = self._memo.setdefault(state, ids)
+            self._memo_ids += len(ids)
         return ids
 
     def _compute(self, state: State) -> tuple[int, ...]:

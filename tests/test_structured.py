@@ -669,6 +669,20 @@ def test_allowed_equals_brute_force_on_smollm2(vocabulary, token_bytes, closers)
     assert TokenGuide(choice, vocabulary).allowed(choice.initial) == brute_force(choice, token_bytes, choice.initial)
 
 
+def test_the_memo_is_bounded_and_answers_stay_the_same(vocabulary, monkeypatch):
+    """Past MEMO_IDS ids in all the memo starts again; what allowed() returns does not change."""
+    import asyncgen.structured as structured
+
+    grammar = json_schema_grammar({"type": "object", "properties": {"s": {"type": "string", "maxLength": 50}}})
+    states = [grammar.advance(grammar.initial, b'{"s": "' + b"a" * n) for n in range(12)]
+    first = [TokenGuide(grammar, vocabulary).allowed(st) for st in states]
+    monkeypatch.setattr(structured, "MEMO_IDS", 3 * len(first[0]))
+    guide = TokenGuide(grammar, vocabulary)
+    for _ in range(2):
+        assert [guide.allowed(st) for st in states] == first
+        assert len(guide._memo) <= 3 and guide._memo_ids <= structured.MEMO_IDS
+
+
 def test_special_and_empty_tokens_are_never_allowed():
     vocab = Vocabulary([b"a", None, b"", b'"', b"ab", b"\xc3", b"\xa9", b"a", b"a", b'"', b'"'])
     g = json_schema_grammar({"type": "string"})

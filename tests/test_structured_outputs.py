@@ -84,6 +84,40 @@ def test_sampler_keeps_to_the_mask_and_reports_the_models_logprobs():
             assert [t for t, _ in lps[i].top] == ref.topk(2).indices.tolist()
 
 
+# --- the runner's guides ----------------------------------------------------------------------------
+def test_sequence_guide_masks_follow_the_tokens_back_and_forth(hf_smollm2, monkeypatch):
+    """A sequence's masks equal brute force over the vocabulary after each output token,
+    also when a preemption takes tokens back and with the caches emptied at every call."""
+    import asyncgen.worker.guided as guided
+
+    monkeypatch.setattr(guided, "_MASK_BYTES", 1)
+    monkeypatch.setattr(guided, "_GRAMMARS_KEPT", 1)
+    _, tok = hf_smollm2
+    vocab_bytes = TokenBytes(tok).vocabulary()
+    factory = guided.GuideFactory(lambda: vocab_bytes, width=len(vocab_bytes) + 8)  # padded logits
+    spec = StructuredOutputsParams(json=ANSWER)
+    seq = factory(spec, frozenset({2, 7}))
+    factory(StructuredOutputsParams(choice=["a"]), frozenset({2}))  # evicts ANSWER's guide: seq keeps its own
+    text = '{"answer": "no", "confidence": 7}'
+    out = tok.encode(text)
+    assert b"".join(vocab_bytes[t] for t in out) == text.encode()
+
+    def brute(n):
+        grammar, state = spec.grammar, spec.grammar.initial
+        for t in out[:n]:
+            state = grammar.advance(state, vocab_bytes[t])
+        want = torch.zeros(len(vocab_bytes) + 8, dtype=torch.bool)
+        want[_brute_force_allowed(grammar, vocab_bytes, state, 2)] = True
+        if grammar.accepts(state):
+            want[7] = True
+        return want
+
+    for n in [0, 1, 2, len(out) - 1, 3, len(out), 1, len(out)]:  # back and forth, as preemption does
+        got = seq.mask(out, n)
+        assert torch.equal(got, brute(n)), n
+    assert seq.mask(out, len(out)).nonzero().flatten().tolist() == [2, 7]  # complete: only the stop tokens
+
+
 # --- against transformers ------------------------------------------------------------------------------
 def _brute_force_allowed(grammar, vocab_bytes, state, eos):
     ids = [i for i, b in enumerate(vocab_bytes) if b is not None and grammar.advance(state, b) is not None]

@@ -22,7 +22,8 @@ __all__ = ["GuideFactory", "SequenceGuide"]
 
 log = logging.getLogger(__name__)
 
-_MASKS_KEPT = 4096  # a grammar's cached masks (one bool per vocabulary entry each)
+_MASK_BYTES = 128 << 20  # a grammar's cached masks, one byte per vocabulary entry each
+_GRAMMARS_KEPT = 32  # grammars whose token guides (and masks) are kept for later requests
 
 
 class _SharedGuide:
@@ -43,7 +44,7 @@ class _SharedGuide:
             mask = torch.zeros(self.width, dtype=torch.bool)
             ids = torch.tensor(self.tokens.allowed(state), dtype=torch.int64)
             mask[ids[ids < self.width]] = True
-            if len(self._masks) >= _MASKS_KEPT:
+            if len(self._masks) >= max(64, _MASK_BYTES // self.width):
                 self._masks.clear()
             self._masks[state] = mask
         return mask
@@ -72,6 +73,8 @@ class GuideFactory:
                     self._bytes = self._token_bytes()
                     self._vocabulary = Vocabulary(self._bytes)
                 shared = _SharedGuide(spec.grammar, self._vocabulary, self._bytes, self._width)
+                if len(self._shared) >= _GRAMMARS_KEPT:  # the oldest goes (live requests keep theirs)
+                    del self._shared[next(iter(self._shared))]
                 self._shared[spec.key] = shared
         return SequenceGuide(shared, stop_token_ids)
 
