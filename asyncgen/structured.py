@@ -638,6 +638,17 @@ def _json_equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _bounds(schema: dict, low: str, high: str, pointer: str) -> tuple[int, Optional[int]]:
+    """The schema's ``low`` count (0 when absent) and ``high`` count (None when absent)."""
+    least = _count(schema.get(low, 0), low, pointer)
+    most = schema.get(high)
+    if most is not None:
+        most = _count(most, high, pointer)
+        if most < least:
+            raise _error(f"'{high}' at {pointer} ({most}) is below '{low}' ({least})")
+    return least, most
+
+
 def _count(value: Any, keyword: str, pointer: str) -> int:
     if type(value) is not int or value < 0:
         raise _error(f"{keyword!r} at {pointer} must be a non-negative integer, got {value!r}")
@@ -824,24 +835,14 @@ class _Compiler:
         if isinstance(items_schema, list):
             raise _error(f"'items' at {pointer} is a list (the tuple form of older drafts); use 'prefixItems'")
         items = None if items_schema is False else self.compile(items_schema, f"{pointer}/items")
-        min_items = _count(schema.get("minItems", 0), "minItems", pointer)
-        max_items = schema.get("maxItems")
-        if max_items is not None:
-            max_items = _count(max_items, "maxItems", pointer)
-            if max_items < min_items:
-                raise _error(f"'maxItems' at {pointer} ({max_items}) is below 'minItems' ({min_items})")
+        min_items, max_items = _bounds(schema, "minItems", "maxItems", pointer)
         if items is None and min_items > len(prefix):
             raise _error(f"'minItems' at {pointer} ({min_items}) asks for more items than 'prefixItems' "
                          f"holds ({len(prefix)}), and 'items' is false")
         return _ArraySpec(prefix, items, min_items, max_items)
 
     def compile_string(self, schema: dict, pointer: str) -> _StringSpec:
-        min_length = _count(schema.get("minLength", 0), "minLength", pointer)
-        max_length = schema.get("maxLength")
-        if max_length is not None:
-            max_length = _count(max_length, "maxLength", pointer)
-            if max_length < min_length:
-                raise _error(f"'maxLength' at {pointer} ({max_length}) is below 'minLength' ({min_length})")
+        min_length, max_length = _bounds(schema, "minLength", "maxLength", pointer)
         key = (min_length, max_length)
         if key not in self.strings:
             self.strings[key] = _StringSpec(min_length, max_length)
