@@ -4,7 +4,7 @@ models with OpenAI's field names and defaults.
 Requests (``ChatCompletionRequest``, ``CompletionRequest``) are what a client sends;
 they reject unknown fields the way OpenAI does ("Unrecognized request argument
 supplied"). Fields OpenAI documents but this engine cannot honour (tools, audio,
-structured outputs, ...) are accepted when absent, null or at their neutral value and
+predicted outputs, ...) are accepted when absent, null or at their neutral value and
 refused otherwise by :meth:`ChatCompletionRequest.check_supported`, with ``param``
 naming the field. ``response_format`` of type ``json_object`` and ``json_schema`` is
 honoured (structured outputs: :class:`asyncgen.StructuredOutputsParams`), on completions
