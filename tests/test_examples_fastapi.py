@@ -116,6 +116,28 @@ async def test_chat_completion(client):
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
 
+async def test_sdk_parse_gets_the_pydantic_model(client):
+    """The SDK's structured-outputs helper: it sends the model's strict JSON Schema as
+    response_format and parses the reply into the model."""
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=12)
+        kind: Literal["cat", "dog", "bird"]
+        age: int
+        owner: Optional[str] = Field(max_length=12)
+
+    ask = [{"role": "user", "content": "Describe a pet as JSON with name, kind, age and owner."}]
+    resp = await client.chat.completions.parse(model=MODEL, messages=ask, response_format=Pet, max_tokens=200,
+                                               temperature=0.7, seed=5)
+    [choice] = resp.choices
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Pet)
+    assert choice.message.parsed == Pet.model_validate_json(choice.message.content)
+
+
 async def test_chat_stream_matches_non_streamed(client):
     whole = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     stream = await client.chat.completions.create(
