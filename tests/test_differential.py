@@ -15,7 +15,8 @@ aborted, broken off or cancelled midway (what they received is a prefix of their
 reference, and they change nobody else's output), some retried at once under the same
 request_id; logprobs and prompt logprobs; stop strings and stop token ids taken from the
 reference's own output so that they end it midway; ``max_tokens=1``; a repetition
-penalty (which stops the engine planning steps ahead while it runs). Afterwards every
+penalty and structured outputs (a JSON Schema, JSON mode, choices; both stop the engine
+planning steps ahead while they run). Afterwards every
 block is free and nothing is left of any request.
 
 Batches of different shapes round differently in the last bits, so a greedy choice
@@ -129,6 +130,14 @@ def _draw_prompts(rng: random.Random, count: int, block_size: int) -> list[list[
     return prompts
 
 
+STRUCTURED = (
+    {"json_object": True},
+    {"choice": ["yes", "no", "not sure", "nothing at all"]},
+    {"json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {
+        "type": "string", "maxLength": 4}, "maxItems": 3}}, "required": ["a"]}},
+)
+
+
 def _draw_params(rng: random.Random) -> tuple[dict[str, Any], Optional[str], str]:
     """Sampling parameters (greedy), the stop to add once the plain output is known, and
     the consumer."""
@@ -150,6 +159,9 @@ def _draw_params(rng: random.Random) -> tuple[dict[str, Any], Optional[str], str
         p["prompt_logprobs"] = rng.choice((0, 2))
     if rng.random() < 0.08:
         p["repetition_penalty"] = 1.3
+    if rng.random() < 0.12:
+        p["structured_outputs"] = rng.choice(STRUCTURED)
+        p["ignore_eos"] = False  # a structured output ends with its stop token
     stop = rng.choice(("token", "string")) if rng.random() < 0.3 else None
     return p, stop, consumer
 
@@ -184,7 +196,7 @@ async def _plan_case(seed: int, reference: "Reference", num_requests: int) -> Ca
             j = rng.randrange(len(plain.token_ids))
             if stop == "token":
                 p["stop_token_ids"] = [plain.token_ids[j]] + rng.sample(IDS, rng.randint(0, 2))
-                if rng.random() < 0.3:
+                if rng.random() < 0.3 and "structured_outputs" not in p:
                     p["min_tokens"] = rng.randint(0, min(j + 1, p["max_tokens"]))
             elif plain.text:
                 a = rng.randrange(len(plain.text))
@@ -442,6 +454,7 @@ def compare(r: Planned, got: Received, ref, tally: collections.Counter) -> list[
         tally["max_tokens=1"] += p.max_tokens == 1
         tally["stop_string"] += isinstance(want.stop_reason, str)
         tally["stop_token"] += isinstance(want.stop_reason, int)
+        tally["structured"] += p.structured_outputs is not None
     return problems
 
 
@@ -540,7 +553,7 @@ def assert_covered(tally: collections.Counter) -> None:
     """The workload really did what it claims, and near-ties excused little of it."""
     for what in ("preempting_cases", "chunking_cases", "prefix_hit_cases", "batching_cases", "interrupted", "retries",
                  "prefixes_compared", "prompt_logprobs_compared", "n>1", "best_of", "max_tokens=1", "stop_string",
-                 "stop_token"):
+                 "stop_token", "structured"):
         assert tally[what] > 0, (what, dict(tally))
     assert tally["ties"] <= max(2, tally["outputs_compared"] // 50), dict(tally)
 
