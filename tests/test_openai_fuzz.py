@@ -125,29 +125,21 @@ class Vocab:
 class Walk:
     texts: list[str]  # the text after i tokens (a piece ending in an incomplete character waits)
     starts: list[int]  # where token j starts: after the characters complete before its first byte
-    held_starts: list[int]  # the same, counting no U+FFFD of the text held back (see below)
     final: str  # the whole decode, an incomplete character at the end flushed as U+FFFD
 
 
 def walk(vocab: Vocab, ids, skip: bool) -> Walk:
     """Decodes ``ids`` one token at a time as the docs describe. A token whose first byte
     continues a character starts where the character does; one that follows bytes no
-    byte can complete any more (an invalid sequence, shown as U+FFFD) starts after them.
-
-    The adapter counts a token's start with the engine's detokenizer, which cannot tell
-    a U+FFFD that the next token may still complete from one that is final: it counts
-    none of those in the text it holds back. ``held_starts`` are those counts; they
-    differ only after an invalid sequence (test_offsets_after_an_invalid_character)."""
+    byte can complete any more (an invalid sequence, shown as U+FFFD) starts after them."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     raw = b""
-    w = Walk([""], [], [], "")
+    w = Walk([""], [], "")
     complete = 0
     for t in ids:
         b = vocab.text_bytes(t, skip)
         pending = decoder.getstate()[0]
         w.starts.append(complete + (bool(pending and b) and not _continues(pending, b[:1])))
-        full = raw.decode("utf-8", "replace")
-        w.held_starts.append(len(w.texts[-1]) + len(full[len(w.texts[-1]) :].rstrip("\ufffd")))
         raw += b
         complete += len(decoder.decode(b))
         full = raw.decode("utf-8", "replace")
@@ -169,16 +161,15 @@ class Expected:
     text: str
     finish: str
     num_tokens: int  # generated, a final stop token included
-    # The tokens whose logprobs cover the text and where each starts: by the docs, and
-    # as the engine's detokenizer counts starts (see walk).
-    covering: tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
+    # The tokens whose logprobs cover the text and where each starts (see walk).
+    covering: tuple[list[int], list[int]]
     by_stop_string: bool
     cut_mid_token: bool  # a stop string cut the text inside the last covering token
     by_flush: bool = False  # the stop string ends in the partial character flushed at the end
 
     @property
     def ids(self) -> list[int]:
-        return self.covering[0][0]
+        return self.covering[0]
 
 
 def expect(vocab: Vocab, base, stops: list[str], include_stop: bool, min_tokens: int, skip: bool) -> Expected:
@@ -202,24 +193,18 @@ def expect(vocab: Vocab, base, stops: list[str], include_stop: bool, min_tokens:
         if hits:
             at, s = min(hits, key=lambda h: h[0])
             text = now[: at + len(s) if include_stop else at]
-            covering = tuple(
-                ([text_ids[j] for j in range(i) if starts[j] < len(text)], [x for x in starts[:i] if x < len(text)])
-                for starts in (w.starts, w.held_starts)
-            )
-            whole = walk(vocab, covering[0][0], skip).final
+            starts = w.starts
+            covering = ([text_ids[j] for j in range(i) if starts[j] < len(text)],
+                        [x for x in starts[:i] if x < len(text)])
+            whole = walk(vocab, covering[0], skip).final
             return Expected(text, "stop", generated, covering, True, whole != text, now is w.final)
-    return Expected(w.final, base.finish_reason, len(ids), ((text_ids, w.starts), (text_ids, w.held_starts)),
-                    False, False)
+    return Expected(w.final, base.finish_reason, len(ids), (text_ids, w.starts), False, False)
 
 
 def assert_covering(got_items: list, got_offsets: Optional[list[int]], covering, to_item, base: int = 0) -> list[int]:
-    """The tokens (and offsets) are one of the two readings of ``covering``; returns the
-    token ids of that one."""
+    """The tokens (and offsets) are those of ``covering``; returns its token ids."""
     got = (list(got_items), None if got_offsets is None else list(got_offsets))
-    for ids, starts in covering:
-        if got == ([to_item(t) for t in ids], None if got_offsets is None else [base + x for x in starts]):
-            return ids
-    ids, starts = covering[0]
+    ids, starts = covering
     assert got == ([to_item(t) for t in ids], None if got_offsets is None else [base + x for x in starts]), (
         "the tokens that cover the text (and where they start)")
     return ids
@@ -627,13 +612,12 @@ def check_completion_logprobs(case: Case, vocab, lp, text: str, echo: str, e: Ex
         # the echoed prompt: its tokens, where they start in the echo, their logprobs
         w = walk(vocab, prompt_ids, False)
         assert w.final == echo, "the echo is the decoded prompt"
-        readings = ((prompt_ids, w.starts), (prompt_ids, w.held_starts))
-        assert_covering(lp.tokens[:n_echo], lp.text_offset[:n_echo], readings, vocab.token_str)
+        assert_covering(lp.tokens[:n_echo], lp.text_offset[:n_echo], (prompt_ids, w.starts), vocab.token_str)
         plps = base.prompt_logprobs
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.token_logprobs[1:n_echo] == pytest.approx([x.logprob for x in plps[1:]], abs=TOL)
         _check_top_dicts(lp.top_logprobs[1:n_echo], [_top_dict(vocab, x, k) for x in plps[1:]])
-    covering = (([], []), ([], [])) if case.scoring else e.covering
+    covering = ([], []) if case.scoring else e.covering
     ids = assert_covering(lp.tokens[n_echo:], lp.text_offset[n_echo:], covering, vocab.token_str, len(echo))
     assert lp.token_logprobs[n_echo:] == pytest.approx([x.logprob for x in base_lps[: len(ids)]], abs=TOL)
     _check_top_dicts(lp.top_logprobs[n_echo:], [_top_dict(vocab, x, k) for x in base_lps[: len(ids)]])
@@ -700,26 +684,18 @@ def check_stream(case: Case, whole, chunks, expected: list[Expected], vocab: Voc
 
 def _check_chat_logprobs_go_with_their_text(got, want, e: Expected, vocab: Vocab) -> None:
     """Each token's logprob is sent with the chunk that sends the text it starts (the
-    rest with the last text, before the finish chunk), by one reading of the starts."""
-    have = [bytes(t.bytes) for t in want.logprobs.content]
-    failures = []
-    for ids, starts in e.covering:
-        if [vocab.raw(t) for t in ids] != have:
+    rest with the last text, before the finish chunk)."""
+    ids, starts = e.covering
+    assert [vocab.raw(t) for t in ids] == [bytes(t.bytes) for t in want.logprobs.content]
+    sent = done = 0
+    for g, following in zip(got, got[1:] + [None]):
+        before, sent = sent, sent + len(g.delta.content or "")
+        if g.logprobs is None:
             continue
-        sent = done = 0
-        try:
-            for g, following in zip(got, got[1:] + [None]):
-                before, sent = sent, sent + len(g.delta.content or "")
-                if g.logprobs is None:
-                    continue
-                last = following is not None and following.finish_reason is not None
-                for start in starts[done : done + len(g.logprobs.content)]:
-                    assert before <= start < sent or (last and before <= start <= sent), (start, before, sent)
-                done += len(g.logprobs.content)
-            return
-        except AssertionError as error:
-            failures.append(error)
-    raise failures[0]
+        last = following is not None and following.finish_reason is not None
+        for start in starts[done : done + len(g.logprobs.content)]:
+            assert before <= start < sent or (last and before <= start <= sent), (start, before, sent)
+        done += len(g.logprobs.content)
 
 
 def _same_chat_logprobs(got, want) -> None:
@@ -793,6 +769,28 @@ async def test_echo_offsets_count_special_tokens(engine):
                                              stream=True)
     first = [c async for c in stream][0].choices[0]
     assert first.text == prompt and first.logprobs.text_offset == [0, 1, 13, 14, 25]
+
+
+@ASYNCIO_ONLY
+async def test_offsets_after_an_invalid_character(engine):
+    """A token after bytes no byte can complete starts after their U+FFFD; one that
+    continues a character starts where the character does."""
+    from asyncgen.engine.tokenizer import TokenBytes
+
+    client = engine.openai_client()
+    vocab_bytes = TokenBytes(engine.tokenizer).vocabulary()
+    lone, lead = vocab_bytes.index(b"\x80"), vocab_bytes.index(b"\xe2\x82")  # 2 of the 3 bytes of "€"
+    [word] = engine.tokenizer.encode(" word")
+    euro_end = vocab_bytes.index(b"\xac")
+    cases = [
+        ([lone, word, lead, lead, word], "\ufffd word\ufffd\ufffd word", [0, 1, 6, 7, 8]),
+        ([word, lead, euro_end, word], " word€ word", [0, 5, 5, 6]),  # the last byte continues the character
+        ([lead, word], "\ufffd word", [0, 1]),
+    ]
+    for ids, text, offsets in cases:
+        choice = (await client.completions.create(model=client.model, prompt=ids, max_tokens=0, echo=True,
+                                                   logprobs=0)).choices[0]
+        assert (choice.text, choice.logprobs.text_offset) == (text, offsets)
 
 
 @ASYNCIO_ONLY

@@ -383,6 +383,24 @@ def test_aligned_logprobs_start_where_their_characters_do(tokenizer):
     assert starts == sorted(starts) and any(a == b for a, b in zip(starts, starts[1:]))  # split characters
 
 
+def test_aligned_logprobs_skip_special_tokens_inside_a_character(tokenizer):
+    """A skipped special token between the bytes of one character adds no bytes: the
+    token after it still continues the character."""
+    from asyncgen.engine.tokenizer import TokenBytes
+
+    vocab = TokenBytes(tokenizer).vocabulary()
+    lead, end = vocab.index(b"\xe2\x82"), vocab.index(b"\xac")  # "€" in two tokens
+    [word] = tokenizer.encode(" word")
+    special = tokenizer.convert_tokens_to_ids("<jupyter_code>")  # an added token marked special
+    for skip, starts, text in ((True, [0, 0, 0, 1], "€ word"), (False, [0, 1, 15, 16], "\ufffd<jupyter_code>\ufffd word")):
+        ids = [lead, special, end, word]
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == text
+        aligned = _AlignedLogprobs(tokenizer, skip)
+        lps = tuple(TokenLogprob(t, -1.0) for t in ids)
+        got = aligned.add(StreamChunk("r", 0, text, tuple(ids), "length", None, logprobs=lps))
+        assert [start for start, _ in got] == starts
+
+
 def test_aligned_logprobs_leave_out_a_cut_stop_string(tokenizer):
     ids = tokenizer.encode("The cat is a majestic animal")
     chunks = _engine_chunks(tokenizer, ids, stop=[" majestic"])

@@ -72,13 +72,21 @@ class IncrementalDetokenizer:
             return self._find_stop(before)
         return None
 
-    def complete_length(self) -> int:
+    def complete_length(self, partial: Optional[bool] = None) -> int:
         """Characters of the text so far, counting those of a held-back piece up to the
-        partial character it ends with (so where the next token's first byte falls)."""
+        partial character it ends with (so where the next token's first byte falls).
+
+        A held-back piece ends in U+FFFD, which may be a character still being completed
+        or bytes no byte can complete any more; decoded text cannot tell which. ``partial``
+        says it (from the tokens' bytes): True, the last U+FFFD is the character the next
+        token continues; False, it is final. Left None, every U+FFFD the piece ends with
+        counts as incomplete."""
         if self._read == len(self.ids) or self.stopped_by is not None:
             return len(self.text)
         held = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
-        return len(self.text) + len(held.rstrip(_REPLACEMENT))
+        if partial is None:
+            return len(self.text) + len(held.rstrip(_REPLACEMENT))
+        return len(self.text) + len(held) - (partial and held.endswith(_REPLACEMENT))
 
     def flush(self) -> Optional[str]:
         """Decodes any held-back partial character (at the end of generation); returns

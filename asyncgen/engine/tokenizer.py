@@ -116,19 +116,25 @@ def _byte_decoder() -> dict[str, int]:
 
 class TokenBytes:
     """The exact bytes a token stands for (byte-level BPE, SentencePiece with byte
-    fallback, or the token's own text); ``special`` holds the ids of special and added
-    tokens, whose bytes are their text."""
+    fallback, or the token's own text; an added token's bytes are its text). ``special``
+    holds the ids a decode with ``skip_special_tokens`` leaves out: the special tokens
+    and the added tokens marked special."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = _byte_decoder() if "ByteLevel" in repr(decoder) else None
-        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()))
-        added = set(self.special)
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        added = set(special)
+        for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+            added.add(token_id)
+            if getattr(token, "special", False):
+                special.add(token_id)
         try:
             added.update(tokenizer.get_added_vocab().values())
         except Exception:
             pass  # a tokenizer without added tokens
+        self.special = frozenset(special)
         self._added = frozenset(added)
 
     def __call__(self, token_id: int) -> bytes:

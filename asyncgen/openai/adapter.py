@@ -26,8 +26,9 @@ Mapping notes:
   token's logprob is sent with the chunk that sends the text it starts (a token whose
   text is held back, as a possible stop string, waits with it).
 * Completions' ``text_offset`` is where each token starts in the choice's text,
-  counted in characters (a token that only begins a multi-byte character starts where
-  that character does); with ``echo`` the completion's offsets follow the prompt's.
+  counted in characters (a token that continues a multi-byte character starts where
+  that character does; one after bytes no byte can complete, shown as U+FFFD, starts
+  after that U+FFFD); with ``echo`` the completion's offsets follow the prompt's.
 * Completions ``echo=true`` with ``max_tokens=0`` scores the prompt without
   generating: the choice is the echoed prompt (with its logprobs when asked for),
   ``finish_reason`` "length" and no completion tokens.
@@ -47,6 +48,7 @@ Mapping notes:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import time
 import uuid
@@ -192,14 +194,55 @@ class _TokenText:
 
     def __init__(self, tokenizer):
         self._bytes = TokenBytes(tokenizer)
-        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self.special = self._bytes.special
+        self._cache: dict[int, tuple[str, list[int], bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        return self._entry(token_id)[:2]
+
+    def raw(self, token_id: int) -> bytes:
+        return self._entry(token_id)[2]
+
+    def _entry(self, token_id: int) -> tuple[str, list[int], bytes]:
         hit = self._cache.get(token_id)
         if hit is None:
             raw = self._bytes(token_id)
-            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw), raw)
         return hit
+
+
+class _TokenStarts:
+    """Where each next token starts in the text the engine's detokenizer makes of them,
+    in characters: after the characters complete before its first byte. A token whose
+    first byte continues a character starts where the character does; one that follows
+    bytes no byte can complete (an invalid sequence, shown as U+FFFD) starts after them.
+    The detokenizer gives the text; the tokens' bytes, fed to a UTF-8 decoder alongside,
+    tell the two kinds of trailing U+FFFD apart."""
+
+    def __init__(self, tokenizer, text: _TokenText, skip_special_tokens: bool):
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._text = text
+        self._skip = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_id: int) -> int:
+        """The start of ``token_id``, which then joins the text."""
+        data = b"" if self._skip and token_id in self._text.special else self._text.raw(token_id)
+        pending = self._utf8.getstate()[0]
+        partial = bool(pending) and (not data or _continues(pending, data[:1]))
+        start = self._detok.complete_length(partial)
+        self._detok.add([token_id])
+        self._utf8.decode(data)
+        return start
+
+
+def _continues(pending: bytes, byte: bytes) -> bool:
+    """Whether ``byte`` can follow ``pending``, the start of a UTF-8 character."""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(pending + byte)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _visible_logprobs(
@@ -235,8 +278,9 @@ class _AlignedLogprobs:
     the tokens starting past the kept text (the stop string's) are dropped.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool, stop_token_ids: frozenset[int] = frozenset()):
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    def __init__(self, tokenizer, skip_special_tokens: bool, stop_token_ids: frozenset[int] = frozenset(),
+                 text: Optional[_TokenText] = None):
+        self._starts = _TokenStarts(tokenizer, text or _TokenText(tokenizer), skip_special_tokens)
         self._stop_token_ids = stop_token_ids
         self._held: list[tuple[int, TokenLogprob]] = []
         self.sent = 0  # characters of the choice's text sent so far
@@ -245,8 +289,7 @@ class _AlignedLogprobs:
         """Takes a chunk (or a whole output), its text as sent; returns the (start, logprob)
         pairs whose text has now been sent, in order."""
         for lp in _visible_logprobs(chunk, self._stop_token_ids) or ():
-            self._held.append((self._detok.complete_length(), lp))
-            self._detok.add([lp.token_id])
+            self._held.append((self._starts.next(lp.token_id), lp))
         self.sent += len(chunk.text)
         if chunk.finish_reason is not None and not isinstance(chunk.stop_reason, str):
             ready = len(self._held)  # the whole text is out
@@ -562,13 +605,12 @@ class OpenAIAdapter:
         nothing predicts); text offsets from 0, in characters of the decoded prompt."""
         text = self._text_of()
         # Special tokens counted as their text: the echo keeps them (see _echo).
-        detok = IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=False)
+        starts = _TokenStarts(self.engine.tokenizer, text, skip_special_tokens=False)
         out = CompletionLogprobs()
         for i, token_id in enumerate(token_ids):
             lp = lps[i] if lps is not None and i < len(lps) else None
             out.tokens.append(text(token_id)[0])
-            out.text_offset.append(detok.complete_length())
-            detok.add([token_id])
+            out.text_offset.append(starts.next(token_id))
             out.token_logprobs.append(None if lp is None else lp.logprob)
             out.top_logprobs.append(None if lp is None else _top_by_text(text, lp))
         return out
@@ -634,7 +676,7 @@ class OpenAIAdapter:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.engine.eos_token_ids
-        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens, stop_ids)
+        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens, stop_ids, self._text_of())
 
     def _text_of(self) -> _TokenText:
         if self._token_text is None:
