@@ -1052,6 +1052,7 @@ class Vocabulary:
     """
 
     def __init__(self, token_bytes: list[Optional[bytes]]):
+        self.token_bytes = token_bytes
         self.size = len(token_bytes)
         tokens = [(i, data) for i, data in enumerate(token_bytes) if data]
         self.trie = _token_trie(tokens)

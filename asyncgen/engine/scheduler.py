@@ -288,4 +288,6 @@ class Scheduler:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    return params.structured_outputs is not None or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    return params.structured_outputs is not None or (
+        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    )

@@ -130,10 +130,6 @@ class TokenBytes:
             added.add(token_id)
             if getattr(token, "special", False):
                 special.add(token_id)
-        try:
-            added.update(tokenizer.get_added_vocab().values())
-        except Exception:
-            pass  # a tokenizer without added tokens
         self.special = frozenset(special)
         self._added = frozenset(added)
 

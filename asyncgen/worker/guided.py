@@ -11,7 +11,6 @@ time a request needs them.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -29,53 +28,52 @@ _GRAMMARS_KEPT = 32  # grammars whose token guides (and masks) are kept for late
 class _SharedGuide:
     """One grammar over the vocabulary: its token guide and a cache of masks by state."""
 
-    def __init__(self, grammar, vocabulary, token_bytes: list[Optional[bytes]], width: int):
+    def __init__(self, grammar, vocabulary, width: int):
         from ..structured import TokenGuide
 
         self.grammar = grammar
         self.tokens = TokenGuide(grammar, vocabulary)
-        self.token_bytes = token_bytes
+        self.token_bytes = vocabulary.token_bytes
         self.width = width
         self._masks: dict = {}
 
-    def allowed_mask(self, state) -> torch.Tensor:
-        mask = self._masks.get(state)
-        if mask is None:
+    def allowed_mask(self, state) -> tuple[torch.Tensor, bool]:
+        """The mask of the tokens the grammar allows after ``state``, and whether it has any."""
+        hit = self._masks.get(state)
+        if hit is None:
             mask = torch.zeros(self.width, dtype=torch.bool)
             ids = torch.tensor(self.tokens.allowed(state), dtype=torch.int64)
             mask[ids[ids < self.width]] = True
             if len(self._masks) >= max(64, _MASK_BYTES // self.width):
                 self._masks.clear()
-            self._masks[state] = mask
-        return mask
+            hit = self._masks[state] = (mask, bool(mask.any()))
+        return hit
 
 
 class GuideFactory:
     """Makes each structured request's :class:`SequenceGuide`; ``token_bytes`` gives the
     vocabulary's bytes (index = token id, None for tokens never allowed) when first needed;
-    ``width`` is the logits' width (the model's vocabulary, maybe padded)."""
+    ``width`` is the logits' width (the model's vocabulary, maybe padded). Called on the
+    device thread only."""
 
     def __init__(self, token_bytes: Callable[[], list[Optional[bytes]]], width: int):
         self._token_bytes = token_bytes
         self._width = width
         self._vocabulary = None
-        self._bytes: list[Optional[bytes]] = []
         self._shared: dict[str, _SharedGuide] = {}
-        self._lock = threading.Lock()
 
     def __call__(self, spec: StructuredOutputsParams, stop_token_ids: frozenset[int]) -> "SequenceGuide":
-        with self._lock:
-            shared = self._shared.get(spec.key)
-            if shared is None:
-                if self._vocabulary is None:
-                    from ..structured import Vocabulary
+        key = spec.key
+        shared = self._shared.get(key)
+        if shared is None:
+            if self._vocabulary is None:
+                from ..structured import Vocabulary
 
-                    self._bytes = self._token_bytes()
-                    self._vocabulary = Vocabulary(self._bytes)
-                shared = _SharedGuide(spec.grammar, self._vocabulary, self._bytes, self._width)
-                if len(self._shared) >= _GRAMMARS_KEPT:  # the oldest goes (live requests keep theirs)
-                    del self._shared[next(iter(self._shared))]
-                self._shared[spec.key] = shared
+                self._vocabulary = Vocabulary(self._token_bytes())
+            shared = _SharedGuide(spec.grammar, self._vocabulary, self._width)
+            if len(self._shared) >= _GRAMMARS_KEPT:  # the oldest goes (live requests keep theirs)
+                del self._shared[next(iter(self._shared))]
+            self._shared[key] = shared
         return SequenceGuide(shared, stop_token_ids)
 
 
@@ -105,9 +103,10 @@ class SequenceGuide:
             mask = torch.zeros(self._shared.width, dtype=torch.bool)
             mask[self._stops] = True
             return mask
-        mask = self._shared.allowed_mask(state)
-        if grammar.accepts(state) or not mask.any():
-            if not grammar.accepts(state):
+        mask, any_allowed = self._shared.allowed_mask(state)
+        complete = grammar.accepts(state)
+        if complete or not any_allowed:
+            if not complete:
                 log.error("structured output has no token to continue with; only stop tokens are allowed")
             mask = mask.clone()
             mask[self._stops] = True
