@@ -54,15 +54,15 @@ def resolve_model(model: Optional[str] = None) -> str:
     return str(smollm2())
 
 
-def create_app(model: Optional[str] = None, **engine_kwargs: Any) -> FastAPI:
+def create_app(model: Optional[str] = None, tool_call_parser: Optional[str] = "auto", **engine_kwargs: Any) -> FastAPI:
     """The app; ``engine_kwargs`` go to ``AsyncEngine.from_pretrained`` (``max_model_len``,
-    ``num_kv_blocks``, ``max_num_seqs``, ...)."""
+    ``num_kv_blocks``, ``max_num_seqs``, ...), ``tool_call_parser`` to ``OpenAIAdapter``."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async with AsyncEngine.from_pretrained(resolve_model(model), **engine_kwargs) as engine:
             app.state.engine = engine
-            app.state.openai = OpenAIAdapter(engine)
+            app.state.openai = OpenAIAdapter(engine, tool_call_parser=tool_call_parser)
             app.state.metrics = _metrics_registry(engine)
             yield
 
@@ -191,9 +191,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument(
+        "--tool-call-parser", default="auto",
+        help="how the model writes tool calls, for tool_choice=auto: hermes, llama3_json, mistral, or auto "
+        "(from the chat template)",
+    )
     args = parser.parse_args(argv)
     app = create_app(
-        args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+        args.model, tool_call_parser=args.tool_call_parser, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

@@ -161,9 +161,9 @@ def test_missing_model_and_unrecognized_argument_messages():
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"function_call": "auto", "functions": [{"name": "f"}]}, "functions"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -171,7 +171,9 @@ def test_missing_model_and_unrecognized_argument_messages():
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"},
                                                     {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
          "messages[0].content[1].type"),
-        ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages[0].role"),
+        ({"messages": [{"role": "function", "name": "f", "content": "42"}]}, "messages[0].role"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "custom", "custom": {}}]}]},
+         "messages[0].tool_calls[0].type"),
     ],
 )
 def test_unsupported_features_are_refused_by_name(fields, param):

@@ -382,6 +382,7 @@ class AsyncEngine:
         messages: Optional[list[dict[str, Any]]] = None,
         request_id: Optional[str] = None,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> "RequestStream":
         """Generates for one prompt, yielding :class:`StreamChunk` as text arrives.
 
@@ -392,7 +393,10 @@ class AsyncEngine:
         ``aclose()`` on the stream aborts it and frees its blocks at once.
 
         ``chat_template_kwargs`` (with ``messages`` only) are extra variables for the chat
-        template, e.g. ``{"enable_thinking": False}`` for Qwen3's.
+        template, e.g. ``{"enable_thinking": False}`` for Qwen3's. ``tools`` (with
+        ``messages`` only) are the tools the template shows the model, in OpenAI's form
+        (``{"type": "function", "function": {"name", "description", "parameters"}}``);
+        :mod:`asyncgen.tools` reads the calls back out of the output.
         """
         params = _coerce_params(params)
         if params.num_sequences > params.n:
@@ -400,12 +404,13 @@ class AsyncEngine:
                 f"best_of={params.best_of} > n={params.n} cannot be streamed: the best {params.n} are only "
                 "known at the end; use generate()"
             )
-        return self._open_stream(prompt, params, messages, request_id, chat_template_kwargs)
+        return self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools)
 
-    def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None) -> "RequestStream":
+    def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None,
+                     tools=None) -> "RequestStream":
         self._check_running()
         params = _coerce_params(params)
-        prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs)
+        prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools)
         self._check_fits(token_ids, params)
         own_id = request_id is not None
         if not own_id:
@@ -442,10 +447,11 @@ class AsyncEngine:
         messages: Optional[list[dict[str, Any]]] = None,
         request_id: Optional[str] = None,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> RequestOutput:
         """Generates for one prompt and returns the whole :class:`RequestOutput`. With
         ``best_of``, the ``n`` completions with the highest cumulative logprob, best first."""
-        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs)
+        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools)
         stream.group.wake_each_chunk = False
         want = stream.group.params
         n = want.num_sequences
@@ -510,12 +516,13 @@ class AsyncEngine:
 
         return remove
 
-    def openai_client(self):
+    def openai_client(self, **kwargs: Any):
         """An in-process client with the surface of ``openai.AsyncOpenAI`` (chat
-        completions, completions, models) that calls this engine directly."""
+        completions, completions, models) that calls this engine directly; ``kwargs``
+        are :class:`~asyncgen.openai.InProcessOpenAI`'s (``model_names``, ``tool_call_parser``)."""
         from ..openai.client import InProcessOpenAI
 
-        return InProcessOpenAI(self)
+        return InProcessOpenAI(self, **kwargs)
 
     def stats(self) -> EngineStats:
         """Load and usage counters: running/waiting requests, free/total KV blocks, ..."""
@@ -524,19 +531,19 @@ class AsyncEngine:
         return self._core.stats()
 
     # --- request checks ---------------------------------------------------------------------
-    def _tokenize(self, prompt, messages, chat_template_kwargs=None) -> tuple[Optional[str], list[int]]:
+    def _tokenize(self, prompt, messages, chat_template_kwargs=None, tools=None) -> tuple[Optional[str], list[int]]:
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' and 'messages'")
-        if chat_template_kwargs is not None and messages is None:
-            raise InvalidRequestError(
-                "chat_template_kwargs apply to 'messages' only; this request gave a prompt",
-                param="chat_template_kwargs",
-            )
+        for name, value in (("chat_template_kwargs", chat_template_kwargs), ("tools", tools)):
+            if value is not None and messages is None:
+                raise InvalidRequestError(
+                    f"{name} apply to 'messages' only; this request gave a prompt", param=name,
+                )
         tok = self._tokenizer
         if messages is not None:
             from .tokenizer import apply_chat_template
 
-            text = apply_chat_template(tok, messages, chat_template_kwargs)
+            text = apply_chat_template(tok, messages, chat_template_kwargs, tools)
             return text, tok.encode(text, add_special_tokens=False)
         if isinstance(prompt, str):
             if not prompt:

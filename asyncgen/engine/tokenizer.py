@@ -68,9 +68,13 @@ _TEMPLATE_CALL_ARGS = frozenset({
 })
 
 
-def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict[str, Any]] = None) -> str:
+def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict[str, Any]] = None,
+                        tools: Optional[list[dict[str, Any]]] = None) -> str:
     """The prompt text for chat ``messages``, ending with the assistant's turn opening;
-    ``template_kwargs`` are extra variables the template sees (``enable_thinking``, ...)."""
+    ``template_kwargs`` are extra variables the template sees (``enable_thinking``, ...),
+    ``tools`` the tools it shows the model (OpenAI's ``{"type": "function", ...}`` dicts)."""
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequestError(f"tools must be a list of dicts, got {tools!r}", param="tools")
     if template_kwargs is not None:
         if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
             raise InvalidRequestError(
@@ -86,7 +90,7 @@ def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
             raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
         if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
             raise InvalidRequestError(f"messages[{i}].role {m['role']!r} is not one of system/user/assistant/tool")
@@ -94,7 +98,7 @@ def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict
         raise InvalidRequestError("this model's tokenizer has no chat template; pass 'prompt' instead of 'messages'")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
         )
     except Exception as e:
         raise InvalidRequestError(f"the chat template rejected these messages: {type(e).__name__}: {e}") from e

@@ -42,6 +42,18 @@ Mapping notes:
   echoed tokens come first in ``logprobs`` (the first with ``None``, as nothing predicts
   it). When streamed, the echo chunk waits for the prompt's first chunk, which carries
   them.
+* Tools: the function ``tools`` go to the chat template, which shows them to the model.
+  With ``tool_choice="auto"`` (the default when tools are given) the output is read for
+  calls in the model's own format (``tool_call_parser``); text around them is the
+  message's ``content``, null when only calls were made. ``"required"`` (and
+  ``allowed_tools`` in required mode) constrains the output, with structured outputs, to a
+  JSON array of ``{"name", "parameters"}`` objects, one call with
+  ``parallel_tool_calls=false``; a named function constrains it to that function's
+  arguments. Arguments are the JSON text the model wrote. ``finish_reason`` is
+  "tool_calls" when a reply ends with calls ("stop" for a named function, as OpenAI
+  answers). When streamed, a call's id, type and name come in its first piece, then its
+  arguments in pieces, as OpenAI sends them. A forced call's parameters must be a schema
+  structured outputs can enforce; one that is not is refused, naming the tool.
 * Completions ``best_of > n`` samples ``best_of`` completions per prompt and returns the
   ``n`` with the highest cumulative logprob (``engine.generate``); it cannot be streamed.
 """
@@ -50,6 +62,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any, AsyncGenerator, AsyncIterator, Generic, Mapping, Optional, TypeVar, Union
@@ -62,6 +75,16 @@ from ..engine.tokenizer import TokenBytes
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..sampling_params import SamplingParams
+from ..structured import json_schema_grammar
+from ..tools import (
+    NamedToolCallParser,
+    RequiredToolCallsParser,
+    detect_tool_call_parser,
+    get_tool_call_parser,
+    named_tool_schema,
+    parse_tool_calls,
+    required_tools_schema,
+)
 from .errors import APIStatusError, BadRequestError, NotFoundError, from_exception, from_validation_error
 from .protocol import (
     AssistantMessage,
@@ -70,9 +93,12 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
     ChatCompletionMessage,
+    ChatCompletionMessageToolCall,
     ChatCompletionRequest,
     ChatCompletionTokenLogprob,
     ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
@@ -80,8 +106,10 @@ from .protocol import (
     CompletionRequest,
     CompletionUsage,
     DeveloperMessage,
+    Function,
     Model,
     ModelList,
+    ToolMessage,
     TopLogprob,
 )
 
@@ -139,6 +167,8 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
     structured = request.structured_spec()
     if structured is not None:
         names["structured_outputs"], kwargs["structured_outputs"] = structured
+    if chat and request.forces_tool_call:
+        names["structured_outputs"], kwargs["structured_outputs"] = "tools", {"json": _tool_call_schema(request)}
     try:
         return SamplingParams(**kwargs)
     except ValidationError as e:
@@ -160,18 +190,55 @@ def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
     return out
 
 
-def _template_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: a role and a string."""
+def _tool_call_schema(request: ChatCompletionRequest) -> Any:
+    """The JSON Schema a forced tool call is generated under (BadRequestError naming the
+    tool whose parameters it cannot enforce)."""
+    functions = request.offered_functions
+    for f in functions:
+        try:
+            json_schema_grammar(named_tool_schema(f.model_dump()))
+        except AsyncGenError as e:
+            i = next(i for i, t in enumerate(request.tools) if getattr(t, "function", None) is f)
+            raise BadRequestError(
+                f"Invalid value for 'tools[{i}].function.parameters': {e}", param=f"tools[{i}].function.parameters"
+            ) from e
+    if request.tool_mode == "named":
+        return named_tool_schema(functions[0].model_dump())
+    return required_tools_schema([f.model_dump() for f in functions], parallel=request.parallel_tool_calls is not False)
+
+
+def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: a role and a string, and the history's
+    tool calls (arguments as a dict where they are a JSON object, as templates expect)."""
     out = []
     for m in request.messages:
         role = "system" if isinstance(m, DeveloperMessage) else m.role
         content = m.content
         if isinstance(content, list):
             content = "\n".join(p.text if p.type == "text" else p.refusal for p in content)
-        if content is None and isinstance(m, AssistantMessage):
-            content = m.refusal or ""
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role}
+        if isinstance(m, AssistantMessage):
+            if content is None:
+                content = m.refusal or ""
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                    for c in m.tool_calls
+                ]
+        message["content"] = content
+        if isinstance(m, ToolMessage):
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _parse(model_cls, request: Any):
@@ -353,14 +420,26 @@ class OpenAIAdapter:
     ``model_names`` are the names clients may put in ``model`` (default: the engine's
     ``model_name``, the model directory's name); any other name is a 404, as in OpenAI's
     API; responses name the model the request asked for.
+
+    ``tool_call_parser`` names how the model writes tool calls (``hermes``,
+    ``llama3_json``, ``mistral``: :mod:`asyncgen.tools`), which ``tool_choice="auto"``
+    needs; "auto" (the default) takes it from the markers in the chat template, None
+    turns auto tool choice off. ``required`` and named functions need none: the output is
+    constrained to the call (see the module notes).
     """
 
-    def __init__(self, engine, *, model_names: Optional[list[str]] = None, owned_by: str = "asyncgen"):
+    def __init__(self, engine, *, model_names: Optional[list[str]] = None, owned_by: str = "asyncgen",
+                 tool_call_parser: Optional[str] = "auto"):
         self.engine = engine
         self._model_names = list(model_names) if model_names else None
         self.owned_by = owned_by
         self.created = int(time.time())
         self._token_text: Optional[_TokenText] = None
+        if tool_call_parser == "auto":
+            tool_call_parser = detect_tool_call_parser(getattr(engine.tokenizer, "chat_template", None))
+        elif tool_call_parser is not None:
+            get_tool_call_parser(tool_call_parser)  # (an unknown name is refused here)
+        self.tool_call_parser: Optional[str] = tool_call_parser
 
     @property
     def model_names(self) -> list[str]:
@@ -390,41 +469,93 @@ class OpenAIAdapter:
         ``request.stream``. Raises APIStatusError (BadRequestError, NotFoundError, ...)."""
         req = _parse(ChatCompletionRequest, request)
         self._check_model(req.model)
+        tool_parser = self._tool_parser(req)
         params = to_sampling_params(req)
+        if tool_parser is not None and self.tool_call_parser == "mistral" and req.skip_special_tokens is None:
+            params = params.model_copy(update={"skip_special_tokens": False})  # [TOOL_CALLS] is a special token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
-        stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs,
+                            tools)
         created = int(time.time())
         if req.stream:
-            return AsyncStream(self._chat_chunks(stream, req, rid, created))
+            return AsyncStream(self._chat_chunks(stream, req, rid, created, tool_parser))
         outs, usage, _ = await self._collect([stream], params.n, "messages")
         choices = []
         for i, out in enumerate(outs):
             logprobs = None
             if req.logprobs:
                 logprobs = ChoiceLogprobs(content=self._chat_logprobs(lp for _, lp in out.logprobs))
-            message = ChatCompletionMessage(content="".join(out.texts))
-            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=out.finish_reason))
+            text = "".join(out.texts)
+            finish_reason = out.finish_reason
+            if tool_parser is None:
+                message = ChatCompletionMessage(content=text)
+            else:
+                content, calls = parse_tool_calls(tool_parser(), text)
+                message = ChatCompletionMessage(
+                    content=content or (None if calls else content),
+                    tool_calls=[
+                        ChatCompletionMessageToolCall(id=c.id, function=Function(name=c.name, arguments=c.arguments))
+                        for c in calls
+                    ] or None,
+                )
+                finish_reason = _tool_finish_reason(req, finish_reason, bool(calls))
+            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
         return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
 
-    async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int):
+    def _tool_parser(self, req: ChatCompletionRequest):
+        """A factory of the parser that reads tool calls out of each choice, or None."""
+        mode = req.tool_mode
+        if mode is None:
+            return None
+        if mode == "named":
+            name = req.offered_functions[0].name
+            return lambda: NamedToolCallParser(name)
+        names = [f.name for f in req.offered_functions]
+        if mode == "required":
+            return lambda: RequiredToolCallsParser(names)
+        if self.tool_call_parser is None:
+            raise BadRequestError(
+                "Invalid value for 'tool_choice': \"auto\" tool choice needs to know how this model writes "
+                "tool calls, and its chat template shows none of the formats asyncgen reads. Start the "
+                "adapter with tool_call_parser= one of hermes, llama3_json, mistral, or send "
+                "tool_choice=\"required\" or a named function (these need no parser).", param="tool_choice",
+            )
+        cls = get_tool_call_parser(self.tool_call_parser)
+        return lambda: cls(names)
+
+    async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int, tool_parser=None):
         model = req.model
 
         def chunk(choices, usage=None):
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usage = None
-        aligned = [self._aligner(stream) for _ in range(req.n or 1)]
+        n = req.n or 1
+        aligned = [self._aligner(stream) for _ in range(n)]
+        parsers = [tool_parser() for _ in range(n)] if tool_parser is not None else None
+        made_calls = [False] * n
         try:
-            for i in range(req.n or 1):
+            for i in range(n):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
             async for c in stream:
                 lps = [lp for _, lp in aligned[c.index].add(c)] if req.logprobs else None
-                if c.text or lps:
+                if parsers is None:
+                    delta = ChoiceDelta(content=c.text) if c.text else None
+                else:
+                    delta = _tool_delta(parsers[c.index].feed(c.text))
+                    if c.finish_reason is not None:
+                        delta = _merge_deltas(delta, _tool_delta(parsers[c.index].finish()))
+                    made_calls[c.index] |= bool(delta is not None and delta.tool_calls)
+                if delta is not None or lps:
                     logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps)) if req.logprobs else None
-                    yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(content=c.text), logprobs=logprobs)])
+                    yield chunk([ChatCompletionChunkChoice(index=c.index, delta=delta or ChoiceDelta(), logprobs=logprobs)])
                 if c.finish_reason is not None:
-                    yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(), finish_reason=c.finish_reason)])
+                    finish = c.finish_reason
+                    if parsers is not None:
+                        finish = _tool_finish_reason(req, finish, made_calls[c.index])
+                    yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(), finish_reason=finish)])
                 if c.usage is not None:
                     usage = c.usage
         except AsyncGenError as e:
@@ -620,10 +751,10 @@ class OpenAIAdapter:
 
     # --- shared -------------------------------------------------------------------------------
     def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str, fields=None,
-              chat_template_kwargs=None):
+              chat_template_kwargs=None, tools=None):
         try:
             return self.engine.stream(prompt, params, messages=messages, request_id=request_id,
-                                      chat_template_kwargs=chat_template_kwargs)
+                                      chat_template_kwargs=chat_template_kwargs, tools=tools)
         except (AsyncGenError, ValidationError) as e:
             raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 
@@ -691,6 +822,36 @@ class _Output:
         self.texts: list[str] = []
         self.logprobs: list[tuple[int, TokenLogprob]] = []  # (start in the text, logprob)
         self.finish_reason: Optional[str] = None
+
+
+def _tool_delta(delta) -> Optional[ChoiceDelta]:
+    """A ChoiceDelta for a parser's ToolCallDelta (None if it holds nothing)."""
+    if not delta:
+        return None
+    calls = [
+        ChoiceDeltaToolCall(
+            index=p.index, id=p.id, type="function" if p.id is not None else None,
+            function=ChoiceDeltaToolCallFunction(name=p.name, arguments=p.arguments),
+        )
+        for p in delta.tool_calls
+    ]
+    return ChoiceDelta(content=delta.content or None, tool_calls=calls or None)
+
+
+def _merge_deltas(a: Optional[ChoiceDelta], b: Optional[ChoiceDelta]) -> Optional[ChoiceDelta]:
+    if a is None or b is None:
+        return a or b
+    content = (a.content or "") + (b.content or "")
+    return ChoiceDelta(content=content or None, tool_calls=((a.tool_calls or []) + (b.tool_calls or [])) or None)
+
+
+def _tool_finish_reason(req: ChatCompletionRequest, finish: Optional[str], made_calls: bool) -> Optional[str]:
+    """The finish reason of a reply read for tool calls: "tool_calls" where it ended
+    normally with calls, but "stop" for a named function, as OpenAI answers; "length" and
+    "abort" stay."""
+    if finish == "stop" and made_calls and req.tool_mode != "named":
+        return "tool_calls"
+    return finish
 
 
 def _top_by_text(text: "_TokenText", lp: TokenLogprob) -> dict[str, float]:

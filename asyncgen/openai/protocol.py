@@ -3,12 +3,14 @@ models with OpenAI's field names and defaults.
 
 Requests (``ChatCompletionRequest``, ``CompletionRequest``) are what a client sends;
 they reject unknown fields the way OpenAI does ("Unrecognized request argument
-supplied"). Fields OpenAI documents but this engine cannot honour (tools, audio,
-predicted outputs, ...) are accepted when absent, null or at their neutral value and
+supplied"). Fields OpenAI documents but this engine cannot honour (audio, custom
+tools, predicted outputs, ...) are accepted when absent, null or at their neutral value and
 refused otherwise by :meth:`ChatCompletionRequest.check_supported`, with ``param``
 naming the field. ``response_format`` of type ``json_object`` and ``json_schema`` is
 honoured (structured outputs: :class:`asyncgen.StructuredOutputsParams`), on completions
-too as vLLM allows. Fields that only label or route a request (``user``, ``metadata``,
+too as vLLM allows. Function ``tools`` are honoured with every ``tool_choice`` (``none``,
+``auto``, ``required``, a named function, ``allowed_tools``); assistant ``tool_calls``
+and ``tool`` messages in the history go to the chat template. Fields that only label or route a request (``user``, ``metadata``,
 ``store``, ``service_tier``, ``prompt_cache_key``, ...) are accepted and ignored.
 
 A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
@@ -34,16 +36,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from .errors import BadRequestError
 
 __all__ = [
+    "AllowedToolsChoice",
     "AssistantMessage",
     "ChatCompletion",
     "ChatCompletionChoice",
     "ChatCompletionChunk",
     "ChatCompletionChunkChoice",
     "ChatCompletionMessage",
+    "ChatCompletionMessageToolCall",
     "ChatCompletionRequest",
     "ChatCompletionTokenLogprob",
     "ChatMessage",
     "ChoiceDelta",
+    "ChoiceDeltaToolCall",
+    "ChoiceDeltaToolCallFunction",
     "ChoiceLogprobs",
     "Completion",
     "CompletionChoice",
@@ -54,9 +60,15 @@ __all__ = [
     "ErrorObject",
     "ErrorResponse",
     "FinishReason",
+    "Function",
+    "FunctionCall",
+    "FunctionDefinition",
     "FunctionMessage",
+    "FunctionTool",
+    "MessageToolCall",
     "Model",
     "ModelList",
+    "NamedToolChoice",
     "StreamOptions",
     "SystemMessage",
     "ToolMessage",
@@ -132,13 +144,35 @@ class UserMessage(_Strict):
     name: Optional[str] = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Strict):
+    """A call the assistant made, as a client sends it back in the history."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class CustomMessageToolCall(_Strict):
+    id: str
+    type: Literal["custom"]
+    custom: dict[str, Any]
+
+
+MessageToolCallParam = Annotated[Union[MessageToolCall, CustomMessageToolCall], Field(discriminator="type")]
+
+
 class AssistantMessage(_Strict):
     role: Literal["assistant"]
     content: Optional[Union[str, list[AssistantContentPart]]] = None
     name: Optional[str] = None
     refusal: Optional[str] = None
     audio: Optional[dict[str, Any]] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[MessageToolCallParam]] = None
     function_call: Optional[dict[str, Any]] = None
 
 
@@ -170,6 +204,61 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 Stop = Union[str, Annotated[list[str], Field(max_length=_MAX_STOP_SEQUENCES)]]
 LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON Schema; absent: no parameters
+    strict: Optional[bool] = None  # a forced call always follows the schema; "auto" ones are read as written
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CustomTool(_Strict):
+    type: Literal["custom"]
+    custom: dict[str, Any]
+
+
+Tool = Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type")]
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``{"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1)]
+
+
+class AllowedToolsChoice(_Strict):
+    """``{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}``:
+    ``auto`` or ``required`` over a subset of ``tools``."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+class CustomToolChoice(_Strict):
+    type: Literal["custom"]
+    custom: dict[str, Any]
+
+
+ToolChoice = Union[
+    Literal["none", "auto", "required"],
+    Annotated[Union[NamedToolChoice, AllowedToolsChoice, CustomToolChoice], Field(discriminator="type")],
+]
 
 
 class ResponseFormatText(_Strict):
@@ -267,8 +356,8 @@ class ChatCompletionRequest(_SamplingExtensions):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[Temperature] = 1.0
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[ToolChoice] = None
+    tools: Optional[list[Tool]] = None
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     top_p: Optional[TopP] = 1.0
     user: Optional[str] = None
@@ -278,6 +367,31 @@ class ChatCompletionRequest(_SamplingExtensions):
     @model_validator(mode="after")
     def _consistent(self) -> "ChatCompletionRequest":
         _check_stream_options(self.stream, self.stream_options)
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise BadRequestError(
+                "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                param="tool_choice",
+            )
+        if self.tools:
+            seen: set[str] = set()
+            for i, tool in enumerate(self.tools):
+                if isinstance(tool, FunctionTool):
+                    if tool.function.name in seen:
+                        raise BadRequestError(
+                            f"Invalid 'tools[{i}].function.name': the name {tool.function.name!r} is used by "
+                            "an earlier tool.", param=f"tools[{i}].function.name",
+                        )
+                    seen.add(tool.function.name)
+            choice = self.tool_choice
+            named = [choice] if isinstance(choice, NamedToolChoice) else []
+            if isinstance(choice, AllowedToolsChoice):
+                named = choice.allowed_tools.tools
+            for t in named:
+                if t.function.name not in seen:
+                    raise BadRequestError(
+                        f"Invalid value for 'tool_choice': no function named {t.function.name!r} in 'tools'.",
+                        param="tool_choice",
+                    )
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError(
                 "Invalid value for 'top_logprobs': 'logprobs' must be set to true to use 'top_logprobs'.",
@@ -287,12 +401,20 @@ class ChatCompletionRequest(_SamplingExtensions):
 
     def check_supported(self) -> None:
         """Refuses (BadRequestError naming the field) what this engine does not implement."""
-        if self.tools or self.functions:
-            _unsupported("tools" if self.tools else "functions", "tool and function calling")
-        if self.tool_choice not in (None, "none", "auto"):
-            _unsupported("tool_choice", "tool and function calling")
+        if self.functions:
+            _unsupported("functions", "the deprecated 'functions' (use 'tools')")
         if self.function_call not in (None, "none", "auto"):
-            _unsupported("function_call", "tool and function calling")
+            _unsupported("function_call", "the deprecated 'function_call' (use 'tool_choice')")
+        for i, tool in enumerate(self.tools or ()):
+            if isinstance(tool, CustomTool):
+                _unsupported(f"tools[{i}].type", "tools of type 'custom'")
+        if isinstance(self.tool_choice, CustomToolChoice):
+            _unsupported("tool_choice.type", "tool_choice of type 'custom'")
+        if self.forces_tool_call and self.structured_spec() is not None:
+            raise BadRequestError(
+                "Invalid value for 'tool_choice': a forced tool call constrains the output to the call, so it "
+                "cannot be combined with 'response_format' or 'structured_outputs'.", param="tool_choice",
+            )
         if self.audio is not None or (self.modalities and "audio" in self.modalities):
             _unsupported("audio" if self.audio is not None else "modalities", "audio output")
         if self.prediction is not None:
@@ -302,10 +424,14 @@ class ChatCompletionRequest(_SamplingExtensions):
         if self.reasoning_effort is not None:
             _unsupported("reasoning_effort", "reasoning_effort on a model that does not reason")
         for i, m in enumerate(self.messages):
-            if isinstance(m, (ToolMessage, FunctionMessage)):
-                _unsupported(f"messages[{i}].role", f"messages with role {m.role!r} (tool calling)")
-            if isinstance(m, AssistantMessage) and (m.tool_calls or m.function_call or m.audio):
-                _unsupported(f"messages[{i}]", "assistant tool calls and audio in the history")
+            if isinstance(m, FunctionMessage):
+                _unsupported(f"messages[{i}].role", "messages with role 'function' (deprecated; use 'tool')")
+            if isinstance(m, AssistantMessage):
+                if m.function_call or m.audio:
+                    _unsupported(f"messages[{i}]", "assistant function_call and audio in the history")
+                for j, call in enumerate(m.tool_calls or ()):
+                    if isinstance(call, CustomMessageToolCall):
+                        _unsupported(f"messages[{i}].tool_calls[{j}].type", "tool calls of type 'custom'")
             if isinstance(m, UserMessage) and isinstance(m.content, list):
                 for j, part in enumerate(m.content):
                     if not isinstance(part, TextContentPart):
@@ -314,6 +440,36 @@ class ChatCompletionRequest(_SamplingExtensions):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def tool_mode(self) -> Optional[str]:
+        """None (no tools, or ``tool_choice="none"``), "auto", "required" or "named"."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return None
+        if choice is None:
+            return "auto"
+        if isinstance(choice, str):
+            return choice
+        if isinstance(choice, AllowedToolsChoice):
+            return choice.allowed_tools.mode
+        return "named"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_mode in ("required", "named")
+
+    @property
+    def offered_functions(self) -> list[FunctionDefinition]:
+        """The functions the model may call: all of ``tools``, or those ``tool_choice`` allows."""
+        functions = [t.function for t in self.tools or () if isinstance(t, FunctionTool)]
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return [f for f in functions if f.name == choice.function.name]
+        if isinstance(choice, AllowedToolsChoice):
+            names = {t.function.name for t in choice.allowed_tools.tools}
+            return [f for f in functions if f.name in names]
+        return functions
 
 
 PromptType = Union[str, list[str], list[int], list[list[int]]]
@@ -427,10 +583,50 @@ class ChoiceLogprobs(OpenAIObject):
     refusal: Optional[list[ChatCompletionTokenLogprob]] = None
 
 
+class Function(OpenAIObject):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatCompletionMessageToolCall(OpenAIObject):
+    id: str
+    type: Literal["function"] = "function"
+    function: Function
+
+
 class ChatCompletionMessage(OpenAIObject):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None  # left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class _DropNulls(OpenAIObject):
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChoiceDeltaToolCallFunction(_DropNulls):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ChoiceDeltaToolCall(_DropNulls):
+    """A piece of a tool call: the first piece of each has its ``id``, ``type`` and name;
+    the ``arguments`` pieces of one ``index`` joined are its arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[ChoiceDeltaToolCallFunction] = None
 
 
 class ChatCompletionChoice(OpenAIObject):
@@ -451,16 +647,13 @@ class ChatCompletion(OpenAIObject):
     service_tier: Optional[str] = None
 
 
-class ChoiceDelta(OpenAIObject):
+class ChoiceDelta(_DropNulls):
     """The new part of a message; fields that did not change are left out of the JSON."""
 
     role: Optional[Literal["system", "developer", "user", "assistant", "tool"]] = None
     content: Optional[str] = None
     refusal: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_nulls(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: Optional[list[ChoiceDeltaToolCall]] = None
 
 
 class ChatCompletionChunkChoice(OpenAIObject):
