@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server in one file: FastAPI + asyncgen.
 
-    python examples/fastapi_server.py --host 127.0.0.1 --port 8000 [--model DIR]
+    python examples/fastapi_server.py --host 127.0.0.1 --port 8000 [--model DIR] [--tool-call-parser NAME]
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``,
@@ -10,6 +10,8 @@ figures) and, where ``prometheus-client`` is installed, ``GET /metrics`` (every 
 timings and the engine's counters in Prometheus' text format; docs/METRICS.md).
 
 The model is ``--model``, else ``$ASYNCGEN_MODEL``, else the bundled SmolLM2-135M-Instruct.
+``--tool-call-parser`` says how the model writes tool calls, for ``tool_choice="auto"``
+(default: from its chat template; ``required`` and named functions need none).
 The official client works unchanged but for the address::
 
     from openai import AsyncOpenAI

@@ -1,6 +1,6 @@
 """examples/fastapi_server.py, run as a program under uvicorn and driven by the official
 ``openai`` client (only ``base_url`` changed): chat and completions, streamed and not,
-several clients at once, errors, and a client that disconnects mid-stream (its request
+several clients at once, tool calls, errors, and a client that disconnects mid-stream (its request
 must be aborted and its KV blocks freed)."""
 
 from __future__ import annotations
@@ -136,6 +136,48 @@ async def test_sdk_parse_gets_the_pydantic_model(client):
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Pet)
     assert choice.message.parsed == Pet.model_validate_json(choice.message.content)
+
+
+async def test_sdk_tool_calls_whole_streamed_and_parsed(client):
+    """Tool calling with the official SDK: a forced call, the same call through the SDK's
+    stream helper (which rebuilds calls from the chunks' pieces), and parse() with a
+    pydantic tool, whose arguments come back as the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The current weather in a city."""
+
+        city: str = Field(max_length=20)
+        unit: Literal["celsius", "fahrenheit"]
+
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, messages=ask, tools=tools, tool_choice="required", max_tokens=80, temperature=0)
+    whole = await client.chat.completions.create(**kw)
+    [choice] = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(c.type == "function" and c.function.name == "GetWeather" and c.id for c in calls)
+    for c in calls:
+        GetWeather.model_validate_json(c.function.arguments)
+    async with client.chat.completions.stream(**kw) as stream:
+        final = await stream.get_final_completion()
+    streamed = final.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls]
+    assert all(isinstance(c.function.parsed_arguments, GetWeather) for c in streamed)
+    assert final.choices[0].finish_reason == "tool_calls"
+    parsed = await client.chat.completions.parse(**kw)
+    assert [c.function.parsed_arguments for c in parsed.choices[0].message.tool_calls] == [
+        GetWeather.model_validate_json(c.function.arguments) for c in calls]
+    # the reply goes back as history, with the tool's answer
+    history = ask + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "18 degrees"} for c in calls]
+    after = await client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
+                                                 max_tokens=20, temperature=0)
+    assert after.choices[0].message.content and after.choices[0].message.tool_calls is None
 
 
 async def test_chat_stream_matches_non_streamed(client):
