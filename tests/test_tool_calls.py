@@ -153,6 +153,15 @@ def test_hermes_reads_random_outputs_the_same_in_any_chunking(seed):
         sent = [(n, a) for n, a in part[1]]
         for (n, a), (wn, wa) in zip(sent, calls):
             assert n == wn and wa.startswith(a)
+        # damaged anywhere, in every format: chunking does not matter, and text read as
+        # no call at all comes back whole as content
+        k = rng.randint(0, len(text))
+        bent = text[:k] + rng.choice(["}", "{", '"', "<tool_call>", "</tool_call>", "]", ";", "\\"]) + text[k:]
+        for other in ("hermes", "llama3_json", "mistral"):
+            whole = _stream(get_tool_call_parser(other)(NAMES), bent, None)
+            assert _stream(get_tool_call_parser(other)(NAMES), bent, rng)[:2] == whole[:2], (other, bent)
+            if not whole[1]:
+                assert whole[0] == bent
 
 
 @pytest.mark.parametrize("parser,key,render", [
