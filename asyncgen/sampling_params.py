@@ -25,6 +25,8 @@ class StructuredOutputsParams:
       mode); the keywords :mod:`asyncgen.structured` does not enforce are refused.
     * ``json_object=True``: the output is a JSON object (OpenAI's JSON mode).
     * ``choice``: the output is exactly one of these strings.
+    * ``regex``: the output is text that the regular expression matches in whole (the
+      JSON Schema ``pattern`` dialect; :mod:`asyncgen.regex` lists the syntax).
 
     The output ends, with the request's stop token, once it is complete; it may still be
     cut short by ``max_tokens`` (finish reason "length") or a stop string. The schema is
@@ -35,11 +37,12 @@ class StructuredOutputsParams:
     json: Optional[Union[dict[str, Any], bool, str]] = None
     json_object: Optional[bool] = None
     choice: Optional[list[str]] = None
+    regex: Optional[str] = None
 
     def __post_init__(self):
-        given = [name for name in ("json", "json_object", "choice") if getattr(self, name) is not None]
+        given = [name for name in ("json", "json_object", "choice", "regex") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"set exactly one of json, json_object and choice (got {given or 'none'})")
+            raise ValueError(f"set exactly one of json, json_object, choice and regex (got {given or 'none'})")
         if self.json_object is False:
             raise ValueError("json_object must be True when given")
         if isinstance(self.json, str):
@@ -52,7 +55,8 @@ class StructuredOutputsParams:
     @property
     def key(self) -> str:
         """The constraint as canonical text (property order kept: it is part of the grammar)."""
-        return _json.dumps({"json": self.json, "json_object": self.json_object, "choice": self.choice})
+        return _json.dumps({"json": self.json, "json_object": self.json_object, "choice": self.choice,
+                            "regex": self.regex})
 
     @property
     def grammar(self):
@@ -69,6 +73,8 @@ def _compile(key: str):
         return structured.json_schema_grammar(spec["json"])
     if spec["json_object"]:
         return structured.json_object_grammar()
+    if spec["regex"] is not None:
+        return structured.regex_grammar(spec["regex"])
     return structured.choice_grammar(spec["choice"])
 
 

@@ -7,12 +7,13 @@ ambiguous (an ``anyOf`` of overlapping schemas), a frozenset of two or more stac
 alternatives that a byte rules out drop out. Equal situations give equal states, so
 whatever is computed per state (the allowed tokens) is computed once.
 
-Three grammars:
+Four grammars:
 
 * :func:`json_schema_grammar`: one JSON value (RFC 8259) that satisfies a JSON Schema
   (draft 2020-12, the subset below);
 * :func:`json_object_grammar`: any JSON object (OpenAI's ``json_object`` mode);
-* :func:`choice_grammar`: exactly one of a list of strings.
+* :func:`choice_grammar`: exactly one of a list of strings;
+* :func:`regex_grammar`: raw text that a regular expression matches in whole.
 
 The JSON language, as bytes:
 
@@ -41,7 +42,14 @@ JSON Schema keywords enforced:
   schema is refused. Keys are written as ``json.dumps(name, ensure_ascii=False)``.
 * arrays: ``items``, ``prefixItems``, ``minItems``, ``maxItems``.
 * strings: ``minLength``, ``maxLength`` (characters; an escape is one character, and an
-  escaped surrogate pair is one).
+  escaped surrogate pair is one); ``pattern`` (a regular expression that must match
+  somewhere in the string, as JSON Schema says; :mod:`asyncgen.regex` lists the syntax);
+  ``format`` as one of :data:`FORMATS` (``date-time``, ``date``, ``time``, ``duration``,
+  ``uuid``, ``email``, ``hostname``, ``ipv4``, ``uri``, checked as patterns; ``password``
+  is a display hint and constrains nothing). In a string with a pattern or format, the
+  characters are checked by a DFA as they are decoded: ``\\"``, ``\\n`` and the other
+  short escapes stand for their characters, ``\\u`` escapes are not generated, and control
+  characters without a short escape cannot occur.
 * ``enum`` and ``const`` of any JSON values, written as ``json.dumps(value,
   ensure_ascii=False, separators=(",", ":"))``; the schema's other keywords filter them.
 * ``anyOf``; ``oneOf`` is treated as ``anyOf`` (an output matching two branches is not
@@ -50,7 +58,7 @@ JSON Schema keywords enforced:
 * Annotations, ignored: ``title description default examples $schema $id $comment
   deprecated readOnly writeOnly discriminator $defs definitions``.
 
-Every other keyword (``pattern``, ``format``, ``minimum``, ...) is refused with an
+Every other keyword (``minimum``, ``multipleOf``, ...) and other formats are refused with an
 :class:`~asyncgen.errors.InvalidRequestError` (``param="structured_outputs"``) naming it and
 where it is, as are ``anyOf``/``oneOf``/``allOf``/``$ref`` next to validation keywords.
 Branches of a schema that admit no finite value (a required property whose schema has
@@ -73,6 +81,7 @@ from urllib.parse import unquote
 from .errors import InvalidRequestError
 
 __all__ = [
+    "FORMATS",
     "Grammar",
     "MAX_NUMBER_BYTES",
     "MAX_WHITESPACE",
@@ -81,6 +90,7 @@ __all__ = [
     "choice_grammar",
     "json_object_grammar",
     "json_schema_grammar",
+    "regex_grammar",
 ]
 
 MAX_WHITESPACE = 40  # bytes in one run of whitespace between JSON tokens
@@ -105,12 +115,15 @@ State = Any  # a stack (tuple of frames) or a frozenset of two or more stacks
 #                                         last character was an escaped high surrogate
 #   (_NUMBER, integer, phase, length)     in a number of `length` bytes
 #   (_LITERAL, lit)                       in one of a set of fixed byte strings (enum, true, ...)
+#   (_PATTERN, spec, dstate, escape)      in a string with a pattern or format: `dstate` = the state
+#                                         of its characters' DFA, `escape` = after a backslash
+#   (_REGEX, dfa, dstate)                 raw output that a regular expression must match
 #
 # A frame whose value ends with its last byte (strings, objects, arrays, literals) is
 # popped by that byte; its parent was already set to what follows the value. A number (or
 # a literal that may go on, like 1 in enum [1, 12]) ends at the next byte it cannot take,
 # which is then fed to the parent.
-_END, _VALUE, _OBJECT, _ARRAY, _STRING, _NUMBER, _LITERAL = range(7)
+_END, _VALUE, _OBJECT, _ARRAY, _STRING, _NUMBER, _LITERAL, _PATTERN, _REGEX = range(9)
 
 _O_OPEN, _O_KEY, _O_COLON, _O_AFTER, _O_COMMA = range(5)  # after {, in a key, before :, after a value, after ,
 _A_OPEN, _A_AFTER, _A_COMMA = range(3)  # after [, after an item, after ,
@@ -239,6 +252,25 @@ class _StringSpec:
 
 
 _FREE_STRING = _StringSpec(0, None)
+
+# A JSON escape's character (the byte after the backslash -> the character's byte).
+_ESCAPED = {ord('"'): 0x22, 0x5C: 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
+            ord("r"): 0x0D, ord("t"): 0x09}
+# Characters a pattern string cannot hold: the controls with no short escape (``\uXXXX``
+# escapes are not generated in such strings).
+_NO_SHORT_ESCAPE = bytes(b for b in range(0x20) if b not in _ESCAPED.values())
+
+
+class _PatternSpec:
+    """A string whose characters a DFA (asyncgen.regex) checks: ``pattern``, ``format``
+    and the length bounds next to them. ``escapable[d]``: some escape can follow in DFA
+    state d."""
+
+    __slots__ = ("dfa", "escapable")
+
+    def __init__(self, dfa):
+        self.dfa = dfa
+        self.escapable = tuple(any(row[c] >= 0 for c in _ESCAPED.values()) for row in dfa.next)
 
 
 class _Property:
@@ -409,6 +441,12 @@ def _feed(stack: tuple, b: int, out: list) -> None:
                 out.append(stack[:-1] + ((_NUMBER, integer, nxt, length + 1),))
         elif _NUM_COMPLETE[phase]:
             _feed(stack[:-1], b, out)
+    elif tag == _PATTERN:
+        _feed_pattern(stack, top, b, out)
+    elif tag == _REGEX:
+        nxt = top[1].next[top[2]][b]
+        if nxt >= 0:
+            out.append(stack[:-1] + ((_REGEX, top[1], nxt),))
     elif tag == _LITERAL:
         lit = top[1]
         child = lit.children.get(b)
@@ -471,6 +509,25 @@ def _feed_array(stack: tuple, top: tuple, b: int, out: list) -> None:
             base = stack[:-1] + ((_ARRAY, spec, min(count + 1, spec.cap), _A_AFTER, 0),)
             for frames in alts:
                 out.append(base + frames)
+
+
+def _feed_pattern(stack: tuple, top: tuple, b: int, out: list) -> None:
+    """A string whose characters a DFA checks: raw bytes go to it as they are, an escape
+    as the character it stands for; the closing quote only where the DFA accepts."""
+    _, spec, d, escape = top
+    row = spec.dfa.next[d]
+    if escape:
+        c = _ESCAPED.get(b)
+        if c is not None and row[c] >= 0:
+            out.append(stack[:-1] + ((_PATTERN, spec, row[c], 0),))
+    elif b == _QUOTE:
+        if spec.dfa.accepting[d]:
+            out.append(stack[:-1])
+    elif b == _BACKSLASH:
+        if spec.escapable[d]:
+            out.append(stack[:-1] + ((_PATTERN, spec, d, 1),))
+    elif b >= 0x20 and row[b] >= 0:
+        out.append(stack[:-1] + ((_PATTERN, spec, row[b], 0),))
 
 
 def _feed_limited_string(stack: tuple, top: tuple, b: int, out: list) -> None:
@@ -549,6 +606,8 @@ def _stack_accepts(stack: tuple) -> bool:
     top = stack[-1]
     if top[0] == _END:
         return True
+    if top[0] == _REGEX:
+        return top[1].accepting[top[2]]
     if len(stack) == 2:  # a top-level number or literal that could go on but may end here
         if top[0] == _NUMBER:
             return _NUM_COMPLETE[top[2]]
@@ -595,12 +654,51 @@ _ANNOTATIONS = frozenset({
 })
 _OBJECT_KEYWORDS = ("properties", "required", "additionalProperties")
 _ARRAY_KEYWORDS = ("items", "prefixItems", "minItems", "maxItems")
-_STRING_KEYWORDS = ("minLength", "maxLength")
+_STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 _COMPOSITION = ("$ref", "anyOf", "oneOf", "allOf")
 _SUPPORTED = frozenset(
     {"type", "enum", "const", *_OBJECT_KEYWORDS, *_ARRAY_KEYWORDS, *_STRING_KEYWORDS, *_COMPOSITION}
 )
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+# ``format`` values enforced on strings, as patterns matched in whole (None: a hint only).
+# Dates and times take the forms of RFC 3339 that Python's datetime (and so pydantic) reads:
+# real calendar days (29 February in leap years only), years from 0001, uppercase T and Z,
+# no leap second, at most six fractional digits.
+_YEAR = r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    r"(" + _YEAR + r"-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    r"|02-(0[1-9]|1[0-9]|2[0-8]))|" + _LEAP_YEAR + r"-02-29)"
+)
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_DUR_TIME = r"T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+FORMATS: dict[str, Optional[str]] = {
+    "date": _DATE,  # RFC 3339 full-date
+    "time": _TIME,  # RFC 3339 full-time (the offset is required)
+    "date-time": _DATE + "T" + _TIME,
+    "duration": r"P([0-9]+W|([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)(" + _DUR_TIME + ")?|"
+                + _DUR_TIME + ")",  # RFC 3339 appendix A
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "email": _ATOM + r"(\." + _ATOM + ")*@(" + _LABEL + r"\.)+[A-Za-z]{2,63}",  # a dot-atom address
+    "hostname": _LABEL + r"(\." + _LABEL + ")*",
+    "ipv4": r"(" + _OCTET + r"\.){3}" + _OCTET,
+    "uri": r"[A-Za-z][A-Za-z0-9+.-]*:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*",  # RFC 3986 characters
+    "password": None,  # how to show it (pydantic's SecretStr): any string
+}
+
+
+def _encodable(text: str) -> bool:
+    """Whether a string's UTF-8 exists (no lone surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _error(message: str) -> InvalidRequestError:
@@ -789,7 +887,7 @@ class _Compiler:
             elif t == "array":
                 node.parts.append(("alt", ("array", self.compile_array(schema, pointer))))
             elif t == "string":
-                node.parts.append(("alt", ("string", self.compile_string(schema, pointer))))
+                node.parts.append(("alt", self.compile_string(schema, pointer)))
             elif t in ("number", "integer"):
                 node.parts.append(("alt", ("number", t == "integer")))
             else:
@@ -841,12 +939,37 @@ class _Compiler:
                          f"holds ({len(prefix)}), and 'items' is false")
         return _ArraySpec(prefix, items, min_items, max_items)
 
-    def compile_string(self, schema: dict, pointer: str) -> _StringSpec:
+    def compile_string(self, schema: dict, pointer: str) -> tuple[str, Any]:
+        """("string", _StringSpec), or ("pattern", _PatternSpec) with a pattern or format."""
         min_length, max_length = _bounds(schema, "minLength", "maxLength", pointer)
-        key = (min_length, max_length)
+        pattern, search = schema.get("pattern"), True
+        fmt = schema.get("format")
+        if fmt is not None:
+            if fmt not in FORMATS:
+                raise _error(f"'format' {fmt!r} at {pointer} is not supported (supported: {', '.join(sorted(FORMATS))})")
+            if FORMATS[fmt] is not None:
+                if pattern is not None:
+                    raise _error(f"'pattern' next to 'format' at {pointer} is not supported (give one of them)")
+                pattern, search = FORMATS[fmt], False
+        if pattern is None:
+            key = (min_length, max_length)
+            if key not in self.strings:
+                self.strings[key] = _StringSpec(min_length, max_length)
+            return "string", self.strings[key]
+        if not isinstance(pattern, str):
+            raise _error(f"'pattern' at {pointer} must be a string, got {pattern!r}")
+        key = (pattern, search, min_length, max_length)
         if key not in self.strings:
-            self.strings[key] = _StringSpec(min_length, max_length)
-        return self.strings[key]
+            from .regex import RegexError, compile_regex
+
+            what = f"'pattern' {pattern!r}" if search else f"'format' {fmt!r}"
+            try:
+                dfa = compile_regex(pattern, search=search, min_chars=min_length, max_chars=max_length,
+                                    excluded_bytes=_NO_SHORT_ESCAPE)
+            except RegexError as e:
+                raise _error(f"{what} at {pointer}: {e}") from None
+            self.strings[key] = _PatternSpec(dfa)
+        return "pattern", self.strings[key]
 
     # --- linking -----------------------------------------------------------------------
     def finish(self, root: _Node) -> None:
@@ -909,6 +1032,8 @@ class _Compiler:
         if kind == "string":
             n = len(value) if isinstance(value, str) else -1
             return n >= spec.min_length and (spec.max_length is None or n <= spec.max_length)
+        if kind == "pattern":
+            return isinstance(value, str) and _encodable(value) and spec.dfa.matches(value.encode())
         if kind == "number":
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return False
@@ -958,6 +1083,8 @@ def _start_table(node: _Node) -> dict[int, tuple[tuple, ...]]:
             add(_LBRACKET, ((_ARRAY, spec, 0, _A_OPEN, 0),))
         elif kind == "string":
             add(_QUOTE, ((_STRING, spec, 0, 0, 0),))
+        elif kind == "pattern":
+            add(_QUOTE, ((_PATTERN, spec, spec.dfa.start, 0),))
         elif kind == "number":
             add(ord("-"), ((_NUMBER, spec, _N_MINUS, 1),))
             add(ord("0"), ((_NUMBER, spec, _N_ZERO, 1),))
@@ -997,6 +1124,20 @@ def json_object_grammar() -> Grammar:
     root = compiler.new_node("#")
     root.parts = [("alt", ("object", _ObjectSpec([], compiler.any_node())))]
     return _json_grammar(compiler, root)
+
+
+def regex_grammar(pattern: str) -> Grammar:
+    """Raw text (not JSON) that the regular expression matches in whole (the syntax of
+    :mod:`asyncgen.regex`, that of JSON Schema's ``pattern``)."""
+    from .regex import RegexError, compile_regex
+
+    if not isinstance(pattern, str):
+        raise _error(f"regex must be a string, got {pattern!r}")
+    try:
+        dfa = compile_regex(pattern)
+    except RegexError as e:
+        raise _error(f"regex {pattern!r}: {e}") from None
+    return Grammar(((_END,), (_REGEX, dfa, dfa.start)))
 
 
 def choice_grammar(options: list[str]) -> Grammar:

@@ -103,3 +103,31 @@ def forward_in_chunks(model, ids, chunks, block_size=4):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, smollm2_path) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_path)
+
+
+# --- SmolLM2's vocabulary for structured-output tests ---------------------------------------------
+@pytest.fixture(scope="session")
+def token_bytes(smollm2_path):
+    from asyncgen.engine.tokenizer import TokenBytes, load_tokenizer
+
+    tokenizer, _ = load_tokenizer(smollm2_path)
+    return TokenBytes(tokenizer).vocabulary()
+
+
+@pytest.fixture(scope="session")
+def vocabulary(token_bytes):
+    from asyncgen.structured import Vocabulary
+
+    return Vocabulary(token_bytes)
+
+
+@pytest.fixture(scope="session")
+def closers(token_bytes):
+    """Token groups a walk prefers, in order: tokens that close a container, then a string."""
+    groups = ([], [])
+    for i, data in enumerate(token_bytes):
+        if data and (b"}" in data or b"]" in data):
+            groups[0].append(i)
+        elif data and b'"' in data:
+            groups[1].append(i)
+    return groups

@@ -51,10 +51,10 @@ def test_exactly_one_constraint_and_the_conflicting_fields():
 
 
 def test_an_unsupported_schema_keyword_fails_at_construction_naming_it():
-    schema = {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}
+    schema = {"type": "object", "properties": {"zip": {"type": "integer", "minimum": 10000}}}
     with pytest.raises(ValidationError) as e:
         SamplingParams(structured_outputs={"json": schema})
-    assert "pattern" in str(e.value) and "#/properties/zip" in str(e.value)
+    assert "minimum" in str(e.value) and "#/properties/zip" in str(e.value)
 
 
 # --- the sampler -------------------------------------------------------------------------------------
