@@ -91,9 +91,9 @@ class SamplingParams(BaseModel):
     keeps stop tokens and stop strings from ending a completion before that many tokens.
     ``best_of`` (>= ``n``) samples that many sequences and returns the ``n`` with the
     highest cumulative logprob (``generate()`` only: the choice is made at the end).
-    ``structured_outputs`` constrains the output to a JSON Schema, any JSON object or a
-    list of choices (:class:`StructuredOutputsParams`); logprobs are then those of the
-    model before the constraint masks the tokens it rules out.
+    ``structured_outputs`` constrains the output to a JSON Schema, any JSON object, a
+    list of choices or a regular expression (:class:`StructuredOutputsParams`); logprobs
+    are then those of the model before the constraint masks the tokens it rules out.
     Invalid values raise pydantic's ``ValidationError`` naming the field.
     """
 

@@ -16,7 +16,7 @@ and ``tool`` messages in the history go to the chat template. Fields that only l
 A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs``, e.g.
-``{"choice": ["yes", "no"]}``), are accepted as extensions,
+``{"choice": ["yes", "no"]}`` or ``{"regex": "[0-9]{3}"}``), are accepted as extensions,
 and so is chat's ``chat_template_kwargs`` (variables for the chat template, such as
 Qwen3's ``enable_thinking``); the official client sends them through ``extra_body``.
 
@@ -298,7 +298,7 @@ class _SamplingExtensions(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
-    # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} (StructuredOutputsParams)
+    # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} | {"regex": "..."} (StructuredOutputsParams)
     structured_outputs: Optional[dict[str, Any]] = None
     # OpenAI's (chat), also taken on completions as vLLM does
     response_format: Optional[ResponseFormat] = None
