@@ -486,8 +486,11 @@ class ToolCallParser:
             if rest.startswith(self.end_marker):
                 self._i, self._mode, self._lstrip = j + len(self.end_marker), "text", True
                 return True
-            if self.end_marker.startswith(rest) and not final:
-                return False  # (a marker cut off by the end of the output is layout too)
+            if self.end_marker.startswith(rest) and rest:
+                if not final:
+                    return False
+                self._i, self._mode = len(s), "text"  # a marker cut off by the end of the output is layout
+                return True
         elif self.separator is not None and rest.startswith(self.separator):
             self._i = j + len(self.separator)
             self._mark, self._mode = j, "body"

@@ -203,6 +203,8 @@ def test_a_call_cut_off_keeps_what_was_sent_and_text_after_a_broken_call_is_cont
     assert content == "Checking." and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Pa')]
     content, calls = parse_tool_calls(hermes(NAMES), '<tool_call>{"name": "search", "arguments": {"q": 1} oops')
     assert content == "oops" and calls[0].arguments == '{"q": 1}'
+    content, calls = parse_tool_calls(hermes(NAMES), '<tool_call>{"name": "search", "arguments": {}}\n</tool_')
+    assert content == "" and calls[0].arguments == "{}"  # a closing marker cut off is layout
     # no arguments at all, arguments written as a JSON string, and whitespace around calls
     content, calls = parse_tool_calls(
         hermes(NAMES), '<tool_call>{"name": "get_time"}</tool_call>\n\n<tool_call>{"name": "search", '

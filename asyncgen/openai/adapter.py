@@ -54,6 +54,10 @@ Mapping notes:
   answers). When streamed, a call's id, type and name come in its first piece, then its
   arguments in pieces, as OpenAI sends them. A forced call's parameters must be a schema
   structured outputs can enforce; one that is not is refused, naming the tool.
+* Reasoning: with ``reasoning_parser`` on, a ``<think>`` block (opened by the output, or
+  by the prompt as DeepSeek-R1's template does) goes to the message's
+  ``reasoning_content`` and to the chunks' ``delta.reasoning_content``; tool calls are
+  read from the answer after it.
 * Completions ``best_of > n`` samples ``best_of`` completions per prompt and returns the
   ``n`` with the highest cumulative logprob (``engine.generate``); it cannot be streamed.
 """
@@ -62,6 +66,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -74,6 +79,7 @@ from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.tokenizer import TokenBytes
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
+from ..reasoning import ReasoningParser, opens_reasoning, template_reasons
 from ..sampling_params import SamplingParams
 from ..structured import json_schema_grammar
 from ..tools import (
@@ -426,10 +432,14 @@ class OpenAIAdapter:
     needs; "auto" (the default) takes it from the markers in the chat template, None
     turns auto tool choice off. ``required`` and named functions need none: the output is
     constrained to the call (see the module notes).
+
+    ``reasoning_parser="think"`` moves a thinking model's ``<think>`` block out of the
+    content into the message's ``reasoning_content`` (:mod:`asyncgen.reasoning`); "auto"
+    (the default) does so for chat templates that write such blocks, None never.
     """
 
     def __init__(self, engine, *, model_names: Optional[list[str]] = None, owned_by: str = "asyncgen",
-                 tool_call_parser: Optional[str] = "auto"):
+                 tool_call_parser: Optional[str] = "auto", reasoning_parser: Optional[str] = "auto"):
         self.engine = engine
         self._model_names = list(model_names) if model_names else None
         self.owned_by = owned_by
@@ -440,6 +450,11 @@ class OpenAIAdapter:
         elif tool_call_parser is not None:
             get_tool_call_parser(tool_call_parser)  # (an unknown name is refused here)
         self.tool_call_parser: Optional[str] = tool_call_parser
+        if reasoning_parser not in ("auto", "think", None):
+            raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; known: 'think', 'auto', None")
+        if reasoning_parser == "auto":
+            reasoning_parser = "think" if template_reasons(getattr(engine.tokenizer, "chat_template", None)) else None
+        self.reasoning_parser: Optional[str] = reasoning_parser
 
     @property
     def model_names(self) -> list[str]:
@@ -478,9 +493,12 @@ class OpenAIAdapter:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs,
                             tools)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = functools.partial(ReasoningParser, opens_reasoning(stream.group.prompt))
         created = int(time.time())
         if req.stream:
-            return AsyncStream(self._chat_chunks(stream, req, rid, created, tool_parser))
+            return AsyncStream(self._chat_chunks(stream, req, rid, created, tool_parser, reasoning))
         outs, usage, _ = await self._collect([stream], params.n, "messages")
         choices = []
         for i, out in enumerate(outs):
@@ -489,6 +507,11 @@ class OpenAIAdapter:
                 logprobs = ChoiceLogprobs(content=self._chat_logprobs(lp for _, lp in out.logprobs))
             text = "".join(out.texts)
             finish_reason = out.finish_reason
+            thought = None
+            if reasoning is not None:
+                parser = reasoning()
+                (r1, text1), (r2, text2) = parser.feed(text), parser.finish()
+                thought, text = (r1 + r2) or None, text1 + text2
             if tool_parser is None:
                 message = ChatCompletionMessage(content=text)
             else:
@@ -501,6 +524,7 @@ class OpenAIAdapter:
                     ] or None,
                 )
                 finish_reason = _tool_finish_reason(req, finish_reason, bool(calls))
+            message.reasoning_content = thought
             choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
         return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
 
@@ -525,7 +549,8 @@ class OpenAIAdapter:
         cls = get_tool_call_parser(self.tool_call_parser)
         return lambda: cls(names)
 
-    async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int, tool_parser=None):
+    async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int, tool_parser=None,
+                           reasoning=None):
         model = req.model
 
         def chunk(choices, usage=None):
@@ -535,19 +560,28 @@ class OpenAIAdapter:
         n = req.n or 1
         aligned = [self._aligner(stream) for _ in range(n)]
         parsers = [tool_parser() for _ in range(n)] if tool_parser is not None else None
+        thinkers = [reasoning() for _ in range(n)] if reasoning is not None else None
         made_calls = [False] * n
         try:
             for i in range(n):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
             async for c in stream:
                 lps = [lp for _, lp in aligned[c.index].add(c)] if req.logprobs else None
+                text, thought = c.text, ""
+                if thinkers is not None:
+                    thought, text = thinkers[c.index].feed(text)
+                    if c.finish_reason is not None:
+                        more_thought, more_text = thinkers[c.index].finish()
+                        thought, text = thought + more_thought, text + more_text
                 if parsers is None:
-                    delta = ChoiceDelta(content=c.text) if c.text else None
+                    delta = ChoiceDelta(content=text) if text else None
                 else:
-                    delta = _tool_delta(parsers[c.index].feed(c.text))
+                    delta = _tool_delta(parsers[c.index].feed(text))
                     if c.finish_reason is not None:
                         delta = _merge_deltas(delta, _tool_delta(parsers[c.index].finish()))
                     made_calls[c.index] |= bool(delta is not None and delta.tool_calls)
+                if thought:
+                    delta = _merge_deltas(ChoiceDelta(reasoning_content=thought), delta)
                 if delta is not None or lps:
                     logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps)) if req.logprobs else None
                     yield chunk([ChatCompletionChunkChoice(index=c.index, delta=delta or ChoiceDelta(), logprobs=logprobs)])
@@ -842,7 +876,9 @@ def _merge_deltas(a: Optional[ChoiceDelta], b: Optional[ChoiceDelta]) -> Optiona
     if a is None or b is None:
         return a or b
     content = (a.content or "") + (b.content or "")
-    return ChoiceDelta(content=content or None, tool_calls=((a.tool_calls or []) + (b.tool_calls or [])) or None)
+    reasoning = (a.reasoning_content or "") + (b.reasoning_content or "")
+    return ChoiceDelta(content=content or None, reasoning_content=reasoning or None,
+                       tool_calls=((a.tool_calls or []) + (b.tool_calls or [])) or None)
 
 
 def _tool_finish_reason(req: ChatCompletionRequest, finish: Optional[str], made_calls: bool) -> Optional[str]:

@@ -111,11 +111,13 @@ class InProcessOpenAI:
     The client does not own the engine: closing the client leaves the engine running.
     ``model_names`` are the names accepted in ``model`` (default: the engine's
     ``model_name``); ``client.model`` is the first, handy for ``model=client.model``.
-    ``tool_call_parser`` is :class:`OpenAIAdapter`'s.
+    ``tool_call_parser`` and ``reasoning_parser`` are :class:`OpenAIAdapter`'s.
     """
 
-    def __init__(self, engine, *, model_names: Optional[list[str]] = None, tool_call_parser: Optional[str] = "auto"):
-        self.adapter = OpenAIAdapter(engine, model_names=model_names, tool_call_parser=tool_call_parser)
+    def __init__(self, engine, *, model_names: Optional[list[str]] = None, tool_call_parser: Optional[str] = "auto",
+                 reasoning_parser: Optional[str] = "auto"):
+        self.adapter = OpenAIAdapter(engine, model_names=model_names, tool_call_parser=tool_call_parser,
+                                     reasoning_parser=reasoning_parser)
         self.chat = _Chat(self.adapter)
         self.completions = _Completions(self.adapter)
         self.models = _Models(self.adapter)

@@ -599,12 +599,15 @@ class ChatCompletionMessage(OpenAIObject):
     content: Optional[str] = None
     refusal: Optional[str] = None
     tool_calls: Optional[list[ChatCompletionMessageToolCall]] = None  # left out of the JSON when None
+    # a thinking model's reasoning (vLLM's and DeepSeek's name), left out of the JSON when None
+    reasoning_content: Optional[str] = None
 
     @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler):
+    def _drop_absent(self, handler):
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -654,6 +657,7 @@ class ChoiceDelta(_DropNulls):
     content: Optional[str] = None
     refusal: Optional[str] = None
     tool_calls: Optional[list[ChoiceDeltaToolCall]] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionChunkChoice(OpenAIObject):
