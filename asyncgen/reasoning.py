@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .tools import partial_marker
+
 __all__ = ["ReasoningParser", "THINK_END", "THINK_START", "opens_reasoning", "template_reasons"]
 
 THINK_START = "<think>"
@@ -37,14 +39,6 @@ def opens_reasoning(prompt: Optional[str]) -> bool:
     if not prompt:
         return False
     return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
-
-
-def _partial(s: str, marker: str) -> int:
-    """The length of the longest end of ``s`` that begins ``marker``."""
-    for k in range(min(len(s), len(marker) - 1), 0, -1):
-        if marker.startswith(s[-k:]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -104,7 +98,7 @@ class ReasoningParser:
                     reasoning.append(s.rstrip(_WS))
                     self._buf = ""
                     break
-                keep = len(s) - _partial(s, THINK_END)
+                keep = len(s) - partial_marker(s, THINK_END)
                 sent = s[:keep].rstrip(_WS)  # blank space before </think> is layout
                 reasoning.append(sent)
                 self._buf = s[len(sent):]

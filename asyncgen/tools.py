@@ -61,6 +61,7 @@ __all__ = [
     "get_tool_call_parser",
     "named_tool_schema",
     "parse_tool_calls",
+    "partial_marker",
     "required_tools_schema",
 ]
 
@@ -116,9 +117,7 @@ class _ValueScan:
         if self.kind is None:
             c = s[i]
             self.kind = "container" if c in "{[" else "string" if c == '"' else "scalar"
-            if self.kind == "scalar":
-                pass
-            else:
+            if self.kind != "scalar":  # step over the opening character
                 self.depth = 1 if self.kind == "container" else 0
                 self.in_string = self.kind == "string"
                 i += 1
@@ -175,7 +174,7 @@ def _skip_ws(s: str, i: int) -> int:
     return i
 
 
-def _partial_marker(s: str, marker: str) -> int:
+def partial_marker(s: str, marker: str) -> int:
     """The length of the longest end of ``s`` that begins ``marker``."""
     for k in range(min(len(s), len(marker) - 1), 0, -1):
         if marker.startswith(s[-k:]):
@@ -189,7 +188,6 @@ class _Broken(Exception):
     def __init__(self, at: int):
         super().__init__(at)
         self.at = at
-
 
 
 class _Call:
@@ -336,7 +334,7 @@ class ToolCallParser:
             return True
         if final:
             return False
-        end = len(s) - (_partial_marker(s[i:], marker) if marker else 0)
+        end = len(s) - (partial_marker(s[i:], marker) if marker else 0)
         text = s[i:end].rstrip(_WS)  # held: it may turn out to be layout before a call
         self._content(text)
         self._i = i + len(text)
