@@ -163,14 +163,21 @@ async def test_reasoning_content_when_the_output_opens_the_block(qwen3_like):
 
 @pytest.mark.anyio
 async def test_reasoning_content_when_the_prompt_opens_the_block(r1_like, smollm2_path):
-    reply = "Two plus two.\n</think>\n\nFour."
+    """The model's own text (greedy, read raw with the parser off) split as the prompt
+    left it: inside the block. A constrained output cannot be inside it: a forced tool
+    call is read as the call."""
     async with AsyncEngine.from_pretrained(r1_like, max_num_seqs=4, num_kv_blocks=128) as engine:
         client = engine.openai_client()
-        kw = dict(model=client.model, messages=ASK, max_tokens=40, temperature=0,
-                  extra_body={"structured_outputs": {"choice": [reply]}})
+        assert client.adapter.reasoning_parser == "think"
+        kw = dict(model=client.model, messages=ASK, max_tokens=40, temperature=0)
+        raw = (await engine.openai_client(reasoning_parser=None).chat.completions.create(**kw)).choices[0].message.content
+        want = split(raw, inside=True)
         whole, streamed_parts = await _both(client, **kw)
-        assert (whole.message.reasoning_content, whole.message.content) == ("Two plus two.", "Four.")
-        assert streamed_parts == ("Two plus two.", "Four.", [])
+        assert (whole.message.reasoning_content or "", whole.message.content) == want
+        assert streamed_parts == (*want, [])
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+        forced = (await client.chat.completions.create(tools=tools, tool_choice="required", **kw)).choices[0]
+        assert forced.message.reasoning_content is None and forced.message.tool_calls[0].function.name == "add"
     async with AsyncEngine.from_pretrained(smollm2_path, max_num_seqs=2, num_kv_blocks=64) as engine:
         client = engine.openai_client()
         assert client.adapter.reasoning_parser is None  # SmolLM2's template does not think

@@ -495,7 +495,10 @@ class OpenAIAdapter:
                             tools)
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning = functools.partial(ReasoningParser, opens_reasoning(stream.group.prompt))
+            # a constrained output (structured outputs, a forced tool call) has no room for a
+            # block the prompt opened: it is read as reasoning only if it opens one itself
+            inside = params.structured_outputs is None and opens_reasoning(stream.group.prompt)
+            reasoning = functools.partial(ReasoningParser, inside)
         created = int(time.time())
         if req.stream:
             return AsyncStream(self._chat_chunks(stream, req, rid, created, tool_parser, reasoning))
