@@ -59,6 +59,17 @@ class _TooComplex(Exception):
     pass
 
 
+def _intern(index: dict, items: list, key, limit: int) -> int:
+    """The number of ``key`` among ``items`` (appended if new; _TooComplex past ``limit``)."""
+    number = index.get(key)
+    if number is None:
+        if len(items) >= limit:
+            raise _TooComplex
+        number = index[key] = len(items)
+        items.append(key)
+    return number
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class ByteDFA:
     """A deterministic automaton over bytes: ``next[state][byte]`` is the next state, or -1."""
@@ -559,14 +570,7 @@ def _determinize(nfa: _NFA, start: int, accept: int, absorbing: Optional[int],
             key = frozenset(b)
             d = by_targets.get(key)
             if d is None:
-                target = close(key)
-                d = index.get(target)
-                if d is None:
-                    if len(subsets) >= limit:
-                        raise _TooComplex
-                    d = index[target] = len(subsets)
-                    subsets.append(target)
-                by_targets[key] = d
+                d = by_targets[key] = _intern(index, subsets, close(key), limit)
             lo, hi = points[j], points[j + 1] - 1
             if row and row[-1][2] == d and row[-1][1] + 1 == lo:
                 row[-1] = (row[-1][0], hi, d)
@@ -732,14 +736,7 @@ def _with_length(edges: list[Edges], accepting: list[bool], min_chars: int,
         while x < len(a) and y < len(b):
             lo, hi = max(a[x][0], b[y][0]), min(a[x][1], b[y][1])
             if lo <= hi:
-                key = (a[x][2], *b[y][2])
-                d = index.get(key)
-                if d is None:
-                    if len(pairs) >= limit:
-                        raise _TooComplex
-                    d = index[key] = len(pairs)
-                    pairs.append(key)
-                row.append((lo, hi, d))
+                row.append((lo, hi, _intern(index, pairs, (a[x][2], *b[y][2]), limit)))
             if a[x][1] < b[y][1]:
                 x += 1
             else:
