@@ -317,6 +317,21 @@ def test_request_checks_name_the_field():
         with pytest.raises(BadRequestError) as e:
             _request(**fields).check_supported()
         assert e.value.param == param
+    # malformed tools and choices: the error names the field, past the union's tag
+    from asyncgen.openai.adapter import _parse
+
+    malformed = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "x", "tools": []}}},
+         "tool_choice.allowed_tools.mode"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}]},
+         "messages[0].tool_calls[0].function.arguments"),
+    ]
+    for fields, param in malformed:
+        with pytest.raises(BadRequestError) as e:
+            _parse(ChatCompletionRequest, {"model": "m", "messages": ASK, **fields})
+        assert e.value.param == param
     r = _request(tools=TOOLS, tool_choice={"type": "allowed_tools", "allowed_tools": {
         "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}})
     assert r.tool_mode == "auto" and [f.name for f in r.offered_functions] == ["get_time"]

@@ -130,7 +130,10 @@ _UNION_MEMBERS = {"str", "int", "float", "bool", "none", "dict", "list"}
 _TAGS = {"system", "developer", "user", "assistant", "tool", "function", "text", "refusal", "image_url",
          "input_audio", "file"}
 # Discriminated fields that are not in a list: the member's tag follows the field's name.
-_FIELD_TAGS = {"response_format": {"text", "json_object", "json_schema"}}
+_FIELD_TAGS = {
+    "response_format": {"text", "json_object", "json_schema"},
+    "tool_choice": {"function", "allowed_tools", "custom"},
+}
 
 
 def _param(loc: tuple, field_names: dict[str, str]) -> Optional[str]:
@@ -138,6 +141,8 @@ def _param(loc: tuple, field_names: dict[str, str]) -> Optional[str]:
     after_index = False
     tags: set = set()
     for item in loc:
+        if isinstance(item, str) and (item in _UNION_MEMBERS or "[" in item or item.startswith("function-")):
+            continue  # a union's or validator's own step: the field's name and tag go on around it
         if item in tags:
             tags = set()
             continue
@@ -150,8 +155,6 @@ def _param(loc: tuple, field_names: dict[str, str]) -> Optional[str]:
             after_index = False
             continue
         after_index = False
-        if item in _UNION_MEMBERS or "[" in item or item.startswith("function-"):
-            continue
         item = field_names.get(item, item) if not out else item
         out += f".{item}" if out else item
     return out or None
