@@ -1,0 +1,75 @@
+"""What one structured-output mask costs the first time a grammar state is met.
+
+A mask (the tokens allowed after a state) is computed by walking a byte trie of the
+vocabulary from the state, then memoized per grammar and state, so each distinct state
+costs this once per engine. This times the first computation for the kinds of state
+that differ most: inside a free string (plain tokens are allowed as a block), inside
+strings with a ``pattern`` or ``format`` (every token is walked through the pattern's
+DFA), a regex output, and a schema's key and number states. Grammar compile times are
+printed too. CPU only, no model weights: the vocabulary is the tokenizer's.
+
+    python benchmarks/structured_masks.py [--tokenizer DIR] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from asyncgen.engine.tokenizer import TokenBytes, load_tokenizer
+from asyncgen.structured import TokenGuide, Vocabulary, json_schema_grammar, regex_grammar
+
+
+def _object(schema: dict) -> dict:
+    return {"type": "object", "properties": {"s": schema}, "required": ["s"]}
+
+
+CASES = [
+    ("free string", lambda: json_schema_grammar(_object({"type": "string"})), b'{"s": "ab'),
+    ("string, maxLength 16", lambda: json_schema_grammar(_object({"type": "string", "maxLength": 16})), b'{"s": "ab'),
+    ("pattern ^[a-z ]+$", lambda: json_schema_grammar(_object({"type": "string", "pattern": "^[a-z ]+$"})), b'{"s": "ab'),
+    ("pattern abc (search)", lambda: json_schema_grammar(_object({"type": "string", "pattern": "abc"})), b'{"s": "x'),
+    ("format email", lambda: json_schema_grammar(_object({"type": "string", "format": "email"})), b'{"s": "ab'),
+    ("format date-time", lambda: json_schema_grammar(_object({"type": "string", "format": "date-time"})),
+     b'{"s": "2024-0'),
+    ("format uri, maxLength 2083",
+     lambda: json_schema_grammar(_object({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083})),
+     b'{"s": "https://ex'),
+    ("regex [A-Z][a-z]+ [0-9]{1,2}", lambda: regex_grammar("[A-Z][a-z]+ [0-9]{1,2}"), b"Ma"),
+    ("object key", lambda: json_schema_grammar(_object({"type": "string"})), b"{"),
+    ("number", lambda: json_schema_grammar(_object({"type": "integer"})), b'{"s": 1'),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", default=None, help="a model or tokenizer directory (default: SmolLM2)")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if args.tokenizer is None:
+        from asyncgen.fetch import smollm2
+
+        args.tokenizer = smollm2()
+    tokenizer, _ = load_tokenizer(Path(args.tokenizer))
+    t0 = time.perf_counter()
+    vocabulary = Vocabulary(TokenBytes(tokenizer).vocabulary())
+    print(f"vocabulary: {len(vocabulary.token_bytes)} tokens, trie built in {time.perf_counter() - t0:.2f} s")
+    print(f"{'state':32s} {'compile ms':>10s} {'first mask ms':>13s} {'tokens':>7s}")
+    for name, make, prefix in CASES:
+        compiles, masks = [], []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            grammar = make()
+            compiles.append(time.perf_counter() - t0)
+            guide = TokenGuide(grammar, vocabulary)
+            state = grammar.advance(grammar.initial, prefix)
+            t0 = time.perf_counter()
+            allowed = guide.allowed(state)
+            masks.append(time.perf_counter() - t0)
+        print(f"{name:32s} {statistics.median(compiles) * 1e3:10.1f} {statistics.median(masks) * 1e3:13.1f} {len(allowed):7d}")
+
+
+if __name__ == "__main__":
+    main()
