@@ -2,12 +2,14 @@
 
     python examples/fastapi_server.py --host 127.0.0.1 --port 8000 [--model DIR] [--tool-call-parser NAME]
 
-Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, or
-server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /v1/models/{id}``,
-plus ``GET /health`` (200 while the engine serves, 503 once it is down, for a load
-balancer's or orchestrator's probe), ``GET /stats`` (the engine's load and KV-cache
-figures) and, where ``prometheus-client`` is installed, ``GET /metrics`` (every request's
-timings and the engine's counters in Prometheus' text format; docs/METRICS.md).
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``
+(OpenAI's Responses API), each JSON or, with ``"stream": true``, server-sent events (the
+Responses API's as ``event: <type>`` and ``data: {json}`` lines, with no ``[DONE]``);
+``GET /v1/models``, ``GET /v1/models/{id}``, plus ``GET /health`` (200 while the engine
+serves, 503 once it is down, for a load balancer's or orchestrator's probe), ``GET /stats``
+(the engine's load and KV-cache figures) and, where ``prometheus-client`` is installed,
+``GET /metrics`` (every request's timings and the engine's counters in Prometheus' text
+format; docs/METRICS.md).
 
 The model is ``--model``, else ``$ASYNCGEN_MODEL``, else the bundled SmolLM2-135M-Instruct.
 ``--tool-call-parser`` says how the model writes tool calls, for ``tool_choice="auto"``
@@ -19,6 +21,8 @@ The official client works unchanged but for the address::
     async for chunk in await client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}], stream=True):
         print(chunk.choices[0].delta.content or "", end="")
+    resp = await client.responses.create(model="SmolLM2-135M-Instruct", input="Hi")
+    print(resp.output_text)
 
 The engine lives in the app's lifespan: it starts before the first request and closes at
 shutdown. A client that disconnects mid-request gets its generation aborted and its KV
@@ -43,7 +47,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncgen import AsyncEngine
-from asyncgen.openai import APIStatusError, AsyncStream, BadRequestError, OpenAIAdapter, sse_stream
+from asyncgen.openai import APIStatusError, AsyncStream, BadRequestError, OpenAIAdapter, response_sse_stream, sse_stream
 
 
 def resolve_model(model: Optional[str] = None) -> str:
@@ -91,6 +95,11 @@ def create_app(model: Optional[str] = None, tool_call_parser: Optional[str] = "a
         adapter: OpenAIAdapter = request.app.state.openai
         return await _respond(request, adapter.create_completion)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        adapter: OpenAIAdapter = request.app.state.openai
+        return await _respond(request, adapter.create_response, response_sse_stream)
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         return request.app.state.openai.list_models().to_dict()
@@ -135,7 +144,9 @@ def _metrics_registry(engine: AsyncEngine) -> Any:
     return registry
 
 
-async def _respond(request: Request, create) -> Response:
+async def _respond(request: Request, create, events_of=sse_stream) -> Response:
+    """``create``'s result for the request's JSON body: a JSON response, or the server-sent
+    events ``events_of`` makes of a stream."""
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -147,7 +158,7 @@ async def _respond(request: Request, create) -> Response:
         # Whether iteration ends, fails or is cut short by a disconnect, closing the event
         # generator closes the engine stream; the background task makes sure it is closed
         # even if Starlette drops the generator without finishing it.
-        events = sse_stream(result)
+        events = events_of(result)
         return StreamingResponse(
             events,
             media_type="text/event-stream",

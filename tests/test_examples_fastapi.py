@@ -1,11 +1,12 @@
 """examples/fastapi_server.py, run as a program under uvicorn and driven by the official
-``openai`` client (only ``base_url`` changed): chat and completions, streamed and not,
+``openai`` client (only ``base_url`` changed): chat, completions and responses, streamed and not,
 several clients at once, tool calls, errors, and a client that disconnects mid-stream (its request
 must be aborted and its KV blocks freed)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import socket
@@ -178,6 +179,30 @@ async def test_sdk_tool_calls_whole_streamed_and_parsed(client):
     after = await client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
                                                  max_tokens=20, temperature=0)
     assert after.choices[0].message.content and after.choices[0].message.tool_calls is None
+
+
+async def test_responses_api_whole_streamed_and_a_function_call(client):
+    """OpenAI's Responses API through the SDK: output_text, the SDK's stream helper over
+    the server's events, and a forced function call."""
+    from openai.types.responses import Response as SDKResponse
+
+    kw = dict(model=MODEL, input="Name three colors.", max_output_tokens=30, temperature=0)
+    resp = await client.responses.create(**kw)
+    assert isinstance(resp, SDKResponse) and resp.id.startswith("resp_") and resp.status == "completed"
+    assert resp.output_text and resp.usage.output_tokens <= 30
+    async with client.responses.stream(**kw) as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert "".join(deltas) == final.output_text == resp.output_text
+    weather = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                              "required": ["city"], "additionalProperties": False}}
+    called = await client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[weather],
+                                           tool_choice="required", max_output_tokens=40, temperature=0)
+    assert called.status == "completed" and called.output
+    for item in called.output:
+        assert item.type == "function_call" and item.name == "get_weather" and item.call_id
+        assert isinstance(json.loads(item.arguments)["city"], str)
 
 
 async def test_chat_stream_matches_non_streamed(client):

@@ -5,7 +5,7 @@ def test_all_is_sorted_and_complete():
     assert asyncgen.__all__ == sorted(asyncgen.__all__)
     public = {name for name in dir(asyncgen) if not name.startswith("_")}
     # Subpackages that importing the package makes visible are modules, not API members.
-    modules = {"config", "engine", "errors", "outputs", "sampling_params", "model", "worker", "fetch", "openai", "metrics", "structured", "tools"}
+    modules = {"config", "engine", "errors", "outputs", "sampling_params", "model", "worker", "fetch", "openai", "metrics", "structured", "tools", "reasoning", "regex"}
     assert public - modules == set(asyncgen.__all__)
 
 

@@ -8,6 +8,9 @@ A host serving ``/v1/chat/completions`` needs three lines around its framework::
     adapter = OpenAIAdapter(engine)
     result = await adapter.create_chat_completion(await request.json())   # APIStatusError on bad input
     # a ChatCompletion, or an AsyncStream: sse_stream(result) gives the "data: ..." events
+
+``adapter.create_response(body)`` serves ``/v1/responses`` (OpenAI's Responses API,
+:mod:`.responses`) the same way; :func:`response_sse_stream` gives its events.
 """
 
 from .adapter import AsyncStream, OpenAIAdapter, sse_stream, to_sampling_params
@@ -43,6 +46,13 @@ from .protocol import (
     StreamOptions,
     TopLogprob,
 )
+from .responses import (
+    Response,
+    ResponseCreateRequest,
+    ResponseStreamEvent,
+    create_response,
+    response_sse_stream,
+)
 
 __all__ = [
     "APIError",
@@ -72,9 +82,14 @@ __all__ = [
     "NotFoundError",
     "OpenAIAdapter",
     "OpenAIError",
+    "Response",
+    "ResponseCreateRequest",
+    "ResponseStreamEvent",
     "StreamOptions",
     "TopLogprob",
+    "create_response",
     "from_exception",
+    "response_sse_stream",
     "sse_stream",
     "to_sampling_params",
 ]

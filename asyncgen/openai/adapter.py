@@ -1,10 +1,11 @@
 """From OpenAI requests to engine calls, and from engine chunks to OpenAI responses.
 
 :class:`OpenAIAdapter` is everything a host needs to serve ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/models`` with one engine: it validates a request (errors are
-:class:`~asyncgen.openai.errors.APIStatusError` with OpenAI's error object), submits it,
-and returns either the whole response or an :class:`AsyncStream` of chunks.
-:func:`sse_stream` turns such a stream into server-sent events.
+``/v1/completions``, ``/v1/responses`` and ``/v1/models`` with one engine: it validates a
+request (errors are :class:`~asyncgen.openai.errors.APIStatusError` with OpenAI's error
+object), submits it, and returns either the whole response or an :class:`AsyncStream` of
+chunks. :func:`sse_stream` turns such a stream into server-sent events
+(:func:`~asyncgen.openai.responses.response_sse_stream` for the Responses API's events).
 
 Everything that can be wrong with a request is raised by ``create_*`` itself, before the
 first chunk, so an HTTP host can still answer 400 instead of a 200 event stream.
@@ -530,6 +531,14 @@ class OpenAIAdapter:
             message.reasoning_content = thought
             choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
         return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+
+    async def create_response(self, request: Any) -> Any:
+        """OpenAI's Responses API (``POST /v1/responses``): a ``Response``, or an
+        :class:`AsyncStream` of its streaming events when ``request.stream``; run as a chat
+        completion (:mod:`asyncgen.openai.responses`)."""
+        from .responses import create_response
+
+        return await create_response(self, request)
 
     def _tool_parser(self, req: ChatCompletionRequest):
         """A factory of the parser that reads tool calls out of each choice, or None."""

@@ -10,6 +10,9 @@
     async for chunk in stream:
         print(chunk.choices[0].delta.content or "", end="")
 
+    resp = await client.responses.create(model=client.model, input="Hi")   # the Responses API
+    print(resp.output_text)
+
 Arguments are the SDK's: request fields as keywords, plus ``extra_body`` (merged into
 the request, e.g. ``{"top_k": 20}``), ``extra_headers``, ``extra_query`` and ``timeout``
 (accepted and ignored: there is no HTTP). The SDK's ``NOT_GIVEN`` / ``omit`` sentinels
@@ -23,6 +26,7 @@ from typing import Any, Optional, Union
 
 from .adapter import AsyncStream, OpenAIAdapter
 from .protocol import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
+from .responses import Response, ResponseStreamEvent
 
 __all__ = ["InProcessOpenAI"]
 
@@ -75,6 +79,23 @@ class _Completions:
         return await self._adapter.create_completion(_request(params, extra_body))
 
 
+class _Responses:
+    def __init__(self, adapter: OpenAIAdapter):
+        self._adapter = adapter
+
+    async def create(
+        self,
+        *,
+        extra_headers: Any = None,
+        extra_query: Any = None,
+        extra_body: Optional[dict[str, Any]] = None,
+        timeout: Any = None,
+        **params: Any,
+    ) -> Union[Response, AsyncStream[ResponseStreamEvent]]:
+        """A Response, or an AsyncStream of its events with ``stream=True``."""
+        return await self._adapter.create_response(_request(params, extra_body))
+
+
 class _ModelPage:
     """What ``models.list()`` returns: await it for the ModelList (``.data``), or iterate
     it with ``async for`` for the models, as with the SDK's paginator."""
@@ -105,8 +126,8 @@ class _Models:
 
 
 class InProcessOpenAI:
-    """``openai.AsyncOpenAI``'s ``chat.completions``, ``completions`` and ``models``,
-    answered by ``engine`` in the caller's event loop.
+    """``openai.AsyncOpenAI``'s ``chat.completions``, ``completions``, ``responses`` and
+    ``models``, answered by ``engine`` in the caller's event loop.
 
     The client does not own the engine: closing the client leaves the engine running.
     ``model_names`` are the names accepted in ``model`` (default: the engine's
@@ -120,6 +141,7 @@ class InProcessOpenAI:
                                      reasoning_parser=reasoning_parser)
         self.chat = _Chat(self.adapter)
         self.completions = _Completions(self.adapter)
+        self.responses = _Responses(self.adapter)
         self.models = _Models(self.adapter)
 
     @property
