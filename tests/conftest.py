@@ -131,3 +131,9 @@ def closers(token_bytes):
         elif data and b'"' in data:
             groups[1].append(i)
     return groups
+
+
+def assert_idle(engine) -> None:
+    """Nothing running or waiting, and every KV block free."""
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from conftest import assert_idle
 from asyncgen import AsyncEngine, SamplingParams
 from asyncgen.fetch import smollm2
 from asyncgen.openai import (
@@ -43,11 +44,6 @@ async def engine(anyio_backend):
 @pytest.fixture
 def client(engine):
     return engine.openai_client()
-
-
-def assert_idle(engine):
-    s = engine.stats()
-    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
 
 
 async def test_client_shape(client, engine):

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import pytest
 
+from conftest import assert_idle
 from asyncgen import AsyncEngine, SamplingParams
 from asyncgen.openai import BadRequestError
 
@@ -392,11 +393,6 @@ def draw_stops(rng: random.Random, texts: list[str]):
 
 
 # --- running and checking a case -----------------------------------------------------------------
-def assert_idle(engine):
-    s = engine.stats()
-    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
-
-
 def template_messages(messages: list[dict]) -> list[dict]:
     """Chat messages as the adapter documents handing them to the chat template:
     developer as system, text parts joined with newlines."""

@@ -11,6 +11,7 @@ import json
 import anyio
 import pytest
 
+from conftest import assert_idle
 from asyncgen import AsyncEngine
 from asyncgen.openai import (
     APIStatusError,
@@ -316,11 +317,6 @@ async def engine(smollm2_path):
 @pytest.fixture
 def client(engine):
     return engine.openai_client()
-
-
-def assert_idle(engine):
-    s = engine.stats()
-    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
 
 
 async def test_text_equals_the_chat_completion_streamed_or_not(client, engine):

@@ -248,14 +248,15 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _parse(model_cls, request: Any):
+def _parse(model_cls, request: Any, to_error=from_validation_error):
+    """The validated, supported request (``to_error`` turns a ValidationError into the 400)."""
     if isinstance(request, model_cls):
         parsed = request
     elif isinstance(request, Mapping):
         try:
             parsed = model_cls.model_validate(dict(request))
         except ValidationError as e:
-            raise from_validation_error(e) from e
+            raise to_error(e) from e
     else:
         raise BadRequestError("The request body must be a JSON object.", code="invalid_type")
     parsed.check_supported()

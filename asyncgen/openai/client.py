@@ -22,11 +22,10 @@ and attributes (``BadRequestError.status_code``, ``.param``, ``.body``).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from .adapter import AsyncStream, OpenAIAdapter
-from .protocol import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
-from .responses import Response, ResponseStreamEvent
+from .adapter import OpenAIAdapter
+from .protocol import Model, ModelList
 
 __all__ = ["InProcessOpenAI"]
 
@@ -40,7 +39,11 @@ def _request(params: dict[str, Any], extra_body: Optional[dict[str, Any]]) -> di
     return body
 
 
-class _ChatCompletions:
+class _Endpoint:
+    """One ``create`` endpoint: the SDK's keywords in, the adapter's method called."""
+
+    _method = ""
+
     def __init__(self, adapter: OpenAIAdapter):
         self._adapter = adapter
 
@@ -52,9 +55,14 @@ class _ChatCompletions:
         extra_body: Optional[dict[str, Any]] = None,
         timeout: Any = None,
         **params: Any,
-    ) -> Union[ChatCompletion, AsyncStream[ChatCompletionChunk]]:
-        """A ChatCompletion, or an AsyncStream of ChatCompletionChunk with ``stream=True``."""
-        return await self._adapter.create_chat_completion(_request(params, extra_body))
+    ) -> Any:
+        return await getattr(self._adapter, self._method)(_request(params, extra_body))
+
+
+class _ChatCompletions(_Endpoint):
+    """``create``: a ChatCompletion, or an AsyncStream of ChatCompletionChunk with ``stream=True``."""
+
+    _method = "create_chat_completion"
 
 
 class _Chat:
@@ -62,38 +70,16 @@ class _Chat:
         self.completions = _ChatCompletions(adapter)
 
 
-class _Completions:
-    def __init__(self, adapter: OpenAIAdapter):
-        self._adapter = adapter
+class _Completions(_Endpoint):
+    """``create``: a Completion, or an AsyncStream of Completion chunks with ``stream=True``."""
 
-    async def create(
-        self,
-        *,
-        extra_headers: Any = None,
-        extra_query: Any = None,
-        extra_body: Optional[dict[str, Any]] = None,
-        timeout: Any = None,
-        **params: Any,
-    ) -> Union[Completion, AsyncStream[Completion]]:
-        """A Completion, or an AsyncStream of Completion chunks with ``stream=True``."""
-        return await self._adapter.create_completion(_request(params, extra_body))
+    _method = "create_completion"
 
 
-class _Responses:
-    def __init__(self, adapter: OpenAIAdapter):
-        self._adapter = adapter
+class _Responses(_Endpoint):
+    """``create``: a Response, or an AsyncStream of its events with ``stream=True``."""
 
-    async def create(
-        self,
-        *,
-        extra_headers: Any = None,
-        extra_query: Any = None,
-        extra_body: Optional[dict[str, Any]] = None,
-        timeout: Any = None,
-        **params: Any,
-    ) -> Union[Response, AsyncStream[ResponseStreamEvent]]:
-        """A Response, or an AsyncStream of its events with ``stream=True``."""
-        return await self._adapter.create_response(_request(params, extra_body))
+    _method = "create_response"
 
 
 class _ModelPage:

@@ -74,6 +74,7 @@ __all__ = [
     "ToolMessage",
     "TopLogprob",
     "UserMessage",
+    "VLLMSamplingFields",
 ]
 
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call", "abort"]
@@ -287,7 +288,7 @@ ResponseFormat = Annotated[
 ]
 
 
-class _SamplingExtensions(_Strict):
+class VLLMSamplingFields(_Strict):
     """Sampling fields beyond OpenAI's, with vLLM's names (``extra_body`` in the SDK)."""
 
     top_k: Optional[int] = None
@@ -300,6 +301,11 @@ class _SamplingExtensions(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} | {"regex": "..."} (StructuredOutputsParams)
     structured_outputs: Optional[dict[str, Any]] = None
+
+
+class _SamplingExtensions(VLLMSamplingFields):
+    """vLLM's sampling fields and ``response_format``, shared by chat and completions."""
+
     # OpenAI's (chat), also taken on completions as vLLM does
     response_format: Optional[ResponseFormat] = None
 

@@ -77,6 +77,7 @@ from typing import Annotated, Any, AsyncGenerator, Literal, Mapping, Optional, U
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from .adapter import AsyncStream
+from .adapter import _parse as _parse_request
 from .errors import APIStatusError, BadRequestError, _most_specific, from_validation_error
 from .protocol import (
     ChatCompletion,
@@ -86,6 +87,7 @@ from .protocol import (
     Stop,
     Temperature,
     TopP,
+    VLLMSamplingFields,
     _Strict,
     _unsupported,
 )
@@ -298,7 +300,7 @@ _PASSED = (
 )
 
 
-class ResponseCreateRequest(_Strict):
+class ResponseCreateRequest(VLLMSamplingFields):
     """The body of ``POST /v1/responses``. Null means "the default" for every optional field."""
 
     model: str
@@ -337,16 +339,7 @@ class ResponseCreateRequest(_Strict):
     context_management: Optional[list[Any]] = None
     moderation: Optional[dict[str, Any]] = None
     prompt: Optional[dict[str, Any]] = None
-    # extensions, passed to the chat request
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = None
-    ignore_eos: Optional[bool] = None
-    stop_token_ids: Optional[list[int]] = None
-    skip_special_tokens: Optional[bool] = None
-    include_stop_str_in_output: Optional[bool] = None
-    structured_outputs: Optional[dict[str, Any]] = None
+    # extensions (vLLM's sampling fields from VLLMSamplingFields, and these), passed to the chat request
     chat_template_kwargs: Optional[dict[str, Any]] = None
     seed: Optional[int] = None
     stop: Optional[Stop] = None
@@ -733,17 +726,7 @@ async def create_response(adapter, request: Union[ResponseCreateRequest, Mapping
 
 
 def _parse(request: Any) -> ResponseCreateRequest:
-    if isinstance(request, ResponseCreateRequest):
-        req = request
-    elif isinstance(request, Mapping):
-        try:
-            req = ResponseCreateRequest.model_validate(dict(request))
-        except ValidationError as e:
-            raise _validation_error(e) from e
-    else:
-        raise BadRequestError("The request body must be a JSON object.", code="invalid_type")
-    req.check_supported()
-    return req
+    return _parse_request(ResponseCreateRequest, request, _validation_error)
 
 
 def _validation_error(e: ValidationError) -> BadRequestError:
