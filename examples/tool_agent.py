@@ -119,7 +119,7 @@ async def run_agent(
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             result = run_tool(call.function.name, call.function.arguments)
-            print(f"call> {call.function.name}({call.function.arguments}) -> {json.dumps(result)}", file=out)
+            print(f"call> {call.function.name}({_one_line(call.function.arguments)}) -> {json.dumps(result)}", file=out)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     stream = await client.chat.completions.create(
         model=client.model, messages=messages, tools=tool_specs(), tool_choice="none",
@@ -135,6 +135,14 @@ async def run_agent(
     print(file=out)
     messages.append({"role": "assistant", "content": "".join(answer)})
     return messages
+
+
+def _one_line(arguments: str) -> str:
+    """Arguments as compact JSON (as written if they are not JSON: a call cut off by max_tokens)."""
+    try:
+        return json.dumps(json.loads(arguments))
+    except ValueError:
+        return json.dumps(arguments)
 
 
 def resolve_model(model: Optional[str]) -> str:
