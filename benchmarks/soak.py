@@ -4,7 +4,8 @@ afterwards nothing may be left behind.
 Every request draws its prompt (random token ids, some starting with one of a few shared
 prefixes so that prefix-cache blocks are shared and evicted), its sampling parameters
 (``n`` of 1 to 3, greedy or sampled, seeded or not, random ``max_tokens``, stop strings,
-stop token ids, ``ignore_eos``, logprobs, structured outputs) and how its consumer behaves:
+stop token ids, ``ignore_eos``, logprobs, penalties, structured outputs) and how its
+consumer behaves:
 
 =========  ==========================================================================
 complete   reads to the end (``engine.stream`` bare or in ``async with``, or
@@ -122,6 +123,8 @@ def plan_requests(num_requests: int, seed: int, vocab: list[int], max_model_len:
             params["min_tokens"] = rng.randrange(0, max_tokens + 1)
         if rng.random() < 0.05:
             params["logprobs"] = 2
+        if rng.random() < 0.1:  # penalties: sampled only once the previous token is on the host
+            params[rng.choice(("repetition_penalty", "frequency_penalty", "presence_penalty"))] = rng.choice((0.5, 1.3))
         if rng.random() < 0.05:  # structured outputs: no ignore_eos or min_tokens with them
             params["structured_outputs"] = rng.choice(({"json_object": True}, {"choice": ["yes", "no", "maybe"]}))
             params["ignore_eos"] = False

@@ -5,8 +5,9 @@ name, kind, age, vaccinated, owner, tags), sampled at temperature 0.8 with one s
 Then the same requests run again without the schema, each with ``max_tokens`` set to the
 number of tokens its structured run produced and ``ignore_eos=True``, so both runs decode
 exactly the same number of tokens in the same batch shapes. The difference is the
-structured run's host work: its masks (memoized per grammar state), applying them, and
-planning each step only after the previous one's tokens arrived (no run-ahead).
+structured run's work: its masks (memoized per grammar state) and applying them, and
+sampling each step only once the previous one's tokens are on the host (the forward
+pass is still launched ahead).
 
 Also timed: the first structured request of a fresh engine (it reads the vocabulary's
 bytes and builds its byte trie), and the same request again (masks already memoized).

@@ -2,8 +2,9 @@
 
 The engine launches the next step while the current one runs, feeding the device-side
 sample in place of the not-yet-known token. These tests check that it really runs ahead,
-that it stops doing so while a request with a penalty (which reads earlier tokens on the
-host) is live, and that tokens are the same as transformers' either way.
+that a request with a penalty (which reads earlier tokens on the host) runs ahead too,
+its sampling enqueued once the previous token is known, and that tokens are the same as
+transformers' either way.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _hf_greedy(model_dir, prompt_ids, max_new, **kwargs) -> list[int]:
 
 
 PROMPTS = [[5, 17, 3, 99, 40, 12], [7, 7, 7], [300, 2, 11, 11, 64, 8, 120, 33, 5]]
+REPEATING = [4127, 12521, 37192, 14529, 15637]  # greedy, the tiny model says one token twice
 
 
 @pytest.mark.anyio
@@ -88,12 +90,49 @@ async def test_engine_runs_ahead_and_tokens_equal_transformers(tiny_llama):
         assert list(res.token_ids) == _hf_greedy(tiny_llama, prompt, 20)
 
 
+def _hf_penalised_greedy(model_dir, prompt_ids, max_new, rep=1.0, freq=0.0, pres=0.0) -> list[int]:
+    """Greedy tokens with vLLM's penalties, applied to transformers' logits step by step:
+    the repetition penalty over prompt and output tokens, then frequency and presence over
+    the output's counts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids])).logits[0, -1].clone()
+            vocab = logits.shape[0]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=vocab).float()
+            seen = (torch.bincount(torch.tensor(prompt_ids), minlength=vocab) + counts) > 0
+            logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+            logits -= freq * counts + pres * (counts > 0).float()
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
 @pytest.mark.anyio
-async def test_a_penalty_request_turns_run_ahead_off_while_it_lives(tiny_llama):
+async def test_penalty_requests_run_ahead_and_sample_once_the_previous_token_is_known(tiny_llama):
+    """A penalty reads the previous step's token on the host. The step is launched ahead
+    all the same and only its sampling waits for that token; the tokens are those of
+    transformers with the penalties applied one step at a time."""
     async with AsyncEngine.from_pretrained(tiny_llama, **ENGINE_ARGS) as engine:
         events = _spy(engine)
+        runner = engine._runner
+        deferred = 0
+        sample_deferred = runner._sample_deferred
+
+        def count_deferred():
+            nonlocal deferred
+            deferred += 1
+            sample_deferred()
+
+        runner._sample_deferred = count_deferred
         plain = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
-        penalised = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0, repetition_penalty=1.5)
+        repetition = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0, repetition_penalty=1.5)
+        counts = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0, frequency_penalty=1.5,
+                                presence_penalty=1.0)
         results = {}
 
         async def run(name, prompt, params):
@@ -101,17 +140,21 @@ async def test_a_penalty_request_turns_run_ahead_off_while_it_lives(tiny_llama):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, "plain", PROMPTS[1], plain)
-            tg.start_soon(run, "penalised", PROMPTS[1], penalised)
-        ahead_with_penalty = _launched_before_collecting_previous(events)
-        events.clear()
-        await engine.generate(PROMPTS[0], SamplingParams(max_tokens=10, ignore_eos=True, temperature=0))
-        ahead_after = _launched_before_collecting_previous(events)
-    # While the penalised request lived (its 12 steps), each step waited for the previous
-    # one; the plain request's 18 remaining steps ran ahead, as does the later request.
-    assert ahead_with_penalty <= 30 - 12 + 1
-    assert ahead_after >= 8
+            tg.start_soon(run, "repetition", PROMPTS[1], repetition)
+            tg.start_soon(run, "counts", REPEATING, counts)
+        assert not runner._unabsorbed and runner._deferred is None
+    # Every decode step went out before its predecessor's tokens came back, and those
+    # with a penalised sequence (after each one's first token) sampled late.
+    assert _launched_before_collecting_previous(events) >= 25
+    assert deferred >= 19 - 1
     assert list(results["plain"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[1], 30)
-    assert list(results["penalised"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[1], 12, repetition_penalty=1.5)
+    assert list(results["repetition"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[1], 20, repetition_penalty=1.5)
+    assert list(results["repetition"].token_ids) == _hf_penalised_greedy(tiny_llama, PROMPTS[1], 20, rep=1.5)
+    assert list(results["counts"].token_ids) == _hf_penalised_greedy(tiny_llama, REPEATING, 16, freq=1.5, pres=1.0)
+    # Unpenalised, this prompt's greedy output repeats its first token at once: the
+    # penalties, which read that first token on the host, changed the second.
+    unpenalised = _hf_greedy(tiny_llama, REPEATING, 16)
+    assert unpenalised[0] == unpenalised[1] and results["counts"].token_ids[1] != unpenalised[1]
 
 
 def test_prompt_step_takes_the_smallest_captured_graph_that_holds_it():

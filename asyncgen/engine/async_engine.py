@@ -277,9 +277,10 @@ class AsyncEngine:
         the rest (detokenizing, stop strings, chunks) while N+1 runs. For a handful of
         sequences ``emit`` comes before the launch instead: it is short, N+1 keeps the
         device busy meanwhile, and their tokens (a new request's first) reach the
-        streams sooner. A request with a
-        penalty reads the previous step's tokens on the host, so while one is live the
-        loop launches a step only after collecting the previous one.
+        streams sooner. A request with a penalty or a grammar reads the previous step's
+        token on the host: its step's forward pass is launched ahead all the same, and
+        the runner enqueues its sampling when ``collect(N)`` brings that token, while the
+        forward pass of N+1 runs.
 
         The loop awaits each launch before going on: the device thread's Python then
         never competes with the loop's for the GIL (every torch call releases it, and
@@ -334,10 +335,9 @@ class AsyncEngine:
             self._stopped.set()
 
     async def _launch_ahead(self, inflight: deque) -> None:
-        """Schedules and launches steps until two are in flight (one without run-ahead)."""
+        """Schedules and launches steps until two are in flight."""
         core = self._core
-        depth = 2 if core.scheduler.can_run_ahead else 1
-        while len(inflight) < depth and core.scheduler.has_work:
+        while len(inflight) < 2 and core.scheduler.has_work:
             out = core.schedule()
             if out.is_empty:
                 return

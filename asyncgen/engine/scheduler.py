@@ -80,16 +80,6 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self._num_admissions = 0
-        self.num_needing_history = 0  # live requests whose sampling reads earlier output tokens
-
-    @property
-    def can_run_ahead(self) -> bool:
-        """Whether the next step may be planned before the current one's tokens are known.
-
-        Penalties and structured outputs read every earlier output token on the host, so a
-        request using one makes the engine plan each step after the previous one's tokens
-        arrived."""
-        return self.num_needing_history == 0
 
     # --- admission and removal --------------------------------------------------------------
     def add(self, req: Request, seed: Optional[int] = None) -> None:
@@ -97,7 +87,6 @@ class Scheduler:
             raise KeyError(f"duplicate sequence id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.num_needing_history += _needs_history(req.params)
         stop_ids = frozenset(req.params.stop_token_ids or ()) | (frozenset() if req.params.ignore_eos else req.eos_token_ids)
         self._unseen[req.request_id] = NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids)
 
@@ -113,7 +102,6 @@ class Scheduler:
         req.drop_placeholders()
         self.block_manager.free(req.request_id)
         del self.requests[req.request_id]
-        self.num_needing_history -= _needs_history(req.params)
         if self._unseen.pop(req.request_id, None) is None:  # the runner knows it: tell it to forget
             self._finished_ids.append(req.request_id)
 
@@ -286,8 +274,3 @@ class Scheduler:
     def iter_requests(self) -> Iterable[Request]:
         return self.requests.values()
 
-
-def _needs_history(params: SamplingParams) -> bool:
-    return params.structured_outputs is not None or (
-        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    )

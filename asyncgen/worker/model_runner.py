@@ -9,7 +9,10 @@ and returns at once; :meth:`ModelRunner.collect` waits for its tokens. The engin
 launches step N+1 before collecting step N, so the device never waits for the host.
 A sequence whose input token is still being sampled by the previous launch arrives as
 a :data:`~asyncgen.engine.request.PLACEHOLDER`: the runner feeds that launch's device-
-side sample in its place.
+side sample in its place. A sequence with a penalty or a grammar also needs that token
+on the host, to count it or to advance its grammar over it: such a step's forward pass
+is launched at once and its sampling is enqueued when the previous step is collected,
+before the forward pass has finished.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from itertools import chain
 from pathlib import Path
 from typing import Callable, Optional
@@ -131,13 +135,16 @@ class LaunchedStep:
     # The sampled sequences' states as of the launch: a token collected after its request
     # ended goes to that request's history, never to a new request given the same id.
     states: tuple = ()
+    # (logits, sample ends) while the sampling waits for the previous step's tokens
+    deferred: Optional[tuple] = None
+    output: Optional[ModelOutput] = None  # once collected
 
 
 @dataclasses.dataclass
 class _SeqState:
     params: object
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # as collected (penalties read it; they never run ahead)
+    output_token_ids: list[int]  # as collected (penalties and grammars read it)
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
     # The seeded generator's state before each recent output position was sampled: a
@@ -150,6 +157,17 @@ class _SeqState:
 # Output positions behind the newest whose generator states are kept: tokens a
 # preemption drops are the steps in flight, at most a few positions back.
 _GENERATOR_STATES_KEPT = 4
+
+
+def _waits_for_history(st: _SeqState, sample_end: int) -> bool:
+    """Whether sampling ``st``'s token at position ``sample_end`` reads output tokens not
+    yet collected (a penalty counts them, a grammar advances over them)."""
+    if len(st.output_token_ids) >= sample_end - len(st.prompt_token_ids):
+        return False
+    p = st.params
+    return st.guide is not None or (
+        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    )
 
 
 def _position_generator(st: _SeqState, position: int) -> None:
@@ -184,6 +202,8 @@ class ModelRunner:
         # The previous launch's sampled tokens on the device, and each sequence's row.
         self._last_tokens: Optional[torch.Tensor] = None
         self._last_rows: dict[str, int] = {}
+        self._unabsorbed: deque[LaunchedStep] = deque()  # launched, tokens not yet collected, in order
+        self._deferred: Optional[LaunchedStep] = None  # the launched step whose sampling waits
         self._staging_ring: list[list] = []  # [pinned buffer, event of its last copy, the buffer as an array]
         self._lt_workspace: Optional[torch.Tensor] = None  # the cuBLASLt routes' workspace (_choose_dense_algos)
         self._staging_next = 0
@@ -606,6 +626,8 @@ class ModelRunner:
             self.states[new.req_id] = st
         if not out.seqs:
             return LaunchedStep([], None)
+        if self._deferred is not None:  # this step's inputs include the tokens it samples
+            self._sample_deferred()
 
         host = self._host_inputs(out)
         graph_bs = self._graph_for(len(out.seqs)) if host.is_decode and self._graphs else None
@@ -625,10 +647,23 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[inputs.logits_idx])
                 if inputs.plp is not None:
                     plp = self._prompt_logprobs(hidden, inputs.plp)
-        rows, states = [], []
-        for req_id, end in zip(host.sampling_ids, host.sample_ends):
-            st = self.states[req_id]
-            states.append(st)
+        states = tuple(self.states[req_id] for req_id in host.sampling_ids)
+        step = LaunchedStep(host.sampling_ids, None, plp, states)
+        self._unabsorbed.append(step)
+        if any(_waits_for_history(st, end) for st, end in zip(states, host.sample_ends)):
+            # A penalty or a grammar reads the token the previous step is still sampling:
+            # the forward pass is queued now, its sampling once that token is on the host.
+            step.deferred = (logits, host.sample_ends)
+            self._deferred = step
+        else:
+            self._sample(step, logits, host.sample_ends)
+        return step
+
+    def _sample(self, step: LaunchedStep, logits: torch.Tensor, sample_ends: list[int]) -> None:
+        """Enqueues the sampling of ``step``'s rows from ``logits``; their inputs (history,
+        grammar states) are the tokens collected so far, which must be complete."""
+        rows = []
+        for st, end in zip(step.states, sample_ends):
             generated = end - len(st.prompt_token_ids)  # output tokens before the one sampled now
             if len(st.output_token_ids) > generated:  # a preempted sequence resamples a dropped token
                 del st.output_token_ids[generated:]
@@ -638,10 +673,20 @@ class ModelRunner:
             rows.append(SamplingRow(
                 st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated, allowed
             ))
-        tokens, pending = sample_async(logits, rows)  # (its event also covers plp's tensors)
+        tokens, step.pending = sample_async(logits, rows)  # (its event also covers plp's tensors)
         self._last_tokens = tokens
-        self._last_rows = {req_id: i for i, req_id in enumerate(host.sampling_ids)}
-        return LaunchedStep(host.sampling_ids, pending, plp, tuple(states))
+        self._last_rows = {req_id: i for i, req_id in enumerate(step.sampling_ids)}
+
+    def _sample_deferred(self) -> None:
+        """Samples the step whose sampling waited for earlier tokens, collecting (waiting
+        for) the steps before it first."""
+        step = self._deferred
+        while self._unabsorbed[0] is not step:
+            self._absorb(self._unabsorbed[0])
+        self._deferred = None
+        logits, sample_ends = step.deferred
+        step.deferred = None
+        self._sample(step, logits, sample_ends)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plp: tuple) -> tuple:
         """Log-probabilities of the prompt tokens this step's chunks predict (and each
@@ -654,10 +699,27 @@ class ModelRunner:
         return seqs, targets, chosen, top_ids, top_lp
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
-        """Waits for a launched step's tokens (and logprobs) to reach the host."""
+        """Waits for a launched step's tokens (and logprobs) to reach the host. Steps are
+        collected in launch order: collecting one first collects those before it."""
+        result = self._absorb(step)
+        if self._deferred is not None and self._unabsorbed[0] is self._deferred:
+            # The next step's history is now complete: its sampling goes on the device
+            # behind its forward pass, which is still running.
+            self._sample_deferred()
+        return result
+
+    def _absorb(self, step: LaunchedStep) -> ModelOutput:
+        """Waits for ``step`` (after the steps launched before it) and adds its tokens to
+        the sequences' histories, once; later calls return the same output."""
+        if step.output is not None:
+            return step.output
+        if step.pending is None and step.deferred is None:
+            return ModelOutput({}, {})
+        while self._unabsorbed[0] is not step:
+            self._absorb(self._unabsorbed[0])
+        if step.deferred is not None:
+            self._sample_deferred()
         result = ModelOutput({}, {})
-        if step.pending is None:
-            return result
         tokens, logprobs = step.pending.result()
         if step.prompt_logprobs is not None:
             result.prompt_logprobs = _prompt_logprobs_to_host(step.prompt_logprobs)
@@ -668,6 +730,8 @@ class ModelRunner:
             result.sampled[req_id] = tok
             if lp is not None:
                 result.logprobs[req_id] = lp
+        self._unabsorbed.popleft()
+        step.output = result
         return result
 
     def _fill_placeholders(self, input_ids: torch.Tensor, fill_dst: Optional[torch.Tensor],
