@@ -55,17 +55,24 @@ def build(directory: Path, tokenizer_dir: Path, head_dim: int, arch: str = "llam
     return model.cuda()
 
 
-def hf_greedy(model, prompts):
+def hf_greedy(model, prompts, penalised=frozenset()):
+    """transformers' greedy tokens; the prompts whose index is in ``penalised`` with
+    repetition_penalty=PENALTY."""
     outs = []
     with torch.no_grad():
-        for p in prompts:
+        for i, p in enumerate(prompts):
             ids = torch.tensor([p], device="cuda")
-            g = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            g = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                               repetition_penalty=PENALTY if i in penalised else 1.0)
             outs.append(g[0, len(p):].tolist())
     return outs
 
 
-async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, dtype="float32", logprobs=None, **kwargs):
+PENALTY = 1.3
+
+
+async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, dtype="float32", logprobs=None,
+                        penalised=frozenset(), **kwargs):
     from asyncgen import AsyncEngine, SamplingParams
 
     results = [None] * len(prompts)
@@ -73,8 +80,9 @@ async def engine_greedy(path, prompts, backend, stagger_s: float = 0.0, dtype="f
 
         async def one(i):
             await anyio.sleep(i * stagger_s)
-            out = await engine.generate(prompts[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                                                   logprobs=logprobs))
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=logprobs,
+                                    repetition_penalty=PENALTY if i in penalised else 1.0)
+            out = await engine.generate(prompts[i], params)
             results[i] = list(out.token_ids) if logprobs is None else list(out.outputs[0].logprobs)
 
         async with anyio.create_task_group() as tg:
@@ -148,6 +156,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as d:
             model = build(Path(d), Path(args.tokenizer), head_dim, arch)
             ref = hf_greedy(model, prompts)
+            # Every other request with a penalty: its steps' sampling waits for the previous
+            # token (the forward pass still runs ahead), and the plain rows sample with it.
+            penalised = frozenset(range(0, len(prompts), 2))
+            ref_penalised = hf_greedy(model, prompts, penalised)
             del model
             torch.cuda.empty_cache()
             settings = {
@@ -156,18 +168,21 @@ def main() -> int:
                 "chunked": dict(num_kv_blocks=1024, max_num_batched_tokens=64),
                 "eager": dict(num_kv_blocks=1024, enforce_eager=True),
                 "staggered": dict(num_kv_blocks=1024, stagger_s=0.03),
+                "penalised": dict(num_kv_blocks=1024, penalised=penalised),
+                "penalised preemption": dict(num_kv_blocks=40, penalised=penalised),
             }
             for backend in backends:
                 for name, kw in settings.items():
                     got, stats = anyio.run(functools.partial(engine_greedy, Path(d), prompts, backend, **kw))
-                    bad = [i for i in range(len(prompts)) if got[i] != ref[i]]
+                    want = ref_penalised if "penalised" in kw else ref
+                    bad = [i for i in range(len(prompts)) if got[i] != want[i]]
                     first = [
-                        next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), None) for i in bad
+                        next((j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b), None) for i in bad
                     ]
                     status = "OK" if not bad else f"MISMATCH in prompts {bad} at tokens {first}"
-                    print(f"{arch} head_dim={head_dim} backend={backend:6s} {name:10s} preemptions={stats.num_preemptions:3d} "
+                    print(f"{arch} head_dim={head_dim} backend={backend:6s} {name:20s} preemptions={stats.num_preemptions:3d} "
                           f"prefix-cache hits {stats.prefix_cache_hit_rate:.2f}  {status}", flush=True)
-                    if name == "preemption" and stats.num_preemptions == 0:
+                    if name.endswith("preemption") and stats.num_preemptions == 0:
                         print("  (no preemption happened: the setting is too generous)")
                         failures += 1
                     failures += bool(bad)
