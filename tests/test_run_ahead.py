@@ -231,3 +231,27 @@ async def test_a_few_sequences_get_their_tokens_before_the_next_launch(tiny_llam
         assert first_emit < third_launch
     else:
         assert third_launch < first_emit
+
+
+@pytest.mark.anyio
+async def test_structured_requests_run_ahead_and_end_without_leaving_their_grammar(tiny_llama, caplog):
+    """A grammar's mask needs the previous token on the host, so its steps sample late; the
+    step planned after the stop token (its token dropped) is no grammar error."""
+    choices = ["a long answer of several tokens", "another answer, also long enough"]
+    async with AsyncEngine.from_pretrained(tiny_llama, **ENGINE_ARGS) as engine:
+        events = _spy(engine)
+        params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"choice": choices})
+        plain = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
+        with caplog.at_level("ERROR", logger="asyncgen"):
+            outs = {}
+
+            async def run(name, prompt, p):
+                outs[name] = await engine.generate(prompt, p)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "structured", PROMPTS[0], params)
+                tg.start_soon(run, "plain", PROMPTS[2], plain)
+    assert outs["structured"].text in choices and outs["structured"].finish_reason == "stop"
+    assert list(outs["plain"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[2], 30)
+    assert _launched_before_collecting_previous(events) >= 25
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]

@@ -50,6 +50,12 @@ class _SharedGuide:
         return hit
 
 
+    def stops_only(self, stops: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(self.width, dtype=torch.bool)
+        mask[stops] = True
+        return mask
+
+
 class GuideFactory:
     """Makes each structured request's :class:`SequenceGuide`; ``token_bytes`` gives the
     vocabulary's bytes (index = token id, None for tokens never allowed) when first needed;
@@ -85,6 +91,7 @@ class SequenceGuide:
         self._states = [shared.grammar.initial]
         stops = [t for t in stop_token_ids if t < shared.width]
         self._stops = torch.tensor(stops, dtype=torch.int64)
+        self._stop_set = stop_token_ids
 
     def mask(self, output_token_ids: Sequence[int], generated: int) -> torch.Tensor:
         """The tokens allowed after the first ``generated`` output tokens ([width] bool, on
@@ -98,11 +105,13 @@ class SequenceGuide:
             data = tokens_bytes[tok] if tok < len(tokens_bytes) else None
             states.append(None if data is None else grammar.advance(states[-1], data))
         state = states[-1] if len(states) > generated else None
+        if state is None and generated and output_token_ids[generated - 1] in self._stop_set:
+            # The output has ended; a step planned before that was known samples a token
+            # that will be dropped.
+            return self._shared.stops_only(self._stops)
         if state is None:  # a token the grammar did not allow (never sampled under the mask)
             log.error("structured output left its grammar at output token %d; only stop tokens are allowed", generated)
-            mask = torch.zeros(self._shared.width, dtype=torch.bool)
-            mask[self._stops] = True
-            return mask
+            return self._shared.stops_only(self._stops)
         mask, any_allowed = self._shared.allowed_mask(state)
         complete = grammar.accepts(state)
         if complete or not any_allowed:
