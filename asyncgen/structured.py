@@ -67,18 +67,26 @@ completed.
 
 :class:`TokenGuide` turns a state into the sorted ids of the tokens that may follow it,
 walking a byte trie of the :class:`Vocabulary` from the state and pruning each branch at
-the first byte the grammar refuses. Inside a string, the tokens of plain string content
-are allowed as a block and only the others are walked.
+the first byte the grammar refuses. Tokens of plain string content (no quote, backslash
+or control byte, whole UTF-8 characters) leave the grammar's stack as it is wherever a
+string is open, so they are decided without it: inside a free string they are allowed as
+a block; inside a pattern string or a regex output all of them run through the DFA's
+tables at once (numpy, memoized per DFA state). Only the other tokens are walked.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 from urllib.parse import unquote
 
+import numpy as np
+
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .regex import ByteDFA
 
 __all__ = [
     "FORMATS",
@@ -1188,8 +1196,9 @@ class Vocabulary:
     """The tokens' bytes, indexed by token id, as tries for :class:`TokenGuide`.
 
     None marks a token that is never allowed (special tokens); so is an empty byte string
-    (it would let generation go on without progress). Built once and read-only after;
-    share one between guides.
+    (it would let generation go on without progress). Read-only once built, but for
+    :meth:`plain_columns`, built the first time a pattern or regex state needs it (threads
+    that race there build equal copies); share one between guides.
     """
 
     def __init__(self, token_bytes: list[Optional[bytes]]):
@@ -1219,6 +1228,125 @@ class Vocabulary:
             within[k] += within[k - 1]
         self.plain_within = tuple(within)
         self.other_trie = _token_trie(other)
+        self._plain_columns: Optional[_PlainColumns] = None
+
+    def plain_columns(self) -> _PlainColumns:
+        """The plain tokens laid out to run through a DFA all at once (built on first use)."""
+        if self._plain_columns is None:
+            self._plain_columns = _PlainColumns(self.token_bytes, self.plain_ids)
+        return self._plain_columns
+
+
+class _PlainColumns:
+    """The plain tokens, longest first, byte by byte: ``columns[k]`` holds byte k of the
+    tokens that have more than k bytes, and those are the first ``len(columns[k])`` of
+    ``ids``, so that one numpy pass per byte position moves every token still going::
+
+        ids   bytes        columns[0]  columns[1]  columns[2]
+        7     a b c        a           b           c
+        3     d e          d           e
+        9     f            f
+    """
+
+    __slots__ = ("ids", "columns")
+
+    def __init__(self, token_bytes: list[Optional[bytes]], plain_ids: tuple[int, ...]):
+        order = sorted(plain_ids, key=lambda i: -len(token_bytes[i]))
+        longest = len(token_bytes[order[0]]) if order else 0
+        padded = b"".join(token_bytes[i].ljust(longest, b"\0") for i in order)
+        matrix = np.frombuffer(padded, dtype=np.uint8).reshape(len(order), longest)  # [num_plain, longest]
+        lengths = np.array([len(token_bytes[i]) for i in order], dtype=np.intp)  # [num_plain], descending
+        num_longer = np.searchsorted(-lengths, -np.arange(longest), side="left")  # [longest]: tokens of > k bytes
+        self.ids = np.array(order, dtype=np.intp)  # [num_plain]
+        self.columns = tuple(matrix[:n, k].astype(np.intp) for k, n in enumerate(num_longer.tolist()))
+
+
+_COMPACT_BELOW = 8  # _DFATable.plain_mask carries on only the live tokens once fewer than 1 in 8 are
+
+
+class _DFATable:
+    """A :class:`~asyncgen.regex.ByteDFA`'s rows as a numpy table, filled as runs reach
+    them, to run every plain token through the DFA at once (:meth:`plain_mask`).
+
+    Table rows are numbered in the order DFA states are met; row 0 is the dead state (DFA
+    state -1: every byte leads back to it). ``table[row, byte]`` is the next row, -1 while
+    ``row`` is not filled, so a DFA of thousands of states (a long ``maxLength``) is read
+    only as far as the tokens go. Only the owning :class:`TokenGuide` calls it.
+    """
+
+    def __init__(self, dfa: ByteDFA):
+        self.dfa = dfa
+        self._row_of = {-1: 0}  # DFA state -> row
+        self._states = [-1]  # row -> DFA state
+        self._table = np.full((16, 256), -1, dtype=np.int32)  # [capacity, 256]
+        self._table[0] = 0
+
+    def plain_mask(self, columns: _PlainColumns, size: int, state: int) -> np.ndarray:
+        """[size] bool: the plain tokens whose whole bytes the DFA reads from ``state``
+        (to a live state, never -1), by token id.
+
+        Byte position by byte position, all the tokens still going move at once while
+        many of them are live; once few are, only the live ones are carried on (``live``:
+        their positions in ``columns.ids``, ascending).
+        """
+        mask = np.zeros(size, dtype=np.bool_)
+        if not columns.columns:
+            return mask
+        start = self._row(state)
+        if self._table[start, 0] < 0:
+            self._fill(start)
+        rows = self._table[start].take(columns.columns[0])  # [num_plain]: each token's row after its bytes so far
+        k = 1
+        while k < len(columns.columns):
+            going = rows[: len(columns.columns[k])]
+            if np.count_nonzero(going) * _COMPACT_BELOW < len(going):
+                break
+            going[:] = self._next(going, columns.columns[k])
+            k += 1
+        num_going = len(columns.columns[k]) if k < len(columns.columns) else 0
+        mask[columns.ids[num_going:][rows[num_going:] != 0]] = True  # the tokens of at most k bytes
+        live = np.flatnonzero(rows[:num_going])  # [num_live]
+        after = rows[live]  # [num_live]
+        for column in columns.columns[k:]:
+            ended = np.searchsorted(live, len(column))  # live[ended:] have no byte here
+            mask[columns.ids[live[ended:]]] = True
+            live = live[:ended]
+            after = self._next(after[:ended], column[live])
+            kept = after != 0
+            live, after = live[kept], after[kept]
+            if not len(live):
+                break
+        mask[columns.ids[live]] = True
+        return mask
+
+    def _next(self, rows: np.ndarray, column: np.ndarray) -> np.ndarray:
+        """The rows after one byte each: ``table[rows[i], column[i]]``, filling rows as needed."""
+        index = (rows << 8) | column
+        after = self._table.ravel().take(index)
+        unfilled = after < 0
+        if unfilled.any():
+            needed = np.zeros(len(self._states), dtype=np.bool_)
+            needed[rows] = unfilled  # well defined: a row is filled whole or not at all
+            for row in np.flatnonzero(needed).tolist():
+                self._fill(row)
+            after = self._table.ravel().take(index)
+        return after
+
+    def _fill(self, row: int) -> None:
+        targets = self.dfa.next[self._states[row]]
+        row_of = {s: self._row(s) for s in set(targets)}  # a row has few distinct targets
+        self._table[row] = list(map(row_of.__getitem__, targets))  # after _row, which may grow the table
+
+    def _row(self, state: int) -> int:
+        row = self._row_of.get(state)
+        if row is None:
+            row = self._row_of[state] = len(self._states)
+            self._states.append(state)
+            if row == len(self._table):
+                grown = np.full((2 * row, 256), -1, dtype=np.int32)
+                grown[:row] = self._table
+                self._table = grown
+        return row
 
 
 def _walk(trie: _Trie, state: State, out: list) -> None:
@@ -1235,20 +1363,36 @@ def _walk(trie: _Trie, state: State, out: list) -> None:
                     todo.append((children, after))
 
 
-def _string_room(state: State) -> Union[int, None, bool]:
-    """Inside a string between characters (in every alternative), the most characters a
-    plain token may have (None: no limit); False when not in that situation."""
-    room: Optional[int] = 0
+def _plain_block(state: State) -> Optional[tuple[Union[int, None, bool], list[tuple[ByteDFA, int]]]]:
+    """How ``state`` decides the plain tokens without the general walk, where every
+    alternative is inside a string between characters, inside a pattern string not after
+    a backslash, or in a regex output; None where some alternative is elsewhere.
+
+    A plain token changes only the top frame of such a stack, and never pops it, so the
+    token can follow the state exactly where one alternative alone takes it whole: in a
+    string, any token of at most ``room`` characters (None: no limit; False: no string
+    alternative); in a pattern string or a regex output, the tokens that its DFA reads
+    from its DFA state (``runs``: the (DFA, DFA state) pairs).
+    """
+    room: Union[int, None, bool] = False
+    runs = []
     for stack in (state,) if type(state) is tuple else state:
         top = stack[-1]
-        if top[0] != _STRING or top[3] != 0:
-            return False
-        spec = top[1]
-        if spec.max_length is None:
-            room = None
-        elif room is not None:
-            room = max(room, spec.max_length - top[2])
-    return room
+        tag = top[0]
+        if tag == _STRING and top[3] == 0:
+            spec = top[1]
+            if spec.max_length is None:
+                room = None
+            elif room is not None:
+                left = spec.max_length - top[2]
+                room = left if room is False else max(room, left)
+        elif tag == _PATTERN and not top[3]:
+            runs.append((top[1].dfa, top[2]))
+        elif tag == _REGEX:
+            runs.append((top[1], top[2]))
+        else:
+            return None
+    return room, runs
 
 
 class TokenGuide:
@@ -1259,6 +1403,9 @@ class TokenGuide:
     A state inside a string allows most of the vocabulary, and a long ``maxLength`` or
     deep nesting makes many such states, so the memo is emptied once it holds
     :data:`MEMO_IDS` ids in all (about 8 bytes each) and fills again as states recur.
+    The plain tokens a DFA state allows are memoized too, per (DFA, DFA state), since
+    grammar states that differ below a pattern string share them; each such mask (one
+    byte per token) counts as ``size // 8`` ids and goes with the memo.
     One thread may call :meth:`allowed` while others read its results.
     """
 
@@ -1267,6 +1414,8 @@ class TokenGuide:
         self.vocabulary = vocabulary
         self._memo: dict[State, tuple[int, ...]] = {}
         self._memo_ids = 0
+        self._plain_masks: dict[tuple[ByteDFA, int], np.ndarray] = {}  # [size] bool each
+        self._dfa_tables: dict[ByteDFA, _DFATable] = {}
 
     def allowed(self, state: State) -> tuple[int, ...]:
         """Sorted ids of the tokens whose whole byte string can follow ``state``; the same
@@ -1277,6 +1426,7 @@ class TokenGuide:
             ids = self._compute(state)
             if self._memo_ids + len(ids) > MEMO_IDS:
                 self._memo = {}
+                self._plain_masks = {}
                 self._memo_ids = 0
             ids = self._memo.setdefault(state, ids)
             self._memo_ids += len(ids)
@@ -1285,15 +1435,43 @@ class TokenGuide:
     def _compute(self, state: State) -> tuple[int, ...]:
         vocab = self.vocabulary
         out: list[int] = []
-        room = _string_room(state)
-        if room is False:
+        block = _plain_block(state)
+        if block is None:
             _walk(vocab.trie, state, out)
         else:
             _walk(vocab.other_trie, state, out)
-            if room is None:
+            room, runs = block
+            if runs:
+                out.extend(self._plain_ids(room, runs))
+            elif room is None:
                 out.extend(vocab.plain_ids)
             else:
                 within = vocab.plain_within
                 out.extend(vocab.plain_by_chars[: within[min(room, len(within) - 1)]])
         out.sort()
         return tuple(out)
+
+    def _plain_ids(self, room: Union[int, None, bool], runs: list[tuple[ByteDFA, int]]) -> list[int]:
+        """The sorted ids of the plain tokens that some alternative takes (see :func:`_plain_block`)."""
+        masks = [self._plain_mask(dfa, d) for dfa, d in dict.fromkeys(runs)]
+        if len(masks) == 1 and room is False:
+            return np.flatnonzero(masks[0]).tolist()
+        mask = np.logical_or.reduce(masks)  # a new array: the memoized masks stay as they are
+        if room is None:
+            mask[self.vocabulary.plain_columns().ids] = True
+        elif room is not False:
+            vocab = self.vocabulary
+            within = vocab.plain_within
+            mask[np.array(vocab.plain_by_chars[: within[min(room, len(within) - 1)]], dtype=np.intp)] = True
+        return np.flatnonzero(mask).tolist()
+
+    def _plain_mask(self, dfa: ByteDFA, d: int) -> np.ndarray:
+        mask = self._plain_masks.get((dfa, d))
+        if mask is None:
+            table = self._dfa_tables.get(dfa)
+            if table is None:
+                table = self._dfa_tables[dfa] = _DFATable(dfa)
+            vocab = self.vocabulary
+            mask = self._plain_masks[(dfa, d)] = table.plain_mask(vocab.plain_columns(), vocab.size, d)
+            self._memo_ids += vocab.size // 8
+        return mask

@@ -16,9 +16,10 @@ from typing import Optional
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
+import asyncgen.structured as structured
 from asyncgen import AsyncEngine, SamplingParams
 from asyncgen.errors import InvalidRequestError
-from asyncgen.structured import FORMATS, TokenGuide, json_schema_grammar, regex_grammar
+from asyncgen.structured import FORMATS, TokenGuide, Vocabulary, json_schema_grammar, regex_grammar
 from test_structured import brute_force, token_walk
 
 # JSON Schema patterns (search semantics), written so that Python's re reads them the same
@@ -198,6 +199,114 @@ def test_masks_equal_brute_force_and_walks_end_in_valid_values(vocabulary, token
     for _ in range(6):
         ids, _ = token_walk(rguide, token_bytes, rng, closers)
         assert re.fullmatch(r"(yes|no), [a-z]{2,6}!", b"".join(token_bytes[i] for i in ids).decode())
+
+
+def general_walk(vocabulary, state):
+    """The allowed tokens as the general walk finds them: every token through ``_step``."""
+    out = []
+    structured._walk(vocabulary.trie, state, out)
+    return tuple(sorted(out))
+
+
+@pytest.fixture(scope="module")
+def small_vocabulary(token_bytes):
+    """Some 3,000 of SmolLM2's tokens, all its single bytes (so a walk never gets stuck),
+    and tokens made to sit at the edges: quotes, backslashes and control bytes inside,
+    cut UTF-8 characters, long runs, duplicates, special and empty tokens."""
+    rng = random.Random(5)
+    singles = [data for data in token_bytes if data and len(data) == 1]
+    longer = [data for data in token_bytes if data and len(data) > 1]
+    made = [b'ab"', b'\\n', b'"\\', b"\xc3", b"\xa9x", b"\xe4\xb8", b"\xad", "é中".encode(), "😀".encode(), b"x" * 30,
+            b"-" * 70, b"2024-01-02T", b"13:05:00Z", b"\t\t", b"\x01a", b"\x7f", b"AB-12", b"foo", b"foo", None, b""]
+    return Vocabulary(singles + rng.sample(longer, 3000) + made)
+
+
+FAST_PATH_SCHEMAS = [
+    *({"type": "string", "pattern": p} for p in PATTERNS),
+    {"type": "string", "pattern": "^[a-z ]+$", "minLength": 3, "maxLength": 12},
+    {"type": "string", "pattern": "[0-9]", "maxLength": 40},
+    *({"type": "string", "format": f} for f in ("date-time", "email", "uuid", "hostname", "ipv4", "duration")),
+    {"type": "string", "format": "uri", "minLength": 1, "maxLength": 60},
+    {"anyOf": [{"type": "string", "pattern": "^[a-z ]*$"}, {"type": "string", "pattern": "[aeiou]"},
+               {"type": "string", "maxLength": 30}]},
+    {"anyOf": [{"type": "string", "format": "hostname"}, {"type": "string", "minLength": 2, "maxLength": 12}]},
+    {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "pattern": "^[0-9]+$"}]},
+    {"anyOf": [{"type": "string", "pattern": "^[^0-9]"}, {"type": "string"}]},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3,5}$"},
+                                      "b": {"type": "array", "items": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3,5}$"}}},
+     "required": ["a", "b"]},
+]
+FAST_PATH_REGEXES = [r"[A-Z][a-z]+ [0-9]{1,2}", r'(yes|no), [a-z "\\]{2,9}!', r"héllo\n?[😀]+", r"[^x]*x"]
+
+
+def test_the_dfa_fast_path_equals_the_general_walk_in_random_states(small_vocabulary):
+    """Every state on random token walks through pattern strings, formats, length bounds,
+    unions of patterns and strings, and regex outputs: the masks equal the general walk."""
+    vocab = small_vocabulary
+    grammars = [json_schema_grammar(s) for s in FAST_PATH_SCHEMAS] + [regex_grammar(r) for r in FAST_PATH_REGEXES]
+    rng = random.Random(7)
+    kinds = {"dfa": 0, "union": 0, "mixed": 0}
+    for grammar in grammars:
+        guide = TokenGuide(grammar, vocab)
+        for _ in range(2):
+            state = grammar.initial
+            for _ in range(rng.randint(5, 25)):
+                allowed = guide.allowed(state)
+                assert allowed == general_walk(vocab, state)
+                block = structured._plain_block(state)
+                if block is not None and block[1]:
+                    kinds["dfa"] += 1
+                    kinds["union"] += len(block[1]) > 1
+                    kinds["mixed"] += block[0] is not False
+                if not allowed or (grammar.accepts(state) and rng.random() < 0.2):
+                    break
+                state = grammar.advance(state, vocab.token_bytes[rng.choice(allowed)])
+    assert kinds["dfa"] > 300 and kinds["union"] > 5 and kinds["mixed"] > 5, kinds
+
+
+def test_pattern_and_regex_states_run_plain_tokens_through_the_dfa(vocabulary, token_bytes, monkeypatch):
+    """Inside a pattern string (an object's, an array's, an anyOf's of a pattern and a
+    string) and in a regex output, only the non-plain tokens are walked; the plain ones
+    go through the DFA, once per DFA state however many grammar states share it."""
+    walked, runs = [], []
+    real_walk, real_mask = structured._walk, structured._DFATable.plain_mask
+    monkeypatch.setattr(structured, "_walk", lambda trie, state, out: (walked.append(trie), real_walk(trie, state, out)))
+    monkeypatch.setattr(structured._DFATable, "plain_mask",
+                        lambda self, columns, size, d: (runs.append(d), real_mask(self, columns, size, d))[1])
+    code = {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3,5}$"}
+    g = json_schema_grammar({"type": "object", "properties": {
+        "a": code, "b": {"type": "array", "items": code, "minItems": 2},
+        "c": {"anyOf": [{"type": "string", "format": "date"}, {"type": "string", "maxLength": 9}]},
+        "d": {"type": "string", "pattern": r"^[a-z\n]+$"}}})
+    r = regex_grammar(r"[A-Z][a-z]+ [0-9]{1,2}")
+    cases = [(g, b'{"a": "AB-1'), (g, b'{"a": "AB-123", "b": ["AB-1'), (g, b'{"a": "AB-123", "b": ["XY-123", "CD-9'),
+             (g, b'{"c": "2024-0'), (r, b"Ma")]
+    guides = {id(g): TokenGuide(g, vocabulary), id(r): TokenGuide(r, vocabulary)}
+    for grammar, prefix in cases:
+        state = grammar.advance(grammar.initial, prefix)
+        walked.clear()
+        allowed = guides[id(grammar)].allowed(state)
+        assert walked == [vocabulary.other_trie], prefix
+        assert allowed == brute_force(grammar, token_bytes, state), prefix
+    assert type(g.advance(g.initial, b'{"c": "2024-0')) is frozenset
+    assert len(runs) == 3  # the three codes after "XX-9" share one DFA state
+    walked.clear()
+    escape = g.advance(g.initial, b'{"d": "a\\')  # after a backslash: the general walk
+    assert guides[id(g)].allowed(escape) == brute_force(g, token_bytes, escape) and walked == [vocabulary.trie]
+
+
+def test_plain_masks_go_with_the_memo_and_odd_vocabularies_work(small_vocabulary, monkeypatch):
+    g = json_schema_grammar({"type": "string", "pattern": "[0-9]", "maxLength": 30})
+    states = [g.advance(g.initial, b'"' + b"a" * n) for n in range(12)]
+    first = [TokenGuide(g, small_vocabulary).allowed(st) for st in states]
+    monkeypatch.setattr(structured, "MEMO_IDS", 3 * (len(first[0]) + small_vocabulary.size // 8))
+    guide = TokenGuide(g, small_vocabulary)
+    for _ in range(2):
+        assert [guide.allowed(st) for st in states] == first
+        assert len(guide._plain_masks) <= 3 and len(guide._memo) <= 3 and guide._memo_ids <= structured.MEMO_IDS
+    no_plain = Vocabulary([b'"', b"\\", None, b"\xc3", b"\x01"])  # no plain token at all
+    inside = g.advance(g.initial, b'"')
+    assert TokenGuide(g, no_plain).allowed(inside) == (1, 3) == general_walk(no_plain, inside)
 
 
 def test_sampling_params_take_regex_and_refuse_two_constraints():
