@@ -1227,8 +1227,16 @@ class Vocabulary:
         for k in range(1, longest + 1):
             within[k] += within[k - 1]
         self.plain_within = tuple(within)
+        self._plain_by_chars = np.array(self.plain_by_chars, dtype=np.intp)
         self.other_trie = _token_trie(other)
         self._plain_columns: Optional[_PlainColumns] = None
+
+    def plain_within_ids(self, room: Optional[int]) -> np.ndarray:
+        """The ids of the plain tokens of at most ``room`` characters (all for None)."""
+        if room is None:
+            return self._plain_by_chars
+        within = self.plain_within
+        return self._plain_by_chars[: within[min(room, len(within) - 1)]]
 
     def plain_columns(self) -> _PlainColumns:
         """The plain tokens laid out to run through a DFA all at once (built on first use)."""
@@ -1433,37 +1441,32 @@ class TokenGuide:
         return ids
 
     def _compute(self, state: State) -> tuple[int, ...]:
+        return tuple(np.flatnonzero(self.allowed_mask(state)).tolist())
+
+    def allowed_mask(self, state: State) -> np.ndarray:
+        """What :meth:`allowed` lists, as a new bool array over the vocabulary, built
+        without a list of ids for the plain tokens (tens of thousands inside a string).
+        Not memoized here: the caller keeps the masks it wants to keep."""
         vocab = self.vocabulary
         out: list[int] = []
         block = _plain_block(state)
         if block is None:
             _walk(vocab.trie, state, out)
+            mask = np.zeros(vocab.size, dtype=bool)
         else:
             _walk(vocab.other_trie, state, out)
             room, runs = block
             if runs:
-                out.extend(self._plain_ids(room, runs))
-            elif room is None:
-                out.extend(vocab.plain_ids)
+                masks = [self._plain_mask(dfa, d) for dfa, d in dict.fromkeys(runs)]
+                mask = np.logical_or.reduce(masks) if len(masks) > 1 else masks[0].copy()
+                if room is not False:  # string alternatives too: their plain tokens by length
+                    mask[vocab.plain_within_ids(room)] = True
             else:
-                within = vocab.plain_within
-                out.extend(vocab.plain_by_chars[: within[min(room, len(within) - 1)]])
-        out.sort()
-        return tuple(out)
-
-    def _plain_ids(self, room: Union[int, None, bool], runs: list[tuple[ByteDFA, int]]) -> list[int]:
-        """The sorted ids of the plain tokens that some alternative takes (see :func:`_plain_block`)."""
-        masks = [self._plain_mask(dfa, d) for dfa, d in dict.fromkeys(runs)]
-        if len(masks) == 1 and room is False:
-            return np.flatnonzero(masks[0]).tolist()
-        mask = np.logical_or.reduce(masks)  # a new array: the memoized masks stay as they are
-        if room is None:
-            mask[self.vocabulary.plain_columns().ids] = True
-        elif room is not False:
-            vocab = self.vocabulary
-            within = vocab.plain_within
-            mask[np.array(vocab.plain_by_chars[: within[min(room, len(within) - 1)]], dtype=np.intp)] = True
-        return np.flatnonzero(mask).tolist()
+                mask = np.zeros(vocab.size, dtype=bool)
+                mask[vocab.plain_within_ids(room)] = True
+        if out:
+            mask[np.array(out, dtype=np.intp)] = True
+        return mask
 
     def _plain_mask(self, dfa: ByteDFA, d: int) -> np.ndarray:
         mask = self._plain_masks.get((dfa, d))

@@ -41,9 +41,10 @@ class _SharedGuide:
         """The mask of the tokens the grammar allows after ``state``, and whether it has any."""
         hit = self._masks.get(state)
         if hit is None:
+            allowed = self.tokens.allowed_mask(state)
+            n = min(self.width, allowed.shape[0])
             mask = torch.zeros(self.width, dtype=torch.bool)
-            ids = torch.tensor(self.tokens.allowed(state), dtype=torch.int64)
-            mask[ids[ids < self.width]] = True
+            mask[:n] = torch.from_numpy(allowed[:n])
             if len(self._masks) >= max(64, _MASK_BYTES // self.width):
                 self._masks.clear()
             hit = self._masks[state] = (mask, bool(mask.any()))
