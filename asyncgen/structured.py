@@ -76,6 +76,8 @@ tables at once (numpy, memoized per DFA state). Only the other tokens are walked
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
@@ -1163,6 +1165,21 @@ _Trie = tuple
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off, as it was before afterwards. A vocabulary's tries
+    are hundreds of thousands of containers without cycles; the passes their allocations
+    set off would take two thirds of the build (0.8 s against 0.3 s for 49,152 tokens on
+    the 2-core CPU), and finish nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _token_trie(tokens: Iterable[tuple[int, bytes]]) -> _Trie:
     root: dict = {}
     for token_id, data in tokens:
@@ -1202,6 +1219,10 @@ class Vocabulary:
     """
 
     def __init__(self, token_bytes: list[Optional[bytes]]):
+        with _collector_paused():
+            self._build(token_bytes)
+
+    def _build(self, token_bytes: list[Optional[bytes]]) -> None:
         self.token_bytes = token_bytes
         self.size = len(token_bytes)
         tokens = [(i, data) for i, data in enumerate(token_bytes) if data]

@@ -736,3 +736,20 @@ def test_random_byte_walks_always_reach_an_end():
             assert grammar.accepts(state), (name, data)
             value = json.loads(data.decode("utf-8"))
             assert conforms(value, SCHEMAS[name], SCHEMAS[name]), data
+
+
+def test_building_a_vocabulary_leaves_the_collector_as_it_found_it():
+    """The tries are built with the cyclic collector paused; it is on again afterwards, or
+    stays off where the host had turned it off."""
+    import gc
+
+    token_bytes = [b"a", b"ab", b"\"", None, b"b}"]
+    assert gc.isenabled()
+    Vocabulary(token_bytes)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        Vocabulary(token_bytes)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
