@@ -55,6 +55,19 @@ def _launched_before_collecting_previous(events) -> int:
     return count
 
 
+async def _generate_together(engine, **requests) -> dict:
+    """Runs the named (prompt, params) requests concurrently; their outputs by name."""
+    results = {}
+
+    async def run(name, prompt, params):
+        results[name] = await engine.generate(prompt, params)
+
+    async with anyio.create_task_group() as tg:
+        for name, (prompt, params) in requests.items():
+            tg.start_soon(run, name, prompt, params)
+    return results
+
+
 def _hf_greedy(model_dir, prompt_ids, max_new, **kwargs) -> list[int]:
     from transformers import AutoModelForCausalLM
 
@@ -133,15 +146,8 @@ async def test_penalty_requests_run_ahead_and_sample_once_the_previous_token_is_
         repetition = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0, repetition_penalty=1.5)
         counts = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0, frequency_penalty=1.5,
                                 presence_penalty=1.0)
-        results = {}
-
-        async def run(name, prompt, params):
-            results[name] = await engine.generate(prompt, params)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run, "plain", PROMPTS[1], plain)
-            tg.start_soon(run, "repetition", PROMPTS[1], repetition)
-            tg.start_soon(run, "counts", REPEATING, counts)
+        results = await _generate_together(engine, plain=(PROMPTS[1], plain), repetition=(PROMPTS[1], repetition),
+                                           counts=(REPEATING, counts))
         assert not runner._unabsorbed and runner._deferred is None
     # Every decode step went out before its predecessor's tokens came back, and those
     # with a penalised sequence (after each one's first token) sampled late.
@@ -243,14 +249,7 @@ async def test_structured_requests_run_ahead_and_end_without_leaving_their_gramm
         params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"choice": choices})
         plain = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
         with caplog.at_level("ERROR", logger="asyncgen"):
-            outs = {}
-
-            async def run(name, prompt, p):
-                outs[name] = await engine.generate(prompt, p)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run, "structured", PROMPTS[0], params)
-                tg.start_soon(run, "plain", PROMPTS[2], plain)
+            outs = await _generate_together(engine, structured=(PROMPTS[0], params), plain=(PROMPTS[2], plain))
     assert outs["structured"].text in choices and outs["structured"].finish_reason == "stop"
     assert list(outs["plain"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[2], 30)
     assert _launched_before_collecting_previous(events) >= 25
