@@ -1496,6 +1496,11 @@ class TokenGuide:
             if table is None:
                 table = self._dfa_tables[dfa] = _DFATable(dfa)
             vocab = self.vocabulary
-            mask = self._plain_masks[(dfa, d)] = table.plain_mask(vocab.plain_columns(), vocab.size, d)
+            mask = table.plain_mask(vocab.plain_columns(), vocab.size, d)
+            if self._memo_ids + vocab.size // 8 > MEMO_IDS:  # (allowed_mask's callers fill no other memo)
+                self._memo = {}
+                self._plain_masks = {}
+                self._memo_ids = 0
+            self._plain_masks[(dfa, d)] = mask
             self._memo_ids += vocab.size // 8
         return mask

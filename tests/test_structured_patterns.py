@@ -13,6 +13,7 @@ import re
 import uuid
 from typing import Optional
 
+import numpy as np
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
@@ -304,6 +305,13 @@ def test_plain_masks_go_with_the_memo_and_odd_vocabularies_work(small_vocabulary
     for _ in range(2):
         assert [guide.allowed(st) for st in states] == first
         assert len(guide._plain_masks) <= 3 and len(guide._memo) <= 3 and guide._memo_ids <= structured.MEMO_IDS
+    # The runner asks for masks only (allowed_mask, no id memo): the plain masks stay bounded.
+    monkeypatch.setattr(structured, "MEMO_IDS", 2 * (small_vocabulary.size // 8))
+    guide = TokenGuide(g, small_vocabulary)
+    for _ in range(2):
+        masks = [guide.allowed_mask(st) for st in states]
+        assert [tuple(np.flatnonzero(m).tolist()) for m in masks] == first
+        assert len(guide._plain_masks) <= 2 and guide._memo_ids <= structured.MEMO_IDS
     no_plain = Vocabulary([b'"', b"\\", None, b"\xc3", b"\x01"])  # no plain token at all
     inside = g.advance(g.initial, b'"')
     assert TokenGuide(g, no_plain).allowed(inside) == (1, 3) == general_walk(no_plain, inside)
