@@ -50,8 +50,8 @@ class _SharedGuide:
             hit = self._masks[state] = (mask, bool(mask.any()))
         return hit
 
-
     def stops_only(self, stops: torch.Tensor) -> torch.Tensor:
+        """A mask that allows ``stops`` alone."""
         mask = torch.zeros(self.width, dtype=torch.bool)
         mask[stops] = True
         return mask

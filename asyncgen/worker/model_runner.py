@@ -459,6 +459,8 @@ class ModelRunner:
         self._lt_workspace = None
         self.states.clear()
         self._last_tokens, self._last_rows = None, {}
+        self._unabsorbed.clear()  # (a deferred step holds its logits)
+        self._deferred = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
