@@ -9,6 +9,8 @@ tables of the step's sequences (the other rows untouched)."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -46,6 +48,7 @@ def _runner(keys):
     runner._graphs, runner._graph_sizes = {}, []
     runner._last_rows = {"b": 3, "c": 0}
     runner._last_tokens = torch.tensor([70, 71, 72, 73])  # the previous launch's samples, by row
+    runner._unabsorbed, runner._deferred = collections.deque(), None  # no launch in flight
     runner._prompt_graph_keys = keys
     runner._prompt_inputs, runner._prompt_graphs = {}, {}
     for t, b in keys:

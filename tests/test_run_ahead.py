@@ -254,3 +254,57 @@ async def test_structured_requests_run_ahead_and_end_without_leaving_their_gramm
     assert list(outs["plain"].token_ids) == _hf_greedy(tiny_llama, PROMPTS[2], 30)
     assert _launched_before_collecting_previous(events) >= 25
     assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.anyio
+async def test_penalised_and_structured_requests_under_preemption_equal_their_runs_alone(tiny_llama):
+    """A pool too small for the batch preempts sequences while their next step is in
+    flight; a preempted sequence's history keeps the token sampled again for a position,
+    never the dropped one, so penalties and grammars read what the request alone reads."""
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(20, 40000, (int(n),), generator=rng).tolist() for n in torch.randint(3, 30, (10,))]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.4, frequency_penalty=0.5)
+        if i % 2 == 0 else SamplingParams(max_tokens=24, temperature=0, structured_outputs={"json_object": True})
+        for i in range(len(prompts))
+    ]
+    async with AsyncEngine.from_pretrained(tiny_llama, **ENGINE_ARGS) as engine:
+        alone = [list((await engine.generate(p, sp)).token_ids) for p, sp in zip(prompts, params)]
+    async with AsyncEngine.from_pretrained(tiny_llama, **dict(ENGINE_ARGS, num_kv_blocks=9)) as engine:
+        together = await _generate_together(engine, **{str(i): (p, sp) for i, (p, sp) in enumerate(zip(prompts, params))})
+        preemptions = engine.stats().num_preemptions
+    assert preemptions >= 2
+    assert [list(together[str(i)].token_ids) for i in range(len(prompts))] == alone
+
+
+def test_a_token_sampled_again_after_preemption_replaces_the_dropped_one_in_the_history(tiny_llama):
+    """Step X samples output position 1; before X is collected the sequence is preempted
+    and recomputed, and step Y samples position 1 again. X's token was dropped by the
+    scheduler: the history (which penalties count) keeps Y's, whatever order they come in."""
+    from asyncgen.config import EngineConfig
+    from asyncgen.engine.request import PLACEHOLDER
+    from asyncgen.engine.scheduler import NewRequestData, ScheduledSeq, SchedulerOutput
+    from asyncgen.model.config import ModelConfig
+    from asyncgen.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_llama, ModelConfig.from_dir(tiny_llama), EngineConfig(**ENGINE_ARGS), 256)
+    runner.load()
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.5)
+    new = NewRequestData("r", prompt, params, None, frozenset())
+    step0 = runner.launch(SchedulerOutput([ScheduledSeq("r", prompt, 0, [0], True)], [new], [], len(prompt), []))
+    tok0 = runner.collect(step0).sampled["r"]
+    history = prompt + [tok0]
+    # X: position 1 in a decode step; Y: the sequence recomputed from scratch (other
+    # blocks), position 1 again; both launched before X is collected.
+    x = runner.launch(SchedulerOutput([ScheduledSeq("r", [tok0], len(prompt), [0], True)], [], [], 1, []))
+    y = runner.launch(SchedulerOutput([ScheduledSeq("r", history, 0, [1], True)], [], [], len(history), []))
+    runner.collect(x)
+    # Z: position 2, its input Y's token, still in flight. Its penalty needs that token,
+    # not X's: its sampling waits for Y.
+    z = runner.launch(SchedulerOutput([ScheduledSeq("r", [PLACEHOLDER], len(history), [1], True)], [], [], 1, []))
+    assert z.pending is None and z.deferred is not None
+    tok1 = runner.collect(y).sampled["r"]
+    tok2 = runner.collect(z).sampled["r"]
+    assert runner.states["r"].output_token_ids == [tok0, tok1, tok2]
+    assert not runner.states["r"].in_flight and not runner._unabsorbed and runner._deferred is None

@@ -152,6 +152,8 @@ class _SeqState:
     # gets the tokens it gets alone.
     generator_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     guide: Optional[SequenceGuide] = None  # structured outputs: the grammar's states and masks
+    # The output positions of the launched steps' rows not yet collected, in launch order.
+    in_flight: deque = dataclasses.field(default_factory=deque)
 
 
 # Output positions behind the newest whose generator states are kept: tokens a
@@ -650,6 +652,8 @@ class ModelRunner:
                 if inputs.plp is not None:
                     plp = self._prompt_logprobs(hidden, inputs.plp)
         states = tuple(self.states[req_id] for req_id in host.sampling_ids)
+        for st, end in zip(states, host.sample_ends):
+            st.in_flight.append(end - len(st.prompt_token_ids))
         step = LaunchedStep(host.sampling_ids, None, plp, states)
         self._unabsorbed.append(step)
         if any(_waits_for_history(st, end) for st, end in zip(states, host.sample_ends)):
@@ -728,7 +732,12 @@ class ModelRunner:
         for req_id, st, tok, lp in zip(step.sampling_ids, step.states, tokens, logprobs):
             # (If the request ended while the step ran, the scheduler drops the token; its
             # state is no longer in self.states, and a new request with its id has another.)
-            st.output_token_ids.append(tok)
+            position = st.in_flight.popleft()
+            if all(later > position for later in st.in_flight):
+                del st.output_token_ids[position:]  # (tokens a preemption dropped)
+                st.output_token_ids.append(tok)
+            # else the sequence was preempted and a later step samples this position
+            # again: that token, not this one, goes into its history.
             result.sampled[req_id] = tok
             if lp is not None:
                 result.logprobs[req_id] = lp
