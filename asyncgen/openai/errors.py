@@ -136,7 +136,10 @@ _FIELD_TAGS = {
 }
 
 
-def _param(loc: tuple, field_names: dict[str, str]) -> Optional[str]:
+def _param(loc: tuple, field_names: dict[str, str], tags_after_index=_TAGS, field_tags=_FIELD_TAGS) -> Optional[str]:
+    """The dotted field path of a pydantic location, without the steps that name a union
+    member or a validator, nor the tags of chat messages' and parts' unions
+    (``tags_after_index``, after a list index) and of ``field_tags``' fields."""
     out = ""
     after_index = False
     tags: set = set()
@@ -146,12 +149,12 @@ def _param(loc: tuple, field_names: dict[str, str]) -> Optional[str]:
         if item in tags:
             tags = set()
             continue
-        tags = _FIELD_TAGS.get(item, set()) if isinstance(item, str) else set()
+        tags = field_tags.get(item, set()) if isinstance(item, str) else set()
         if isinstance(item, int):
             out += f"[{item}]"
             after_index = True
             continue
-        if after_index and item in _TAGS:
+        if after_index and item in tags_after_index:
             after_index = False
             continue
         after_index = False

@@ -78,7 +78,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from .adapter import AsyncStream
 from .adapter import _parse as _parse_request
-from .errors import APIStatusError, BadRequestError, _most_specific, from_validation_error
+from .errors import APIStatusError, BadRequestError, _most_specific, _param, from_validation_error
 from .protocol import (
     ChatCompletion,
     LogitBias,
@@ -743,23 +743,10 @@ def _validation_error(e: ValidationError) -> BadRequestError:
     err = from_validation_error(cleaned)
     # Content parts' "text" / "refusal" follow a list index, where the generic reader takes
     # them for a chat message's tag: name the field from the location itself.
-    param = _param_of(_most_specific(cleaned.errors())["loc"])
+    param = _param(tuple(_most_specific(cleaned.errors())["loc"]), {}, tags_after_index=(), field_tags={})
     if param and err.param and param != err.param and param.startswith(err.param):
         _set_param(err, param)
     return err
-
-
-def _param_of(loc: tuple) -> Optional[str]:
-    out = ""
-    for item in loc:
-        if isinstance(item, int):
-            out += f"[{item}]"
-        elif item in ("str", "int", "float", "bool", "none", "dict", "list") or "[" in item \
-                or item.startswith("function-"):
-            continue
-        else:
-            out += f".{item}" if out else item
-    return out or None
 
 
 def _set_param(err: APIStatusError, param: Optional[str]) -> None:

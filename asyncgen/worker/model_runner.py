@@ -161,10 +161,10 @@ class _SeqState:
 _GENERATOR_STATES_KEPT = 4
 
 
-def _waits_for_history(st: _SeqState, sample_end: int) -> bool:
-    """Whether sampling ``st``'s token at position ``sample_end`` reads output tokens not
-    yet collected (a penalty counts them, a grammar advances over them)."""
-    if len(st.output_token_ids) >= sample_end - len(st.prompt_token_ids):
+def _waits_for_history(st: _SeqState, position: int) -> bool:
+    """Whether sampling ``st``'s output token at ``position`` reads output tokens not yet
+    collected (a penalty counts them, a grammar advances over them)."""
+    if len(st.output_token_ids) >= position:
         return False
     p = st.params
     return st.guide is not None or (
@@ -652,11 +652,14 @@ class ModelRunner:
                 if inputs.plp is not None:
                     plp = self._prompt_logprobs(hidden, inputs.plp)
         states = tuple(self.states[req_id] for req_id in host.sampling_ids)
+        waits = False
         for st, end in zip(states, host.sample_ends):
-            st.in_flight.append(end - len(st.prompt_token_ids))
+            position = end - len(st.prompt_token_ids)
+            st.in_flight.append(position)
+            waits = waits or _waits_for_history(st, position)
         step = LaunchedStep(host.sampling_ids, None, plp, states)
         self._unabsorbed.append(step)
-        if any(_waits_for_history(st, end) for st, end in zip(states, host.sample_ends)):
+        if waits:
             # A penalty or a grammar reads the token the previous step is still sampling:
             # the forward pass is queued now, its sampling once that token is on the host.
             step.deferred = (logits, host.sample_ends)
