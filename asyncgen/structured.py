@@ -76,6 +76,7 @@ tables at once (numpy, memoized per DFA state). Only the other tokens are walked
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import json
@@ -1159,18 +1160,64 @@ def choice_grammar(options: list[str]) -> Grammar:
 
 
 # --- tokens ---------------------------------------------------------------------------------
-# A byte trie of token strings: a tuple of entries (byte, ids ending at that byte, child entries).
-_Trie = tuple
+# A byte trie of token strings: entries (byte, ids ending at that byte, child entries), the
+# children empty (a falsy tuple) or a _TrieNode. Iterating a trie gives its entries.
+_Trie = Union[tuple, "_TrieNode"]
 
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
+_BYTE = [bytes((b,)) for b in range(256)]
+
+
+class _TrieNode:
+    """A trie node over a run of byte strings sorted together (``data[lo:hi]``, all
+    sharing their first ``depth`` bytes), whose entries are built the first time they are
+    read. A walk that dies at a byte never builds what lies below it, so a vocabulary's
+    trie costs a sort up front, not a node per distinct prefix (hundreds of thousands).
+    Threads that read a node first at the same time build equal entries."""
+
+    __slots__ = ("_data", "_ids", "_lo", "_hi", "_depth", "_entries")
+
+    def __init__(self, data: list[bytes], ids: list[int], lo: int, hi: int, depth: int):
+        self._data = data
+        self._ids = ids
+        self._lo = lo
+        self._hi = hi
+        self._depth = depth
+        self._entries: Optional[tuple] = None
+
+    def __bool__(self) -> bool:
+        return True  # a node holds at least one string
+
+    def __iter__(self):
+        entries = self._entries
+        if entries is None:
+            entries = self._entries = self._build()
+        return iter(entries)
+
+    def _build(self) -> tuple:
+        data, ids, hi, depth = self._data, self._ids, self._hi, self._depth
+        i = self._lo
+        prefix = data[i][:depth]
+        length = depth + 1  # of the strings that end at this node's entries
+        entries = []
+        while i < hi:
+            b = data[i][depth]
+            end = hi if b == 255 else bisect.bisect_left(data, prefix + _BYTE[b + 1], i + 1, hi)
+            exact = i  # [i, exact): the strings that end here (equal ones sort first)
+            while exact < end and len(data[exact]) == length:
+                exact += 1
+            child = _TrieNode(data, ids, exact, end, length) if exact < end else ()
+            entries.append((b, tuple(ids[i:exact]) if exact > i else (), child))
+            i = end
+        return tuple(entries)
 
 
 @contextlib.contextmanager
 def _collector_paused():
-    """The cyclic garbage collector off, as it was before afterwards. A vocabulary's tries
-    are hundreds of thousands of containers without cycles; the passes their allocations
-    set off would take two thirds of the build (0.8 s against 0.3 s for 49,152 tokens on
-    the 2-core CPU), and finish nothing."""
+    """The cyclic garbage collector off, as it was before afterwards. A walk that reaches
+    new parts of a vocabulary's trie builds up to a hundred thousand nodes without cycles;
+    the collector's passes that their allocations would set off (over the whole heap)
+    took two thirds of such a walk on the 2-core CPU, and find nothing to free."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -1181,21 +1228,11 @@ def _collector_paused():
 
 
 def _token_trie(tokens: Iterable[tuple[int, bytes]]) -> _Trie:
-    root: dict = {}
-    for token_id, data in tokens:
-        node = root
-        for b in data[:-1]:
-            node = node.setdefault(b, ([], {}))[1]
-        node.setdefault(data[-1], ([], {}))[0].append(token_id)
-    order, todo = [], [root]
-    while todo:  # parents before children; frozen in reverse, children first
-        node = todo.pop()
-        order.append(node)
-        todo.extend(entry[1] for entry in node.values())
-    frozen: dict[int, _Trie] = {}
-    for node in reversed(order):
-        frozen[id(node)] = tuple((b, tuple(ids), frozen[id(children)]) for b, (ids, children) in node.items())
-    return frozen[id(root)]
+    """The trie of non-empty token strings, given as (id, bytes)."""
+    pairs = sorted((data, token_id) for token_id, data in tokens)
+    if not pairs:
+        return ()
+    return _TrieNode([data for data, _ in pairs], [token_id for _, token_id in pairs], 0, len(pairs), 0)
 
 
 def _plain_chars(data: bytes) -> Optional[int]:
@@ -1213,16 +1250,13 @@ class Vocabulary:
     """The tokens' bytes, indexed by token id, as tries for :class:`TokenGuide`.
 
     None marks a token that is never allowed (special tokens); so is an empty byte string
-    (it would let generation go on without progress). Read-only once built, but for
-    :meth:`plain_columns`, built the first time a pattern or regex state needs it (threads
-    that race there build equal copies); share one between guides.
+    (it would let generation go on without progress). Read-only once built, but for the
+    tries' nodes, built as walks first reach them, and :meth:`plain_columns`, built the
+    first time a pattern or regex state needs it (threads that race there build equal
+    copies); share one between guides.
     """
 
     def __init__(self, token_bytes: list[Optional[bytes]]):
-        with _collector_paused():
-            self._build(token_bytes)
-
-    def _build(self, token_bytes: list[Optional[bytes]]) -> None:
         self.token_bytes = token_bytes
         self.size = len(token_bytes)
         tokens = [(i, data) for i, data in enumerate(token_bytes) if data]
@@ -1472,10 +1506,12 @@ class TokenGuide:
         out: list[int] = []
         block = _plain_block(state)
         if block is None:
-            _walk(vocab.trie, state, out)
+            with _collector_paused():
+                _walk(vocab.trie, state, out)
             mask = np.zeros(vocab.size, dtype=bool)
         else:
-            _walk(vocab.other_trie, state, out)
+            with _collector_paused():
+                _walk(vocab.other_trie, state, out)
             room, runs = block
             if runs:
                 masks = [self._plain_mask(dfa, d) for dfa, d in dict.fromkeys(runs)]

@@ -738,18 +738,70 @@ def test_random_byte_walks_always_reach_an_end():
             assert conforms(value, SCHEMAS[name], SCHEMAS[name]), data
 
 
-def test_building_a_vocabulary_leaves_the_collector_as_it_found_it():
-    """The tries are built with the cyclic collector paused; it is on again afterwards, or
-    stays off where the host had turned it off."""
+def trie_contents(trie, prefix=b""):
+    """(id, bytes) of every token under ``trie``, reading every node."""
+    found = []
+    for b, ids, children in trie:
+        data = prefix + bytes([b])
+        found += [(i, data) for i in ids]
+        if children:
+            found += trie_contents(children, data)
+    return found
+
+
+def test_the_token_trie_holds_every_token_once():
+    """Random byte strings (0x00 and 0xff among them, some equal, many prefixes of others)."""
+    rng = random.Random(5)
+    pool = [bytes(rng.choice([0, 1, 2, 0x7F, 0xFE, 0xFF]) for _ in range(rng.randint(1, 5))) for _ in range(60)]
+    token_bytes = [rng.choice(pool + [None, b""]) for _ in range(400)] + [b"\xff" * 6, b"\x00", b"\xff"]
+    vocab = Vocabulary(token_bytes)
+    expected = sorted((i, data) for i, data in enumerate(token_bytes) if data)
+    assert sorted(trie_contents(vocab.trie)) == expected
+    bytes_at_root = [b for b, _, _ in vocab.trie]
+    assert bytes_at_root == sorted(set(bytes_at_root))
+    assert Vocabulary([None, b""]).trie == ()
+
+
+def test_a_walk_builds_only_the_trie_nodes_it_reaches(vocabulary, token_bytes, monkeypatch):
+    """A state that allows a few tokens builds a few of the 49,152-token trie's nodes; the
+    answer is the brute-force one. The collector is paused while nodes are built."""
     import gc
 
-    token_bytes = [b"a", b"ab", b"\"", None, b"b}"]
+    import asyncgen.structured as structured
+
+    built, collector = [], []
+    real_build = structured._TrieNode._build
+
+    def build(node):
+        built.append(node)
+        collector.append(gc.isenabled())
+        return real_build(node)
+
+    monkeypatch.setattr(structured._TrieNode, "_build", build)
+    fresh = Vocabulary(token_bytes)
+    grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    state = grammar.advance(grammar.initial, b'{"n": ')
+    guide = TokenGuide(grammar, fresh)
+    assert guide.allowed(state) == brute_force(grammar, token_bytes, state)
+    assert 0 < len(built) < 1000 and not any(collector) and gc.isenabled()  # of about 69,000
+    before = len(built)
+    guide.allowed(grammar.advance(grammar.initial, b'{"n": 1'))
+    guide.allowed(state)  # memoized, and its nodes are built already
+    assert len(built) - before < 1000
+
+
+def test_walks_leave_the_collector_as_they_found_it(vocabulary):
+    """The collector is paused while a walk builds trie nodes; it is on again afterwards,
+    or stays off where the host had turned it off."""
+    import gc
+
+    grammar = json_schema_grammar({"type": "array", "items": {"type": "boolean"}})
     assert gc.isenabled()
-    Vocabulary(token_bytes)
+    TokenGuide(grammar, Vocabulary(vocabulary.token_bytes)).allowed(grammar.initial)
     assert gc.isenabled()
     gc.disable()
     try:
-        Vocabulary(token_bytes)
+        TokenGuide(grammar, Vocabulary(vocabulary.token_bytes)).allowed(grammar.initial)
         assert not gc.isenabled()
     finally:
         gc.enable()
