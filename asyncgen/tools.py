@@ -214,6 +214,9 @@ class ToolCallParser:
     ``feed(text)`` for each new piece of text, then ``finish()`` once; each returns the
     :class:`ToolCallDelta` for what it made certain. ``tool_names``: the names of the
     tools offered (calls to other names are read as content); None takes any name.
+    ``max_calls``: the reply ends with that many calls (OpenAI's
+    ``parallel_tool_calls=false`` is one): once the last of them is closed, or broke off
+    after it went out, :attr:`ended` is true and the text after it is not read.
     """
 
     name = ""
@@ -225,8 +228,11 @@ class ToolCallParser:
     separator: Optional[str] = None  # between calls written one after another
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
 
-    def __init__(self, tool_names: Optional[Iterable[str]] = None):
+    def __init__(self, tool_names: Optional[Iterable[str]] = None, max_calls: Optional[int] = None):
+        if max_calls is not None and max_calls < 1:
+            raise ValueError(f"max_calls must be at least 1, got {max_calls}")
         self.tool_names = None if tool_names is None else frozenset(tool_names)
+        self.max_calls = max_calls
         self._buf = ""
         self._i = 0  # _buf[:_i] is read
         self._mark: Optional[int] = None  # where the text of a call not yet sent begins
@@ -245,9 +251,16 @@ class ToolCallParser:
         """The calls read so far (the last one possibly unfinished)."""
         return [ToolCall(c.id, c.name, c.arguments) for c in self._calls]
 
+    @property
+    def ended(self) -> bool:
+        """Whether the reply has its ``max_calls`` calls: nothing after them is read."""
+        return self._mode == "ended"
+
     def feed(self, text: str) -> ToolCallDelta:
         if self._finished:
             raise RuntimeError("feed() after finish()")
+        if self._mode == "ended":
+            return ToolCallDelta()
         self._buf += text
         return self._run(final=False)
 
@@ -266,7 +279,9 @@ class ToolCallParser:
                     break
             except _Broken as e:
                 self._recover(e.at)
-        if final:
+        if self._mode == "ended":
+            self._buf, self._i, self._mark = "", 0, None
+        elif final:
             self._flush_end()
         keep = self._i if self._mark is None else min(self._i, self._mark)
         if keep:
@@ -283,6 +298,8 @@ class ToolCallParser:
     def _step(self, final: bool) -> bool:
         """Reads on from _buf[_i]; False when more text is needed."""
         mode = self._mode
+        if mode == "ended":
+            return False
         if mode == "text":
             return self._step_text(final)
         if mode == "start":
@@ -468,6 +485,8 @@ class ToolCallParser:
             self._send()
         self._call = None
         self._i = j
+        if self._full():
+            return False
         if self._in_array:
             self._array_items += 1
             self._array_comma = False
@@ -475,6 +494,13 @@ class ToolCallParser:
         else:
             self._mode = "after"
         return True
+
+    def _full(self) -> bool:
+        """Ends the reading once the calls that went out reach ``max_calls``."""
+        if self.max_calls is not None and len(self._calls) >= self.max_calls:
+            self._mode = "ended"
+            return True
+        return False
 
     def _step_after(self, j: int, final: bool) -> bool:
         """After a call (or an array of them): a closing marker, a separator, or text."""
@@ -506,6 +532,7 @@ class ToolCallParser:
         self._mode = "text"
         if self._mark is None:  # a call went out: it keeps what it has; text resumes at `at`
             self._i = at
+            self._full()
             return
         start, self._mark = self._mark, None
         marker = self.start_marker
@@ -572,6 +599,8 @@ class RequiredToolCallsParser(ToolCallParser):
 
 class NamedToolCallParser:
     """Reads the output of :func:`named_tool_schema`: the arguments of one call to ``name``."""
+
+    ended = False  # (the grammar ends the reply; see ToolCallParser.ended)
 
     def __init__(self, name: str):
         self._call = ToolCall(new_call_id(), name, "")

@@ -401,6 +401,24 @@ async def test_json_schema_text_format(client):
     sdk_check(resp)
 
 
+async def test_auto_calls_end_with_the_first_when_parallel_tool_calls_is_false(engine):
+    """Read with the hermes parser (the output is forced to two calls): both come back,
+    or with parallel_tool_calls=false the first alone, and the generation stops there."""
+    client = engine.openai_client(tool_call_parser="hermes")
+    reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>')
+    kw = dict(model=client.model, input="The weather in Paris and Lyon?", tools=[WEATHER], max_output_tokens=200,
+              temperature=0, extra_body={"structured_outputs": {"choice": [reply]}})
+    both = await client.responses.create(**kw)
+    assert [(o.type, o.arguments) for o in both.output] == [("function_call", '{"city": "Paris"}'),
+                                                            ("function_call", '{"city": "Lyon"}')]
+    one = await client.responses.create(parallel_tool_calls=False, **kw)
+    assert one.status == "completed" and one.parallel_tool_calls is False
+    assert [(o.type, o.arguments, o.status) for o in one.output] == [("function_call", '{"city": "Paris"}', "completed")]
+    assert one.usage.output_tokens < both.usage.output_tokens - 10
+    sdk_check(one)
+
+
 async def test_reasoning_comes_first_as_its_own_item(engine):
     """With the think parser on (forced here on SmolLM2's weights), a <think> block the
     output opens is a reasoning item before the message, streamed as reasoning_text events."""

@@ -185,6 +185,50 @@ def test_the_other_formats_read_random_calls_in_any_chunking(parser, key, render
             assert _stream(cls(NAMES), text, rng)[:2] == whole[:2]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_max_calls_ends_the_reply_with_its_calls_in_any_chunking(seed):
+    """With max_calls=k the calls are the first k the whole text holds, the content is
+    the text before the k-th (a prefix of the whole content), and the chunking does not
+    matter; the parser has ended exactly where the text holds k calls."""
+    rng = random.Random(seed)
+    for name, make in [("hermes", lambda: _random_hermes(rng)[0]),
+                       ("llama3_json", lambda: "; ".join(_call_object(rng.choice(NAMES), {"a": _random_value(rng)},
+                                                                      "parameters", rng) for _ in range(3))),
+                       ("mistral", lambda: "[TOOL_CALLS][" + ", ".join(
+                           _call_object(rng.choice(NAMES), {"a": _random_value(rng)}, "arguments", rng)
+                           for _ in range(3)) + "]")]:
+        cls = get_tool_call_parser(name)
+        for _ in range(8):
+            text = make()
+            content, calls, _ = _stream(cls(NAMES), text, None)
+            for k in (1, 2):
+                parser = cls(NAMES, max_calls=k)
+                got = _stream(parser, text, None)
+                assert got[1] == calls[:k] and content.startswith(got[0]), (name, k, text)
+                assert parser.ended == (len(calls) >= k)
+                for _ in range(3):
+                    assert _stream(cls(NAMES, max_calls=k), text, rng)[:2] == got[:2], (name, k, text)
+    with pytest.raises(ValueError, match="max_calls"):
+        get_tool_call_parser("hermes")(NAMES, max_calls=0)
+
+
+def test_max_calls_keeps_the_text_before_the_call_and_drops_the_rest():
+    hermes = get_tool_call_parser("hermes")(NAMES, max_calls=1)
+    text = ('Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> and more')
+    first = hermes.feed(text[:60])
+    assert first.content == "Checking." and not hermes.ended
+    rest = hermes.feed(text[60:])
+    assert hermes.ended and rest.content == "" and [p.index for p in rest.tool_calls] == [0]
+    assert hermes.feed("ignored <tool_call>") == hermes.finish() == type(rest)()
+    assert [(c.name, c.arguments) for c in hermes.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    # a call that broke off after it went out is the reply's call too
+    broken = get_tool_call_parser("hermes")(NAMES, max_calls=1)
+    content, calls = parse_tool_calls(broken, '<tool_call>{"name": "search", "arguments": {"q": 1} oops '
+                                              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert broken.ended and content == "" and [(c.name, c.arguments) for c in calls] == [("search", '{"q": 1}')]
+
+
 def test_what_is_not_a_call_is_content_and_nothing_is_dropped():
     hermes = get_tool_call_parser("hermes")
     for text in ["<tool_call>not json</tool_call> after", 'Use <tool_call>{"name": "nope", "arguments": {}}</tool_call>',
@@ -496,6 +540,42 @@ async def test_auto_reads_calls_in_the_models_format(hermes_model):
         text = (await engine.generate(messages=_template_messages(_request(tools=TOOLS)), tools=TOOLS,
                                       params=_params(max_tokens=40, seed=1))).text
         assert free.choices[0].message.content == text and free.choices[0].message.tool_calls is None
+
+
+@pytest.mark.anyio
+async def test_auto_with_parallel_tool_calls_false_ends_with_the_first_call(hermes_model):
+    """The reply holds two calls; with parallel_tool_calls=false it ends with the first,
+    whole and streamed, and the request stops generating there (fewer tokens)."""
+    reply = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+             '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "celsius"}}\n</tool_call>')
+    async with AsyncEngine.from_pretrained(hermes_model, max_num_seqs=4, num_kv_blocks=128) as engine:
+        client = engine.openai_client()
+        kw = dict(model=client.model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200,
+                  extra_body={"structured_outputs": {"choice": [reply]}})
+        full = await client.chat.completions.create(**kw)
+        assert len(full.choices[0].message.tool_calls) == 3
+        one = await client.chat.completions.create(parallel_tool_calls=False, **kw)
+        c = one.choices[0]
+        first = [("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+        assert c.message.content == "Let me look that up." and c.finish_reason == "tool_calls"
+        assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == first
+        # stopped at the first call: the two calls after it (over 40 tokens) were not generated
+        assert one.usage.completion_tokens < full.usage.completion_tokens - 30
+        chunks = await _stream_all(client, parallel_tool_calls=False, stream_options={"include_usage": True}, **kw)
+        assert _joined_stream_calls(chunks) == ("Let me look that up.", first, ["tool_calls"])
+        assert chunks[-1].usage.completion_tokens < full.usage.completion_tokens - 30
+        # n = 2: each choice ends with its own first call; the request stops once both have
+        two = await client.chat.completions.create(parallel_tool_calls=False, n=2, **kw)
+        assert [(c.finish_reason, len(c.message.tool_calls)) for c in two.choices] == [("tool_calls", 1)] * 2
+        assert two.usage.completion_tokens < 2 * full.usage.completion_tokens - 60
+        streamed = await _stream_all(client, parallel_tool_calls=False, n=2, **kw)
+        assert sorted(ch.index for k in streamed for ch in k.choices if ch.finish_reason) == [0, 1]
+        # a reply with no call ends as usual
+        plain = await client.chat.completions.create(**{**kw, "extra_body": {"structured_outputs": {"choice": ["No."]}}},
+                                                     parallel_tool_calls=False)
+        assert plain.choices[0].message.content == "No." and plain.choices[0].finish_reason == "stop"
+        assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 
 def _params(**kw):

@@ -46,7 +46,10 @@ Mapping notes:
 * Tools: the function ``tools`` go to the chat template, which shows them to the model.
   With ``tool_choice="auto"`` (the default when tools are given) the output is read for
   calls in the model's own format (``tool_call_parser``); text around them is the
-  message's ``content``, null when only calls were made. ``"required"`` (and
+  message's ``content``, null when only calls were made; with ``parallel_tool_calls=false``
+  the reply ends with its first call (OpenAI's at most one): the request is stopped once
+  the call is read, and what the model wrote after it is not part of the reply
+  (``finish_reason`` "tool_calls"; ``usage`` still counts every token generated). ``"required"`` (and
   ``allowed_tools`` in required mode) constrains the output, with structured outputs, to a
   JSON array of ``{"name", "parameters"}`` objects, one call with
   ``parallel_tool_calls=false``; a named function constrains it to that function's
@@ -504,7 +507,12 @@ class OpenAIAdapter:
         created = int(time.time())
         if req.stream:
             return AsyncStream(self._chat_chunks(stream, req, rid, created, tool_parser, reasoning))
-        outs, usage, _ = await self._collect([stream], params.n, "messages")
+        # With parallel_tool_calls=false a reply ends with its first call: the generation
+        # stops there (a parser per choice watches for it).
+        until = None
+        if tool_parser is not None and req.tool_mode == "auto" and req.parallel_tool_calls is False:
+            until = [tool_parser() for _ in range(params.n)]
+        outs, usage, _ = await self._collect([stream], params.n, "messages", until=until)
         choices = []
         for i, out in enumerate(outs):
             logprobs = None
@@ -520,7 +528,10 @@ class OpenAIAdapter:
             if tool_parser is None:
                 message = ChatCompletionMessage(content=text)
             else:
-                content, calls = parse_tool_calls(tool_parser(), text)
+                parser = tool_parser()
+                content, calls = parse_tool_calls(parser, text)
+                if parser.ended:  # it ended with its call; the rest was not read
+                    finish_reason = "tool_calls"
                 message = ChatCompletionMessage(
                     content=content or (None if calls else content),
                     tool_calls=[
@@ -560,7 +571,8 @@ class OpenAIAdapter:
                 "tool_choice=\"required\" or a named function (these need no parser).", param="tool_choice",
             )
         cls = get_tool_call_parser(self.tool_call_parser)
-        return lambda: cls(names)
+        max_calls = 1 if req.parallel_tool_calls is False else None
+        return lambda: cls(names, max_calls=max_calls)
 
     async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int, tool_parser=None,
                            reasoning=None):
@@ -575,10 +587,18 @@ class OpenAIAdapter:
         parsers = [tool_parser() for _ in range(n)] if tool_parser is not None else None
         thinkers = [reasoning() for _ in range(n)] if reasoning is not None else None
         made_calls = [False] * n
+        done = [False] * n  # the choice's finish went out
+        running = [True] * n  # the engine still generates it
         try:
             for i in range(n):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
             async for c in stream:
+                if c.usage is not None:
+                    usage = c.usage
+                if c.finish_reason is not None:
+                    running[c.index] = False
+                if done[c.index]:  # ended with its call (parallel_tool_calls=false); the abort's chunk
+                    continue
                 lps = [lp for _, lp in aligned[c.index].add(c)] if req.logprobs else None
                 text, thought = c.text, ""
                 if thinkers is not None:
@@ -598,13 +618,15 @@ class OpenAIAdapter:
                 if delta is not None or lps:
                     logprobs = ChoiceLogprobs(content=self._chat_logprobs(lps)) if req.logprobs else None
                     yield chunk([ChatCompletionChunkChoice(index=c.index, delta=delta or ChoiceDelta(), logprobs=logprobs)])
-                if c.finish_reason is not None:
-                    finish = c.finish_reason
+                ended = parsers is not None and parsers[c.index].ended
+                if c.finish_reason is not None or ended:
+                    finish = "tool_calls" if ended else c.finish_reason
                     if parsers is not None:
                         finish = _tool_finish_reason(req, finish, made_calls[c.index])
                     yield chunk([ChatCompletionChunkChoice(index=c.index, delta=ChoiceDelta(), finish_reason=finish)])
-                if c.usage is not None:
-                    usage = c.usage
+                    done[c.index] = True
+                    if all(done) and any(running):  # a reply ended with its call: stop generating it
+                        self.engine.abort(stream.request_id)  # (its final chunks bring the usage)
         except AsyncGenError as e:
             raise from_exception(e, prompt_param="messages") from e
         finally:
@@ -806,11 +828,13 @@ class OpenAIAdapter:
             raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 
     async def _collect(
-        self, streams, n: int, prompt_param: str, scoring: bool = False
+        self, streams, n: int, prompt_param: str, scoring: bool = False, until: Optional[list] = None
     ) -> tuple[list["_Output"], CompletionUsage, list]:
         """Runs every stream to the end; their outputs, ``n`` per stream, the total usage,
         and each stream's prompt logprobs (None where not asked for). With ``scoring``
-        the generated token is dropped (completions' ``max_tokens=0``)."""
+        the generated token is dropped (completions' ``max_tokens=0``). ``until``: a tool
+        call parser per output, fed its text; once each output of a stream has finished or
+        its parser has ``ended``, the request is aborted (its outputs then end in "abort")."""
         outs = [_Output() for _ in range(n * len(streams))]
         aligned = [self._aligner(streams[i // n]) for i in range(n * len(streams))]
         usages: list[Usage] = []
@@ -819,6 +843,7 @@ class OpenAIAdapter:
         errors: list[AsyncGenError] = []
 
         async def drain(k: int, stream) -> None:
+            watched = until[k * n : (k + 1) * n] if until is not None else None
             try:
                 async for c in stream:
                     if scoring:
@@ -833,6 +858,13 @@ class OpenAIAdapter:
                         out.finish_reason = c.finish_reason
                     if c.usage is not None:
                         usages.append(c.usage)
+                    if watched is not None and not watched[c.index].ended:
+                        watched[c.index].feed(c.text)
+                        mine = outs[k * n : (k + 1) * n]
+                        if (watched[c.index].ended or c.finish_reason is not None) and all(
+                            p.ended or o.finish_reason is not None for p, o in zip(watched, mine)
+                        ) and any(o.finish_reason is None for o in mine):
+                            self.engine.abort(stream.request_id)  # the replies left ended with their call
             except AsyncGenError as e:
                 errors.append(e)
                 tg.cancel_scope.cancel()
