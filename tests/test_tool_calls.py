@@ -575,6 +575,23 @@ async def test_auto_with_parallel_tool_calls_false_ends_with_the_first_call(herm
         plain = await client.chat.completions.create(**{**kw, "extra_body": {"structured_outputs": {"choice": ["No."]}}},
                                                      parallel_tool_calls=False)
         assert plain.choices[0].message.content == "No." and plain.choices[0].finish_reason == "stop"
+        # a call inside a reasoning block is not the reply's: the answer's first call is
+        thinking = engine.openai_client(reasoning_parser="think")
+        thought = ('<think>\nMaybe <tool_call>{"name": "get_time", "arguments": {}}</tool_call> first.\n</think>\n\n'
+                   + reply.split("\n", 1)[1])
+        for stream in (False, True):
+            got = await thinking.chat.completions.create(
+                stream=stream, parallel_tool_calls=False, **{**kw, "extra_body": {"structured_outputs": {"choice": [thought]}}})
+            if stream:
+                got = [k async for k in got]
+                reasoning = "".join(ch.delta.reasoning_content or "" for k in got for ch in k.choices)
+                assert _joined_stream_calls(got) == ("", first, ["tool_calls"])
+            else:
+                msg = got.choices[0].message
+                reasoning = msg.reasoning_content
+                assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == first
+                assert got.choices[0].finish_reason == "tool_calls" and msg.content is None
+            assert "get_time" in reasoning
         assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 

@@ -511,7 +511,7 @@ class OpenAIAdapter:
         # stops there (a parser per choice watches for it).
         until = None
         if tool_parser is not None and req.tool_mode == "auto" and req.parallel_tool_calls is False:
-            until = [tool_parser() for _ in range(params.n)]
+            until = [_CallWatch(tool_parser(), reasoning() if reasoning is not None else None) for _ in range(params.n)]
         outs, usage, _ = await self._collect([stream], params.n, "messages", until=until)
         choices = []
         for i, out in enumerate(outs):
@@ -832,9 +832,10 @@ class OpenAIAdapter:
     ) -> tuple[list["_Output"], CompletionUsage, list]:
         """Runs every stream to the end; their outputs, ``n`` per stream, the total usage,
         and each stream's prompt logprobs (None where not asked for). With ``scoring``
-        the generated token is dropped (completions' ``max_tokens=0``). ``until``: a tool
-        call parser per output, fed its text; once each output of a stream has finished or
-        its parser has ``ended``, the request is aborted (its outputs then end in "abort")."""
+        the generated token is dropped (completions' ``max_tokens=0``). ``until``: a
+        :class:`_CallWatch` per output, fed its text; once each output of a stream has
+        finished or its watch has ended, the request is aborted (its outputs then end in
+        "abort")."""
         outs = [_Output() for _ in range(n * len(streams))]
         aligned = [self._aligner(streams[i // n]) for i in range(n * len(streams))]
         usages: list[Usage] = []
@@ -892,6 +893,26 @@ class OpenAIAdapter:
         if self._token_text is None:
             self._token_text = _TokenText(self.engine.tokenizer)
         return self._token_text
+
+
+class _CallWatch:
+    """Reads one output's answer (after a reasoning block, where the adapter splits one
+    off) for tool calls, to tell when a reply that takes one call has it."""
+
+    __slots__ = ("parser", "reasoning")
+
+    def __init__(self, parser, reasoning=None):
+        self.parser = parser
+        self.reasoning = reasoning
+
+    @property
+    def ended(self) -> bool:
+        return self.parser.ended
+
+    def feed(self, text: str) -> None:
+        if self.reasoning is not None:
+            text = self.reasoning.feed(text)[1]
+        self.parser.feed(text)
 
 
 class _Output:
