@@ -94,3 +94,19 @@ def test_skip_special_tokens(tokenizer):
             det.add([t])
         det.flush()
         assert det.delta(finished=True) == expected
+
+
+def test_token_bytes_join_to_the_text_and_the_vocabulary_agrees_with_each_token(tokenizer):
+    """The bytes of each token (the vocabulary structured outputs read) joined give the
+    text's UTF-8 bytes; vocabulary() gives every id what TokenBytes(id) does."""
+    from asyncgen.engine.tokenizer import TokenBytes
+
+    token_bytes = TokenBytes(tokenizer)
+    vocabulary = token_bytes.vocabulary()
+    assert len(vocabulary) == len(tokenizer)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(vocabulary[i] for i in ids) == text.encode()
+    special = set(tokenizer.all_special_ids)
+    assert special and all(vocabulary[i] is None for i in special)
+    assert all(vocabulary[i] == token_bytes(i) for i in range(len(tokenizer)) if vocabulary[i] is not None)
