@@ -1189,10 +1189,14 @@ class _TrieNode:
         return True  # a node holds at least one string
 
     def __iter__(self):
+        return iter(self.entries())
+
+    def entries(self) -> tuple:
+        """(byte, ids ending at that byte, child node or ()) for each next byte, in order."""
         entries = self._entries
         if entries is None:
             entries = self._entries = self._build()
-        return iter(entries)
+        return entries
 
     def _build(self) -> tuple:
         data, ids, hi, depth = self._data, self._ids, self._hi, self._depth
@@ -1417,6 +1421,8 @@ def _walk(trie: _Trie, state: State, out: list) -> None:
     todo = [(trie, state)]
     while todo:
         entries, state = todo.pop()
+        if type(entries) is _TrieNode:  # (its entries, without a call to __iter__ once built)
+            entries = entries._entries or entries.entries()
         for b, ids, children in entries:
             after = _step(state, b)
             if after is not None:
