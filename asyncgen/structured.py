@@ -1511,13 +1511,11 @@ class TokenGuide:
         vocab = self.vocabulary
         out: list[int] = []
         block = _plain_block(state)
+        with _collector_paused():
+            _walk(vocab.trie if block is None else vocab.other_trie, state, out)
         if block is None:
-            with _collector_paused():
-                _walk(vocab.trie, state, out)
             mask = np.zeros(vocab.size, dtype=bool)
         else:
-            with _collector_paused():
-                _walk(vocab.other_trie, state, out)
             room, runs = block
             if runs:
                 masks = [self._plain_mask(dfa, d) for dfa, d in dict.fromkeys(runs)]
