@@ -27,9 +27,15 @@ class StructuredOutputsParams:
     * ``choice``: the output is exactly one of these strings.
     * ``regex``: the output is text that the regular expression matches in whole (the
       JSON Schema ``pattern`` dialect; :mod:`asyncgen.regex` lists the syntax).
+    * ``structural_tag``: free text in which each structure that a trigger opens must be
+      complete and its JSON satisfy its schema (vLLM's ``{"type": "structural_tag",
+      "structures": [{"begin", "schema", "end"}], "triggers": [...]}``, a dict or its
+      JSON text; :func:`asyncgen.structured.structural_tag_grammar` has the rules).
+      Tool calls with ``strict`` in ``tool_choice="auto"`` are generated this way.
 
-    The output ends, with the request's stop token, once it is complete; it may still be
-    cut short by ``max_tokens`` (finish reason "length") or a stop string. The schema is
+    The output ends, with the request's stop token, once it is complete (a structural
+    tag's output ends where the model ends it, outside a structure); it may still be cut
+    short by ``max_tokens`` (finish reason "length") or a stop string. The schema is
     compiled when the params are made, so an unsupported or malformed one raises
     pydantic's ``ValidationError`` there, naming the keyword and where it is.
     """
@@ -38,25 +44,33 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
     choice: Optional[list[str]] = None
     regex: Optional[str] = None
+    structural_tag: Optional[Union[dict[str, Any], str]] = None
 
     def __post_init__(self):
-        given = [name for name in ("json", "json_object", "choice", "regex") if getattr(self, name) is not None]
+        given = [name for name in _KINDS if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"set exactly one of json, json_object, choice and regex (got {given or 'none'})")
+            raise ValueError(f"set exactly one of {', '.join(_KINDS)} (got {given or 'none'})")
         if self.json_object is False:
             raise ValueError("json_object must be True when given")
-        if isinstance(self.json, str):
-            try:
-                object.__setattr__(self, "json", _json.loads(self.json))
-            except ValueError as e:
-                raise ValueError(f"json is not valid JSON text: {e}") from None
+        for name in ("json", "structural_tag"):
+            text = getattr(self, name)
+            if isinstance(text, str):
+                try:
+                    object.__setattr__(self, name, _json.loads(text))
+                except ValueError as e:
+                    raise ValueError(f"{name} is not valid JSON text: {e}") from None
         self.grammar  # compile now: a bad schema fails at construction
 
     @property
     def key(self) -> str:
         """The constraint as canonical text (property order kept: it is part of the grammar)."""
-        return _json.dumps({"json": self.json, "json_object": self.json_object, "choice": self.choice,
-                            "regex": self.regex})
+        return _json.dumps({name: getattr(self, name) for name in _KINDS})
+
+    @property
+    def free_text(self) -> bool:
+        """Whether the output is free text around its structures (a structural tag), not
+        one constrained value: it may hold a reasoning block the prompt opened."""
+        return self.structural_tag is not None
 
     @property
     def grammar(self):
@@ -64,11 +78,16 @@ class StructuredOutputsParams:
         return _compile(self.key)
 
 
+_KINDS = ("json", "json_object", "choice", "regex", "structural_tag")
+
+
 @functools.lru_cache(maxsize=256)
 def _compile(key: str):
     from . import structured
 
     spec = _json.loads(key)
+    if spec["structural_tag"] is not None:
+        return structured.structural_tag_grammar(spec["structural_tag"])
     if spec["json"] is not None:
         return structured.json_schema_grammar(spec["json"])
     if spec["json_object"]:
@@ -92,7 +111,8 @@ class SamplingParams(BaseModel):
     ``best_of`` (>= ``n``) samples that many sequences and returns the ``n`` with the
     highest cumulative logprob (``generate()`` only: the choice is made at the end).
     ``structured_outputs`` constrains the output to a JSON Schema, any JSON object, a
-    list of choices or a regular expression (:class:`StructuredOutputsParams`); logprobs
+    list of choices, a regular expression or structures within free text
+    (:class:`StructuredOutputsParams`); logprobs
     are then those of the model before the constraint masks the tokens it rules out.
     Invalid values raise pydantic's ``ValidationError`` naming the field.
     """
@@ -146,7 +166,7 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _structured_outputs_end(self):
-        if self.structured_outputs is not None:
+        if self.structured_outputs is not None and not self.structured_outputs.free_text:
             if self.ignore_eos:
                 raise ValueError("structured_outputs end with the stop token once complete; ignore_eos=True "
                                  "would never let them end")

@@ -102,6 +102,7 @@ __all__ = [
     "json_object_grammar",
     "json_schema_grammar",
     "regex_grammar",
+    "structural_tag_grammar",
 ]
 
 MAX_WHITESPACE = 40  # bytes in one run of whitespace between JSON tokens
@@ -129,12 +130,18 @@ State = Any  # a stack (tuple of frames) or a frozenset of two or more stacks
 #   (_PATTERN, spec, dstate, escape)      in a string with a pattern or format: `dstate` = the state
 #                                         of its characters' DFA, `escape` = after a backslash
 #   (_REGEX, dfa, dstate)                 raw output that a regular expression must match
+#   (_TAGS, spec, dstate)                 free text of a structural tag (the bottom frame): `dstate`
+#                                         = the state of spec.dfa, which watches for the triggers
+#   (_BEGIN, spec, lit)                   in the begin string of a structure, after its trigger
+#                                         (`lit`: the node of the trie of what follows triggers)
+#   (_TAG_END, lit, ws)                   after a structure's value: `ws` whitespace bytes so far
+#                                         (-1 once the end string began), then the end string
 #
 # A frame whose value ends with its last byte (strings, objects, arrays, literals) is
 # popped by that byte; its parent was already set to what follows the value. A number (or
 # a literal that may go on, like 1 in enum [1, 12]) ends at the next byte it cannot take,
 # which is then fed to the parent.
-_END, _VALUE, _OBJECT, _ARRAY, _STRING, _NUMBER, _LITERAL, _PATTERN, _REGEX = range(9)
+_END, _VALUE, _OBJECT, _ARRAY, _STRING, _NUMBER, _LITERAL, _PATTERN, _REGEX, _TAGS, _BEGIN, _TAG_END = range(12)
 
 _O_OPEN, _O_KEY, _O_COLON, _O_AFTER, _O_COMMA = range(5)  # after {, in a key, before :, after a value, after ,
 _A_OPEN, _A_AFTER, _A_COMMA = range(3)  # after [, after an item, after ,
@@ -399,6 +406,33 @@ class _Node:
         self.start: dict[int, tuple[tuple, ...]] = {}
 
 
+class _TagSpec:
+    """A structural tag's tables: ``dfa`` reads free text and refuses (-1) the byte that
+    completes a trigger; ``completed[(d, b)]`` then names the triggers that byte completes
+    from DFA state d; ``rests[t]`` is the trie of what follows trigger t in the begin
+    strings that start with it (a leaf's ``index``: the structure); ``frames[i]`` replace
+    the begin's frame once structure i's begin is complete (its value, then its end)."""
+
+    __slots__ = ("dfa", "completed", "rests", "frames", "last_bytes")
+
+    def __init__(self, dfa, completed: dict, rests: list, frames: list, last_bytes: frozenset):
+        self.dfa = dfa
+        self.completed = completed
+        self.rests = rests
+        self.frames = frames
+        self.last_bytes = last_bytes
+
+
+def _enter(base: tuple, spec: _TagSpec, lit: _Lit, out: list) -> None:
+    """Appends the stacks of ``base`` (ending with the free text's frame) at trie node
+    ``lit`` of the begin strings: a structure's value where one ends, more begin where
+    one goes on."""
+    if lit.terminal:
+        out.append(base + spec.frames[lit.index])
+    if lit.children:
+        out.append(base + ((_BEGIN, spec, lit),))
+
+
 # --- the automaton ------------------------------------------------------------------------
 def _feed(stack: tuple, b: int, out: list) -> None:
     """Appends to ``out`` every stack that ``stack`` becomes after byte ``b``."""
@@ -465,6 +499,26 @@ def _feed(stack: tuple, b: int, out: list) -> None:
             out.append(stack[:-1] + ((_LITERAL, child),) if child.children else stack[:-1])
         elif lit.terminal:
             _feed(stack[:-1], b, out)
+    elif tag == _TAGS:
+        spec, d = top[1], top[2]
+        nxt = spec.dfa.next[d][b]
+        if nxt >= 0:
+            out.append(stack[:-1] + ((_TAGS, spec, nxt),))
+        else:  # a trigger is complete: a structure that begins with it follows
+            base = stack[:-1] + ((_TAGS, spec, spec.dfa.start),)
+            for t in spec.completed[(d, b)]:
+                _enter(base, spec, spec.rests[t], out)
+    elif tag == _BEGIN:
+        child = top[2].children.get(b)
+        if child is not None:
+            _enter(stack[:-1], top[1], child, out)
+    elif tag == _TAG_END:
+        lit, ws = top[1], top[2]
+        if ws >= 0 and _IS_WS[b] and ws < MAX_WHITESPACE:
+            out.append(stack[:-1] + ((_TAG_END, lit, ws + 1),))
+        child = lit.children.get(b)
+        if child is not None:
+            out.append(stack[:-1] + ((_TAG_END, child, -1),) if child.children else stack[:-1])
     # _END: nothing may follow
 
 
@@ -599,6 +653,10 @@ def _step(state: State, b: int) -> Optional[State]:
         top = state[-1]
         if top[0] == _STRING and top[3] == 0 and top[1] is _FREE_STRING and _IS_PLAIN[b]:
             return state  # the hot path: plain text inside a string
+        if top[0] == _TAGS:  # the other one: a structural tag's free text
+            nxt = top[1].dfa.next[top[2]][b]
+            if nxt >= 0:
+                return state[:-1] + ((_TAGS, top[1], nxt),)
         out: list = []
         _feed(state, b, out)
     else:
@@ -615,7 +673,7 @@ def _step(state: State, b: int) -> Optional[State]:
 
 def _stack_accepts(stack: tuple) -> bool:
     top = stack[-1]
-    if top[0] == _END:
+    if top[0] == _END or top[0] == _TAGS:
         return True
     if top[0] == _REGEX:
         return top[1].accepting[top[2]]
@@ -1159,6 +1217,109 @@ def choice_grammar(options: list[str]) -> Grammar:
     return Grammar(((_END,), (_LITERAL, root)))
 
 
+def _trigger_dfa(triggers: list[bytes]):
+    """Free text watched for ``triggers``: a DFA whose states are the longest suffix of the
+    text so far that is a proper prefix of a trigger, and the byte that completes a trigger
+    leads nowhere (-1); with it, {(state, byte): the triggers completed}."""
+    from .regex import ByteDFA
+
+    prefixes = sorted({t[:i] for t in triggers for i in range(len(t))}, key=lambda p: (len(p), p))
+    number = {p: i for i, p in enumerate(prefixes)}  # b"" (the start) is 0
+    rows, completed = [], {}
+    for d, prefix in enumerate(prefixes):
+        row = []
+        for b in range(256):
+            text = prefix + _BYTE[b]
+            done = tuple(t for t, trigger in enumerate(triggers) if text.endswith(trigger))
+            if done:
+                completed[(d, b)] = done
+                row.append(-1)
+                continue
+            while text not in number:
+                text = text[1:]
+            row.append(number[text])
+        rows.append(tuple(row))
+    return ByteDFA(0, tuple(rows), (True,) * len(rows)), completed
+
+
+def structural_tag_grammar(tag: Union[dict, str]) -> Grammar:
+    """Free text in which structures are constrained (vLLM's ``structural_tag``)::
+
+        {"type": "structural_tag",
+         "triggers": ["<tool_call>"],
+         "structures": [{"begin": "<tool_call>{\"name\": \"f\", \"arguments\": ",
+                         "schema": {...}, "end": "}</tool_call>"}]}
+
+    The output is any text until a trigger appears in it. From the trigger on, the text
+    must be the rest of the ``begin`` of a structure that starts with that trigger, then
+    a JSON value that satisfies the structure's ``schema`` (whitespace may come before
+    the value and before ``end``), then its ``end``; after that it is free text again,
+    watched for triggers. Generation may end anywhere in free text, not inside a
+    structure. Every begin must start with a trigger, every trigger must start some
+    begin, and no two begins may be equal.
+    """
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise _error(f"structural_tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise _error(f"structural_tag must be a JSON object, got {type(tag).__name__}")
+    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    if unknown or tag.get("type", "structural_tag") != "structural_tag":
+        raise _error("structural_tag: only the form {\"type\": \"structural_tag\", \"structures\": [...], "
+                     f"\"triggers\": [...]}} is supported (got the keys {sorted(tag)}, type {tag.get('type')!r})")
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise _error(f"structural_tag.triggers must be a non-empty list of non-empty strings, got {triggers!r}")
+    if not isinstance(structures, list) or not structures:
+        raise _error(f"structural_tag.structures must be a non-empty list, got {structures!r}")
+    trigger_bytes = list(dict.fromkeys(t.encode() for t in triggers if _encodable(t)))
+    if len(trigger_bytes) != len(set(triggers)):
+        raise _error("structural_tag.triggers: a trigger is not valid Unicode text")
+    begins, frames = [], []
+    for i, structure in enumerate(structures):
+        where = f"structural_tag.structures[{i}]"
+        if not isinstance(structure, dict) or set(structure) - {"begin", "schema", "end"} or "begin" not in structure:
+            raise _error(f"{where} must be an object with begin, schema and end, got {structure!r}")
+        begin, end, schema = structure["begin"], structure.get("end", ""), structure.get("schema", True)
+        if not isinstance(begin, str) or not isinstance(end, str) or not _encodable(begin + end):
+            raise _error(f"{where}: begin and end must be strings of valid Unicode text")
+        data = begin.encode()
+        if data in begins:
+            raise _error(f"{where}.begin {begin!r} repeats structures[{begins.index(data)}].begin")
+        if not any(data.startswith(t) for t in trigger_bytes):
+            raise _error(f"{where}.begin {begin!r} starts with none of the triggers {triggers!r}")
+        if schema is None:
+            schema = True
+        if not isinstance(schema, (dict, bool)):
+            raise _error(f"{where}.schema must be a JSON Schema object, got {schema!r}")
+        try:
+            compiler = _Compiler(schema)
+            root = compiler.node_at("#")
+            compiler.finish(root)
+        except InvalidRequestError as e:
+            raise _error(f"{where}.schema: {str(e).removeprefix('structured_outputs: ')}") from None
+        value = (_VALUE, root, 0)
+        frames.append(((_TAG_END, _literal_trie([end.encode()]), 0), value) if end else (value,))
+        begins.append(data)
+    rests = []
+    for trigger in trigger_bytes:
+        mine = [(j, data[len(trigger):]) for j, data in enumerate(begins) if data.startswith(trigger)]
+        if not mine:
+            raise _error(f"structural_tag.triggers: {trigger.decode()!r} starts none of the structures' begins")
+        rest = _Lit()
+        for j, data in mine:
+            node = rest
+            for b in data:
+                node = node.children.setdefault(b, _Lit())
+            node.terminal, node.index = True, j
+        rests.append(rest)
+    dfa, completed = _trigger_dfa(trigger_bytes)
+    spec = _TagSpec(dfa, completed, rests, frames, frozenset(t[-1] for t in trigger_bytes))
+    return Grammar(((_TAGS, spec, dfa.start),))
+
+
 # --- tokens ---------------------------------------------------------------------------------
 # A byte trie of token strings: entries (byte, ids ending at that byte, child entries), the
 # children empty (a falsy tuple) or a _TrieNode. Iterating a trie gives its entries.
@@ -1289,6 +1450,7 @@ class Vocabulary:
         self._plain_by_chars = np.array(self.plain_by_chars, dtype=np.intp)
         self.other_trie = _token_trie(other)
         self._plain_columns: Optional[_PlainColumns] = None
+        self._plain_tries: dict[frozenset[int], _Trie] = {}
 
     def plain_within_ids(self, room: Optional[int]) -> np.ndarray:
         """The ids of the plain tokens of at most ``room`` characters (all for None)."""
@@ -1296,6 +1458,14 @@ class Vocabulary:
             return self._plain_by_chars
         within = self.plain_within
         return self._plain_by_chars[: within[min(room, len(within) - 1)]]
+
+    def plain_trie_with(self, data: frozenset[int]) -> _Trie:
+        """The trie of the plain tokens that hold any of the bytes ``data`` (built on first use)."""
+        trie = self._plain_tries.get(data)
+        if trie is None:
+            tokens = [(i, self.token_bytes[i]) for i in self.plain_ids]
+            trie = self._plain_tries[data] = _token_trie((i, t) for i, t in tokens if not data.isdisjoint(t))
+        return trie
 
     def plain_columns(self) -> _PlainColumns:
         """The plain tokens laid out to run through a DFA all at once (built on first use)."""
@@ -1432,19 +1602,26 @@ def _walk(trie: _Trie, state: State, out: list) -> None:
                     todo.append((children, after))
 
 
-def _plain_block(state: State) -> Optional[tuple[Union[int, None, bool], list[tuple[ByteDFA, int]]]]:
+def _plain_block(
+    state: State,
+) -> Optional[tuple[Union[int, None, bool], list[tuple[ByteDFA, int]], frozenset[int]]]:
     """How ``state`` decides the plain tokens without the general walk, where every
     alternative is inside a string between characters, inside a pattern string not after
-    a backslash, or in a regex output; None where some alternative is elsewhere.
+    a backslash, in a regex output or in a structural tag's free text; None where some
+    alternative is elsewhere.
 
     A plain token changes only the top frame of such a stack, and never pops it, so the
     token can follow the state exactly where one alternative alone takes it whole: in a
     string, any token of at most ``room`` characters (None: no limit; False: no string
-    alternative); in a pattern string or a regex output, the tokens that its DFA reads
-    from its DFA state (``runs``: the (DFA, DFA state) pairs).
+    alternative); in a pattern string, a regex output or free text, the tokens that its
+    DFA reads from its DFA state (``runs``: the (DFA, DFA state) pairs). The exception is
+    a plain token that completes a trigger in free text, which the free text's DFA
+    refuses: such a token holds the trigger's last byte, and the plain tokens holding
+    one of ``walk_bytes`` must be walked as well.
     """
     room: Union[int, None, bool] = False
     runs = []
+    walk_bytes: frozenset[int] = frozenset()
     for stack in (state,) if type(state) is tuple else state:
         top = stack[-1]
         tag = top[0]
@@ -1459,9 +1636,12 @@ def _plain_block(state: State) -> Optional[tuple[Union[int, None, bool], list[tu
             runs.append((top[1].dfa, top[2]))
         elif tag == _REGEX:
             runs.append((top[1], top[2]))
+        elif tag == _TAGS:
+            runs.append((top[1].dfa, top[2]))
+            walk_bytes |= top[1].last_bytes
         else:
             return None
-    return room, runs
+    return room, runs, walk_bytes
 
 
 class TokenGuide:
@@ -1513,10 +1693,12 @@ class TokenGuide:
         block = _plain_block(state)
         with _collector_paused():
             _walk(vocab.trie if block is None else vocab.other_trie, state, out)
+            if block is not None and block[2]:
+                _walk(vocab.plain_trie_with(block[2]), state, out)
         if block is None:
             mask = np.zeros(vocab.size, dtype=bool)
         else:
-            room, runs = block
+            room, runs, _ = block
             if runs:
                 masks = [self._plain_mask(dfa, d) for dfa, d in dict.fromkeys(runs)]
                 mask = np.logical_or.reduce(masks) if len(masks) > 1 else masks[0].copy()

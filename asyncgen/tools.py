@@ -37,7 +37,9 @@ What is parsed, exactly:
 :func:`required_tools_schema` and :func:`named_tool_schema` are the JSON Schemas
 the OpenAI layer constrains the output to for ``tool_choice="required"`` and a named
 function; their outputs are read with :class:`RequiredToolCallsParser` and
-:class:`NamedToolCallParser`.
+:class:`NamedToolCallParser`. With ``tool_choice="auto"``, :func:`strict_tool_call_tag`
+gives the structural tag under which the calls a model writes in the ``hermes`` format
+follow the schemas of its ``strict`` functions, the text around them left free.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ __all__ = [
     "parse_tool_calls",
     "partial_marker",
     "required_tools_schema",
+    "strict_tool_call_tag",
 ]
 
 _WS = " \t\n\r"
@@ -676,6 +679,30 @@ def named_tool_schema(function: dict[str, Any]) -> Any:
     """The schema of the arguments of a call to ``function`` (an OpenAI function
     definition: name, description, parameters): its parameters, or ``{}`` if it has none."""
     return _parameters(function)
+
+
+# The formats whose calls a structural tag can hold: (trigger, begin before the name's
+# JSON, between the name and the arguments, end). A call in them opens with a marker the
+# model writes anywhere in its text (not so llama3_json's, which only starts an output, nor
+# mistral's, a special token that structured outputs never allow).
+_CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>")}
+
+
+def strict_tool_call_tag(parser: str, functions: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The structural tag (see :func:`asyncgen.structured.structural_tag_grammar`) under
+    which each call the model opens in format ``parser`` names one of ``functions`` and
+    has arguments valid for its ``parameters`` where the function is ``strict`` (any JSON
+    object where it is not), while the text around the calls stays free; None for the
+    formats it cannot hold (``llama3_json``, ``mistral``)."""
+    if parser not in _CALL_TAGS:
+        return None
+    trigger, head, middle, end = _CALL_TAGS[parser]
+    structures = [
+        {"begin": head + json.dumps(f["name"]) + middle,
+         "schema": _parameters(f) if f.get("strict") else {"type": "object"}, "end": end}
+        for f in functions
+    ]
+    return {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
 
 
 def required_tools_schema(functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:

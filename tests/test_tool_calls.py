@@ -595,6 +595,84 @@ async def test_auto_with_parallel_tool_calls_false_ends_with_the_first_call(herm
         assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 
+# A conversation in which the model has called get_weather before: SmolLM2 then often
+# writes a call of its own.
+FEW_SHOT = [
+    {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 degrees"},
+    {"role": "assistant", "content": "It is 18 degrees in Paris."},
+    {"role": "user", "content": "And what is the weather in Lyon, in celsius?"},
+]
+
+
+def _valid_call(name: str, arguments: str) -> bool:
+    """Whether a call names an offered function and its arguments satisfy its schema."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return False
+    if name == "get_weather":
+        return (list(args) == ["city", "unit"] and isinstance(args["city"], str) and len(args["city"]) <= 24
+                and args["unit"] in ("celsius", "fahrenheit"))
+    return name == "get_time" and list(args) == ["tz"] and isinstance(args["tz"], str) and len(args["tz"]) <= 12
+
+
+@pytest.mark.anyio
+async def test_auto_with_strict_functions_writes_only_valid_calls(hermes_model):
+    """Sampled hot, SmolLM2's unconstrained calls break (unknown names, arguments off the
+    schema, left as content); with ``strict`` the same requests write only calls that name
+    an offered function with valid arguments, around free text, whole and streamed."""
+    def strict(on: bool):
+        return [{**t, "function": {**t["function"], "strict": on}} for t in TOOLS]
+
+    async with AsyncEngine.from_pretrained(hermes_model, max_num_seqs=8, num_kv_blocks=256) as engine:
+        client = engine.openai_client()
+        kw = dict(model=client.model, messages=FEW_SHOT, max_tokens=40, temperature=1.3, seed=5, n=8)
+        loose = (await client.chat.completions.create(tools=strict(False), **kw)).choices
+        broken = [c for c in loose if "<tool_call>" in (c.message.content or "")]
+        invalid = [t for c in loose for t in c.message.tool_calls or () if not _valid_call(t.function.name, t.function.arguments)]
+        assert broken or invalid  # what strict rules out happens here
+        enforced = (await client.chat.completions.create(tools=strict(True), **kw)).choices
+        calls = [(t.function.name, t.function.arguments) for c in enforced for t in c.message.tool_calls or ()]
+        assert calls and all(_valid_call(*call) for call in calls), calls
+        for c in enforced:
+            # a call the model opened is always read, unless max_tokens cut it off
+            assert "<tool_call>" not in (c.message.content or "") or c.finish_reason == "length"
+            assert c.finish_reason == ("tool_calls" if c.message.tool_calls else c.finish_reason)
+        chunks = await _stream_all(client, tools=strict(True), **{**kw, "n": 1, "seed": 7})
+        content, streamed, finish = _joined_stream_calls(chunks)
+        assert all(_valid_call(*call) for call in streamed)
+        whole = (await client.chat.completions.create(tools=strict(True), **{**kw, "n": 1, "seed": 7})).choices[0]
+        assert streamed == [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or ()]
+        # a strict function's schema must be enforceable; a loose one's is read as written
+        odd = [{**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "integer", "minimum": 1}}}]
+        with pytest.raises(BadRequestError, match="minimum") as e:
+            await client.chat.completions.create(tools=[{**odd[0], "function": {**odd[0]["function"], "strict": True}}],
+                                                 **{**kw, "n": 1})
+        assert e.value.param == "tools[0].function.parameters"
+        await client.chat.completions.create(tools=odd, **{**kw, "n": 1, "max_tokens": 4})
+        assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+@pytest.mark.anyio
+async def test_a_structural_tag_leaves_free_text_as_the_model_writes_it(hermes_model):
+    """Greedy, the reply to ASK opens no call: under the strict calls' structural tag its
+    tokens are the unconstrained ones (free text is not constrained, and the mask of the
+    end-of-turn token is the model's)."""
+    from asyncgen.tools import strict_tool_call_tag
+
+    tag = strict_tool_call_tag("hermes", [{**t["function"], "strict": True} for t in TOOLS])
+    async with AsyncEngine.from_pretrained(hermes_model, max_num_seqs=4, num_kv_blocks=128) as engine:
+        messages = _template_messages(_request(tools=TOOLS))
+        free = await engine.generate(messages=messages, tools=TOOLS, params=_params(max_tokens=48, temperature=0))
+        tagged = await engine.generate(messages=messages, tools=TOOLS, params=_params(
+            max_tokens=48, temperature=0, structured_outputs={"structural_tag": tag}))
+        assert "<tool_call>" not in free.text and len(free.token_ids) > 8
+        assert tagged.token_ids == free.token_ids and tagged.finish_reason == free.finish_reason
+
+
 def _params(**kw):
     from asyncgen import SamplingParams
 

@@ -158,7 +158,9 @@ class TokenBytes:
         return self._tok.decode([token_id]).encode()
 
     def vocabulary(self) -> list[Optional[bytes]]:
-        """Every token id's bytes (``len(tokenizer)`` entries), None for special and added
-        tokens: a decode may skip those, so their text is not reliably in the output."""
+        """Every token id's bytes (``len(tokenizer)`` entries), None for the special ones
+        (a decode may skip those, so their text is not reliably in the output). Added
+        tokens not marked special, such as Qwen's ``<tool_call>``, are decoded as their
+        text, and have it."""
         pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
-        return [None if i in self._added else self._bytes(i, piece) for i, piece in enumerate(pieces)]
+        return [None if i in self.special else self._bytes(i, piece) for i, piece in enumerate(pieces)]

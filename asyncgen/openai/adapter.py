@@ -58,6 +58,13 @@ Mapping notes:
   answers). When streamed, a call's id, type and name come in its first piece, then its
   arguments in pieces, as OpenAI sends them. A forced call's parameters must be a schema
   structured outputs can enforce; one that is not is refused, naming the tool.
+  In ``"auto"``, a function with ``strict: true`` has its calls enforced too where the
+  model writes the ``hermes`` format: the output is free text, and each ``<tool_call>``
+  it opens must name an offered function and hold arguments valid for a strict one's
+  schema (any JSON object for the others), with a structural tag (vLLM's
+  ``structural_tag``; a strict function's schema must then be enforceable, as a forced
+  call's). Calls in the ``llama3_json`` and ``mistral`` formats, and all calls of a
+  request that sets ``response_format`` or ``structured_outputs``, are read as written.
 * Reasoning: with ``reasoning_parser`` on, a ``<think>`` block (opened by the output, or
   by the prompt as DeepSeek-R1's template does) goes to the message's
   ``reasoning_content`` and to the chunks' ``delta.reasoning_content``; tool calls are
@@ -84,7 +91,7 @@ from ..engine.tokenizer import TokenBytes
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..reasoning import ReasoningParser, opens_reasoning, template_reasons
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..structured import json_schema_grammar
 from ..tools import (
     NamedToolCallParser,
@@ -94,6 +101,7 @@ from ..tools import (
     named_tool_schema,
     parse_tool_calls,
     required_tools_schema,
+    strict_tool_call_tag,
 )
 from .errors import APIStatusError, BadRequestError, NotFoundError, from_exception, from_validation_error
 from .protocol import (
@@ -200,10 +208,9 @@ def _logit_bias(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
     return out
 
 
-def _tool_call_schema(request: ChatCompletionRequest) -> Any:
-    """The JSON Schema a forced tool call is generated under (BadRequestError naming the
-    tool whose parameters it cannot enforce)."""
-    functions = request.offered_functions
+def _check_tool_schemas(request: ChatCompletionRequest, functions: list) -> None:
+    """BadRequestError naming the first of ``functions`` whose parameters structured
+    outputs cannot enforce."""
     for f in functions:
         try:
             json_schema_grammar(named_tool_schema(f.model_dump()))
@@ -212,6 +219,13 @@ def _tool_call_schema(request: ChatCompletionRequest) -> Any:
             raise BadRequestError(
                 f"Invalid value for 'tools[{i}].function.parameters': {e}", param=f"tools[{i}].function.parameters"
             ) from e
+
+
+def _tool_call_schema(request: ChatCompletionRequest) -> Any:
+    """The JSON Schema a forced tool call is generated under (BadRequestError naming the
+    tool whose parameters it cannot enforce)."""
+    functions = request.offered_functions
+    _check_tool_schemas(request, functions)
     if request.tool_mode == "named":
         return named_tool_schema(functions[0].model_dump())
     return required_tools_schema([f.model_dump() for f in functions], parallel=request.parallel_tool_calls is not False)
@@ -490,7 +504,7 @@ class OpenAIAdapter:
         req = _parse(ChatCompletionRequest, request)
         self._check_model(req.model)
         tool_parser = self._tool_parser(req)
-        params = to_sampling_params(req)
+        params = self._strict_calls(req, to_sampling_params(req))
         if tool_parser is not None and self.tool_call_parser == "mistral" and req.skip_special_tokens is None:
             params = params.model_copy(update={"skip_special_tokens": False})  # [TOOL_CALLS] is a special token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -502,7 +516,8 @@ class OpenAIAdapter:
         if self.reasoning_parser is not None:
             # a constrained output (structured outputs, a forced tool call) has no room for a
             # block the prompt opened: it is read as reasoning only if it opens one itself
-            inside = params.structured_outputs is None and opens_reasoning(stream.group.prompt)
+            structured = params.structured_outputs
+            inside = (structured is None or structured.free_text) and opens_reasoning(stream.group.prompt)
             reasoning = functools.partial(ReasoningParser, inside)
         created = int(time.time())
         if req.stream:
@@ -551,6 +566,22 @@ class OpenAIAdapter:
         from .responses import create_response
 
         return await create_response(self, request)
+
+    def _strict_calls(self, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """``params`` under which, with ``tool_choice="auto"`` and a ``strict`` function
+        offered, every call the model opens follows the schema of a strict function (any
+        JSON object for the others) and names an offered one, the text around the calls
+        left free: for the hermes format, and unless the request constrains its output
+        otherwise (``response_format``, ``structured_outputs``), which then wins."""
+        functions = req.offered_functions
+        if (req.tool_mode != "auto" or params.structured_outputs is not None or self.tool_call_parser is None
+                or not any(f.strict for f in functions)):
+            return params
+        tag = strict_tool_call_tag(self.tool_call_parser, [f.model_dump() for f in functions])
+        if tag is None:
+            return params
+        _check_tool_schemas(req, [f for f in functions if f.strict])
+        return params.model_copy(update={"structured_outputs": StructuredOutputsParams(structural_tag=tag)})
 
     def _tool_parser(self, req: ChatCompletionRequest):
         """A factory of the parser that reads tool calls out of each choice, or None."""

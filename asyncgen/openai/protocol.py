@@ -211,7 +211,7 @@ class FunctionDefinition(_Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None  # a JSON Schema; absent: no parameters
-    strict: Optional[bool] = None  # a forced call always follows the schema; "auto" ones are read as written
+    strict: Optional[bool] = None  # forced calls always follow the schema; "auto" ones do where true (hermes)
 
 
 class FunctionTool(_Strict):
@@ -283,8 +283,25 @@ class ResponseFormatJSONSchema(_Strict):
     json_schema: JSONSchema
 
 
+class StructuralTagStructure(_Strict):
+    begin: str
+    # ("schema" on the wire, as in JSONSchema)
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    end: str
+
+
+class ResponseFormatStructuralTag(_Strict):
+    """vLLM's extension: free text in which each structure a trigger opens follows its
+    schema (:func:`asyncgen.structured.structural_tag_grammar`)."""
+
+    type: Literal["structural_tag"]
+    structures: Annotated[list[StructuralTagStructure], Field(min_length=1)]
+    triggers: Annotated[list[str], Field(min_length=1)]
+
+
 ResponseFormat = Annotated[
-    Union[ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema], Field(discriminator="type")
+    Union[ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema, ResponseFormatStructuralTag],
+    Field(discriminator="type"),
 ]
 
 
@@ -299,7 +316,8 @@ class VLLMSamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
-    # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} | {"regex": "..."} (StructuredOutputsParams)
+    # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} | {"regex": "..."}
+    # | {"structural_tag": {...}} (StructuredOutputsParams)
     structured_outputs: Optional[dict[str, Any]] = None
 
 
@@ -320,6 +338,8 @@ class _SamplingExtensions(VLLMSamplingFields):
                 )
             if isinstance(fmt, ResponseFormatJSONObject):
                 return "response_format", {"json_object": True}
+            if isinstance(fmt, ResponseFormatStructuralTag):
+                return "response_format", {"structural_tag": fmt.model_dump(by_alias=True)}
             schema = fmt.json_schema.schema_
             return "response_format.json_schema.schema", {"json": True if schema is None else schema}
         if self.structured_outputs is not None:
