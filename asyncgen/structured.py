@@ -7,13 +7,16 @@ ambiguous (an ``anyOf`` of overlapping schemas), a frozenset of two or more stac
 alternatives that a byte rules out drop out. Equal situations give equal states, so
 whatever is computed per state (the allowed tokens) is computed once.
 
-Four grammars:
+Five grammars:
 
 * :func:`json_schema_grammar`: one JSON value (RFC 8259) that satisfies a JSON Schema
   (draft 2020-12, the subset below);
 * :func:`json_object_grammar`: any JSON object (OpenAI's ``json_object`` mode);
 * :func:`choice_grammar`: exactly one of a list of strings;
-* :func:`regex_grammar`: raw text that a regular expression matches in whole.
+* :func:`regex_grammar`: raw text that a regular expression matches in whole;
+* :func:`structural_tag_grammar`: free text in which each structure that a trigger
+  string opens must be complete: its begin string, a JSON value of its schema, its end
+  string (vLLM's ``structural_tag``; how strict tool calls are generated in "auto" mode).
 
 The JSON language, as bytes:
 
@@ -71,7 +74,10 @@ the first byte the grammar refuses. Tokens of plain string content (no quote, ba
 or control byte, whole UTF-8 characters) leave the grammar's stack as it is wherever a
 string is open, so they are decided without it: inside a free string they are allowed as
 a block; inside a pattern string or a regex output all of them run through the DFA's
-tables at once (numpy, memoized per DFA state). Only the other tokens are walked.
+tables at once (numpy, memoized per DFA state). Only the other tokens are walked. In a
+structural tag's free text the plain tokens run through the DFA that watches for the
+triggers, and those holding a trigger's last byte (which may open a structure) are
+walked with the others.
 """
 
 from __future__ import annotations

@@ -653,6 +653,22 @@ async def test_auto_with_strict_functions_writes_only_valid_calls(hermes_model):
                                                  **{**kw, "n": 1})
         assert e.value.param == "tools[0].function.parameters"
         await client.chat.completions.create(tools=odd, **{**kw, "n": 1, "max_tokens": 4})
+        # the Responses API passes a function's strict on: its function_call items are valid too
+        history = [FEW_SHOT[0], {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                 "arguments": FEW_SHOT[1]["tool_calls"][0]["function"]["arguments"]},
+                   {"type": "function_call_output", "call_id": "c1", "output": "18 degrees"}, *FEW_SHOT[3:]]
+        tools = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
+        items = []
+
+        async def respond(seed: int) -> None:
+            r = await client.responses.create(model=client.model, input=history, tools=tools, temperature=1.3,
+                                              max_output_tokens=40, extra_body={"seed": seed})
+            items.extend((o.name, o.arguments) for o in r.output if o.type == "function_call")
+
+        async with anyio.create_task_group() as tg:
+            for seed in range(4):
+                tg.start_soon(respond, seed)
+        assert items and all(_valid_call(*item) for item in items), items
         assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 
