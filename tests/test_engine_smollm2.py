@@ -283,3 +283,41 @@ async def test_prefix_caching_changes_no_greedy_token(smollm2_path):
     m = on[1].metrics
     assert m.time_to_first_token >= m.queue_time >= 0 and m.time_per_output_token > 0
     assert m.num_prompt_tokens == len(on[1].prompt_token_ids) and m.num_generation_tokens == len(on[1].token_ids)
+
+
+@pytest.mark.anyio
+async def test_continue_final_message_goes_on_with_a_begun_reply(smollm2_path, hf_smollm2):
+    """A reply begun for the model: the prompt ends right after its text (transformers'
+    continue_final_message), and the greedy continuation equals transformers' on it,
+    through the engine and the OpenAI layer; add_generation_prompt=False opens no turn."""
+    from asyncgen.errors import InvalidRequestError
+    from asyncgen.openai import BadRequestError
+
+    model, tok = hf_smollm2
+    begun = [{"role": "user", "content": "Name three primary colors."},
+             {"role": "assistant", "content": "The three primary colors are"}]
+    text = tok.apply_chat_template(begun, tokenize=False, continue_final_message=True)
+    assert text.endswith("The three primary colors are")
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=64) as engine:
+        greedy = SamplingParams(max_tokens=12, temperature=0)
+        out = await engine.generate(messages=begun, params=greedy, continue_final_message=True)
+        assert out.prompt == text and list(out.token_ids) == ref.tolist()
+        client = engine.openai_client()
+        reply = await client.chat.completions.create(model=client.model, messages=begun, max_tokens=12, temperature=0,
+                                                     extra_body={"continue_final_message": True})
+        assert reply.choices[0].message.content == out.text and reply.usage.prompt_tokens == ids.shape[1]
+        # the turn closed and none opened: the prompt ends with the last message's end of turn
+        closed = await engine.generate(messages=begun, params=greedy, add_generation_prompt=False)
+        assert closed.prompt == tok.apply_chat_template(begun, tokenize=False) and closed.prompt.endswith("<|im_end|>\n")
+        with pytest.raises(InvalidRequestError, match="add_generation_prompt") as e:
+            await engine.generate(messages=begun, params=greedy, continue_final_message=True, add_generation_prompt=True)
+        assert e.value.param == "continue_final_message"
+        with pytest.raises(InvalidRequestError, match="'messages' only"):
+            await engine.generate("Hi", greedy, continue_final_message=True)
+        with pytest.raises(BadRequestError) as e:
+            await client.chat.completions.create(model=client.model, messages=begun, extra_body={
+                "continue_final_message": True, "add_generation_prompt": True})
+        assert e.value.param == "continue_final_message"

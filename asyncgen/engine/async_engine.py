@@ -383,6 +383,8 @@ class AsyncEngine:
         request_id: Optional[str] = None,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         tools: Optional[list[dict[str, Any]]] = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: Optional[bool] = None,
     ) -> "RequestStream":
         """Generates for one prompt, yielding :class:`StreamChunk` as text arrives.
 
@@ -397,6 +399,10 @@ class AsyncEngine:
         ``messages`` only) are the tools the template shows the model, in OpenAI's form
         (``{"type": "function", "function": {"name", "description", "parameters"}}``);
         :mod:`asyncgen.tools` reads the calls back out of the output.
+        ``continue_final_message=True`` (with ``messages`` only) has the model go on with
+        the last message, typically an assistant reply begun for it, instead of opening a
+        new turn: the output is what follows its content. ``add_generation_prompt=False``
+        ends the prompt after the last message's turn, opening none.
         """
         params = _coerce_params(params)
         if params.num_sequences > params.n:
@@ -404,13 +410,15 @@ class AsyncEngine:
                 f"best_of={params.best_of} > n={params.n} cannot be streamed: the best {params.n} are only "
                 "known at the end; use generate()"
             )
-        return self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools)
+        return self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools,
+                                 continue_final_message, add_generation_prompt)
 
-    def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None,
-                     tools=None) -> "RequestStream":
+    def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None, tools=None,
+                     continue_final_message=False, add_generation_prompt=None) -> "RequestStream":
         self._check_running()
         params = _coerce_params(params)
-        prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools)
+        prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools, continue_final_message,
+                                                add_generation_prompt)
         self._check_fits(token_ids, params)
         own_id = request_id is not None
         if not own_id:
@@ -448,10 +456,14 @@ class AsyncEngine:
         request_id: Optional[str] = None,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         tools: Optional[list[dict[str, Any]]] = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: Optional[bool] = None,
     ) -> RequestOutput:
-        """Generates for one prompt and returns the whole :class:`RequestOutput`. With
-        ``best_of``, the ``n`` completions with the highest cumulative logprob, best first."""
-        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools)
+        """Generates for one prompt and returns the whole :class:`RequestOutput` (the
+        arguments are :meth:`stream`'s). With ``best_of``, the ``n`` completions with the
+        highest cumulative logprob, best first."""
+        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools,
+                                   continue_final_message, add_generation_prompt)
         stream.group.wake_each_chunk = False
         want = stream.group.params
         n = want.num_sequences
@@ -531,10 +543,13 @@ class AsyncEngine:
         return self._core.stats()
 
     # --- request checks ---------------------------------------------------------------------
-    def _tokenize(self, prompt, messages, chat_template_kwargs=None, tools=None) -> tuple[Optional[str], list[int]]:
+    def _tokenize(self, prompt, messages, chat_template_kwargs=None, tools=None, continue_final_message=False,
+                  add_generation_prompt=None) -> tuple[Optional[str], list[int]]:
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' and 'messages'")
-        for name, value in (("chat_template_kwargs", chat_template_kwargs), ("tools", tools)):
+        for name, value in (("chat_template_kwargs", chat_template_kwargs), ("tools", tools),
+                            ("continue_final_message", continue_final_message or None),
+                            ("add_generation_prompt", add_generation_prompt)):
             if value is not None and messages is None:
                 raise InvalidRequestError(
                     f"{name} apply to 'messages' only; this request gave a prompt", param=name,
@@ -543,7 +558,8 @@ class AsyncEngine:
         if messages is not None:
             from .tokenizer import apply_chat_template
 
-            text = apply_chat_template(tok, messages, chat_template_kwargs, tools)
+            text = apply_chat_template(tok, messages, chat_template_kwargs, tools, add_generation_prompt,
+                                       continue_final_message)
             return text, tok.encode(text, add_special_tokens=False)
         if isinstance(prompt, str):
             if not prompt:

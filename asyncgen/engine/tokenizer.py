@@ -70,12 +70,29 @@ _TEMPLATE_CALL_ARGS = frozenset({
 
 
 def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict[str, Any]] = None,
-                        tools: Optional[list[dict[str, Any]]] = None) -> str:
+                        tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: Optional[bool] = None,
+                        continue_final_message: bool = False) -> str:
     """The prompt text for chat ``messages``, ending with the assistant's turn opening;
     ``template_kwargs`` are extra variables the template sees (``enable_thinking``, ...),
-    ``tools`` the tools it shows the model (OpenAI's ``{"type": "function", ...}`` dicts)."""
+    ``tools`` the tools it shows the model (OpenAI's ``{"type": "function", ...}`` dicts).
+
+    ``continue_final_message=True`` ends the text inside the last message instead, right
+    after its content, so that the model goes on with it (a reply begun for the model);
+    ``add_generation_prompt=False`` ends it after the last message's turn, with no turn
+    opened. By default the turn is opened unless the last message is continued; both
+    true is refused."""
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InvalidRequestError(f"tools must be a list of dicts, got {tools!r}", param="tools")
+    for name, flag in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final_message)):
+        if flag is not None and not isinstance(flag, bool):
+            raise InvalidRequestError(f"{name} must be a bool, got {flag!r}", param=name)
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    elif add_generation_prompt and continue_final_message:
+        raise InvalidRequestError(
+            "continue_final_message=True goes on with the last message, so add_generation_prompt (which opens a "
+            "new turn after it) must not be True as well", param="continue_final_message",
+        )
     if template_kwargs is not None:
         if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
             raise InvalidRequestError(
@@ -99,7 +116,8 @@ def apply_chat_template(tokenizer, messages: Any, template_kwargs: Optional[dict
         raise InvalidRequestError("this model's tokenizer has no chat template; pass 'prompt' instead of 'messages'")
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {})
         )
     except Exception as e:
         raise InvalidRequestError(f"the chat template rejected these messages: {type(e).__name__}: {e}") from e

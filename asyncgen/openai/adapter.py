@@ -511,7 +511,7 @@ class OpenAIAdapter:
         fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs,
-                            tools)
+                            tools, bool(req.continue_final_message), req.add_generation_prompt)
         reasoning = None
         if self.reasoning_parser is not None:
             # a constrained output (structured outputs, a forced tool call) has no room for a
@@ -851,10 +851,12 @@ class OpenAIAdapter:
 
     # --- shared -------------------------------------------------------------------------------
     def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str, fields=None,
-              chat_template_kwargs=None, tools=None):
+              chat_template_kwargs=None, tools=None, continue_final_message=False, add_generation_prompt=None):
         try:
             return self.engine.stream(prompt, params, messages=messages, request_id=request_id,
-                                      chat_template_kwargs=chat_template_kwargs, tools=tools)
+                                      chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                      continue_final_message=continue_final_message,
+                                      add_generation_prompt=add_generation_prompt)
         except (AsyncGenError, ValidationError) as e:
             raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 

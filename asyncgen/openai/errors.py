@@ -131,7 +131,7 @@ _TAGS = {"system", "developer", "user", "assistant", "tool", "function", "text",
          "input_audio", "file"}
 # Discriminated fields that are not in a list: the member's tag follows the field's name.
 _FIELD_TAGS = {
-    "response_format": {"text", "json_object", "json_schema"},
+    "response_format": {"text", "json_object", "json_schema", "structural_tag"},
     "tool_choice": {"function", "allowed_tools", "custom"},
 }
 

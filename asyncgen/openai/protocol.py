@@ -17,8 +17,10 @@ A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``structured_outputs``, e.g.
 ``{"choice": ["yes", "no"]}`` or ``{"regex": "[0-9]{3}"}``), are accepted as extensions,
-and so is chat's ``chat_template_kwargs`` (variables for the chat template, such as
-Qwen3's ``enable_thinking``); the official client sends them through ``extra_body``.
+and so are chat's ``chat_template_kwargs`` (variables for the chat template, such as
+Qwen3's ``enable_thinking``), ``continue_final_message`` (the model goes on with the last
+message, an assistant reply begun for it; the reply holds what it adds) and
+``add_generation_prompt``; the official client sends them through ``extra_body``.
 
 Responses (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``ModelList``,
 ``ErrorResponse``) serialise to the JSON OpenAI sends. ``finish_reason`` is "stop" or
@@ -353,8 +355,12 @@ class ChatCompletionRequest(_SamplingExtensions):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
-    # vLLM's extension: extra variables for the chat template ({"enable_thinking": false}).
+    # vLLM's extensions: extra variables for the chat template ({"enable_thinking": false});
+    # go on with the last message instead of opening a turn (add_generation_prompt then
+    # defaults to false; true with it is refused); open no turn after the last message.
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
     audio: Optional[dict[str, Any]] = None
     frequency_penalty: Optional[Penalty] = 0.0
     function_call: Optional[Union[str, dict[str, Any]]] = None
