@@ -15,8 +15,8 @@ aborted, broken off or cancelled midway (what they received is a prefix of their
 reference, and they change nobody else's output), some retried at once under the same
 request_id; logprobs and prompt logprobs; stop strings and stop token ids taken from the
 reference's own output so that they end it midway; ``max_tokens=1``; a repetition
-penalty and structured outputs (a JSON Schema, JSON mode, choices; both stop the engine
-planning steps ahead while they run). Afterwards every
+penalty and structured outputs (a JSON Schema, JSON mode, choices, a structural tag; both
+stop the engine planning steps ahead while they run). Afterwards every
 block is free and nothing is left of any request.
 
 Batches of different shapes round differently in the last bits, so a greedy choice
@@ -135,6 +135,8 @@ STRUCTURED = (
     {"choice": ["yes", "no", "not sure", "nothing at all"]},
     {"json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {
         "type": "string", "maxLength": 4}, "maxItems": 3}}, "required": ["a"]}},
+    # free text in which every "a" opens "a=<integer>;"
+    {"structural_tag": {"triggers": ["a"], "structures": [{"begin": "a=", "schema": {"type": "integer"}, "end": ";"}]}},
 )
 
 
