@@ -114,6 +114,10 @@ class SamplingParams(BaseModel):
     list of choices, a regular expression or structures within free text
     (:class:`StructuredOutputsParams`); logprobs
     are then those of the model before the constraint masks the tokens it rules out.
+    ``allowed_token_ids`` (vLLM's) lets only those tokens be sampled; ``bad_words`` (vLLM's)
+    keeps each word out of the output: the token that would complete it, as the word or
+    as " word" tokenizes, is masked wherever the output ends with the tokens before it.
+    Both mask after the logprobs are taken, as structured outputs do.
     Invalid values raise pydantic's ``ValidationError`` naming the field.
     """
 
@@ -140,6 +144,8 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Optional[StructuredOutputsParams] = None
+    allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = None
+    bad_words: Optional[list[str]] = None
 
     @field_validator("stop")
     @classmethod
@@ -149,6 +155,13 @@ class SamplingParams(BaseModel):
         strings = [v] if isinstance(v, str) else v
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_blank(cls, v):
+        if v is not None and any(not w.strip() for w in v):
+            raise ValueError("bad_words must not hold empty or blank strings")
         return v
 
     @field_validator("logit_bias")
@@ -166,6 +179,9 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _structured_outputs_end(self):
+        if self.structured_outputs is not None and self.allowed_token_ids is not None:
+            raise ValueError("structured_outputs decide which tokens may come next; allowed_token_ids cannot be "
+                             "combined with them")
         if self.structured_outputs is not None and not self.structured_outputs.free_text:
             if self.ignore_eos:
                 raise ValueError("structured_outputs end with the stop token once complete; ignore_eos=True "

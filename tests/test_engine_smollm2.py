@@ -321,3 +321,49 @@ async def test_continue_final_message_goes_on_with_a_begun_reply(smollm2_path, h
             await client.chat.completions.create(model=client.model, messages=begun, extra_body={
                 "continue_final_message": True, "add_generation_prompt": True})
         assert e.value.param == "continue_final_message"
+
+
+@pytest.mark.anyio
+async def test_allowed_token_ids_and_bad_words_mask_what_they_name(smollm2_path):
+    """allowed_token_ids that hold the greedy output's own tokens change nothing; fewer
+    keep every token inside them. A bad word from the greedy output (several tokens,
+    and as its own token) never appears once banned; the logprobs stay the model's."""
+    from asyncgen.openai import BadRequestError
+
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=96) as engine:
+        tok = engine.tokenizer
+        prompt = "The capital of France is Paris. The capital of Italy is"
+        greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+        free = await engine.generate(prompt, greedy)
+        own = sorted(set(free.token_ids) | engine.eos_token_ids)
+        same = await engine.generate(prompt, greedy.model_copy(update={"allowed_token_ids": own}))
+        assert same.token_ids == free.token_ids
+        few = sorted(set(tok.encode(" Rome Paris Milan, and the.", add_special_tokens=False)))
+        narrow = await engine.generate(prompt, greedy.model_copy(update={"allowed_token_ids": few}))
+        assert narrow.token_ids and set(narrow.token_ids) <= set(few)
+        # a word of several tokens, and one of one token, both seen in the free output
+        words = free.text.split()
+        multi = next(w for w in words if len(tok.encode(" " + w, add_special_tokens=False)) > 1)
+        single = next(w for w in words if len(tok.encode(" " + w, add_special_tokens=False)) == 1 and w != multi)
+        for word in (multi, single):
+            banned = await engine.generate(prompt, greedy.model_copy(update={"bad_words": [word]}))
+            seq = tok.encode(" " + word, add_special_tokens=False)
+            out = list(banned.token_ids)
+            assert all(out[i:i + len(seq)] != seq for i in range(len(out))), (word, banned.text)
+            assert banned.token_ids != free.token_ids
+            # up to the first masked token the outputs agree, with the same logprobs
+            k = next(i for i, (a, b) in enumerate(zip(out, free.token_ids)) if a != b)
+            lps = banned.outputs[0].logprobs
+            ref = free.outputs[0].logprobs
+            assert [x.logprob for x in lps[:k]] == pytest.approx([x.logprob for x in ref[:k]])
+            # at the masked position the reported distribution is the model's: its top choice is the masked token
+            assert [t for t, _ in lps[k].top] == [t for t, _ in ref[k].top] and lps[k].top[0][0] == free.token_ids[k]
+            assert [v for _, v in lps[k].top] == pytest.approx([v for _, v in ref[k].top])
+        client = engine.openai_client()
+        r = await client.completions.create(model=client.model, prompt=prompt, max_tokens=24, temperature=0,
+                                            extra_body={"bad_words": [multi]})
+        assert multi not in r.choices[0].text.split()
+        with pytest.raises(BadRequestError) as e:
+            await client.completions.create(model=client.model, prompt=prompt, max_tokens=4,
+                                            extra_body={"allowed_token_ids": [10 ** 7]})
+        assert e.value.param == "allowed_token_ids"

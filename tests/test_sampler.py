@@ -122,3 +122,44 @@ def test_invalid_sampling_params_name_the_field(bad):
         SamplingParams(**bad)
     text = str(info.value)
     assert any(k in text for k in bad) or "min_tokens" in text
+
+
+def test_token_filter_masks_allowed_ids_and_the_last_token_of_bad_words():
+    from asyncgen.worker.guided import TokenFilter
+
+    width = 12
+    f = TokenFilter(None, [(3,), (5, 6, 7), (6, 8)], width)
+    assert f.reads_history
+    never = f.mask([], 0, None)
+    assert not never[3] and never.sum() == width - 1  # a one-token word: always
+    assert f.mask([1, 5, 6], 3, None).tolist() == [i not in (3, 7, 8) for i in range(width)]  # 5 6 -> 7, 6 -> 8
+    assert not f.mask([6], 1, None)[8]
+    assert f.mask([1, 5, 6, 9], 4, None).tolist() == [i != 3 for i in range(width)]  # the output ends with 9
+    # only the first `generated` tokens count (the rest were dropped by a preemption)
+    assert not f.mask([5, 6, 0, 0], 2, None)[7] and f.mask([5, 6, 0, 0], 4, None)[7]
+    # with a structured output's mask: narrowed, and never emptied by a ban
+    grammar = torch.zeros(width, dtype=torch.bool)
+    grammar[[3, 4]] = True
+    assert f.mask([], 0, grammar).tolist() == [i == 4 for i in range(width)]
+    grammar[4] = False
+    assert f.mask([], 0, grammar) is grammar  # only the banned word left: the grammar wins (logged)
+    # allowed ids, and a ban among them
+    g = TokenFilter([2, 3, 9], [(9,)], width)
+    assert not g.reads_history and g.mask([], 0, None).tolist() == [i in (2, 3) for i in range(width)]
+    h = TokenFilter([9], [(9,)], width)
+    assert h.mask([], 0, None).tolist() == [i == 9 for i in range(width)]  # the ban would leave nothing
+    assert TokenFilter(None, [], width).mask([], 0, None) is None
+
+
+def test_sampling_takes_only_tokens_the_row_allows():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    allowed = torch.zeros(50, dtype=torch.bool)
+    allowed[[7, 11, 40]] = True
+    rows = [row(temperature=0), row(temperature=0), row(temperature=2.0)]
+    rows[1].allowed = allowed
+    rows[2].allowed = allowed
+    for _ in range(20):
+        tokens, _ = sample(logits.clone(), rows)
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] == max((7, 11, 40), key=lambda t: float(logits[1, t]))
+        assert tokens[2] in (7, 11, 40)

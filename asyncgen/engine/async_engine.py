@@ -428,10 +428,21 @@ class AsyncEngine:
         else:
             self._check_request_id(request_id, params.num_sequences)
         group = RequestGroup(request_id, prompt_text, token_ids, params)
+        if params.bad_words:
+            group.bad_word_ids = self._bad_word_ids(params.bad_words)
         stream = RequestStream(self, group, self._max_tokens(token_ids, params))
         if own_id:
             self._unsent[request_id] = stream
         return stream
+
+    def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences of ``bad_words``: each word as it is and after a space (as
+        it tokenizes in the middle of a text)."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                out[tuple(self._tokenizer.encode(text, add_special_tokens=False))] = None
+        return tuple(ids for ids in out if ids)
 
     def _check_request_id(self, request_id: str, count: int) -> None:
         """DuplicateRequestError if the id (or a sample id of it) is taken by a live request
@@ -610,7 +621,8 @@ class AsyncEngine:
                 f"blocks; the pool has {bm.num_blocks}. Lower max_tokens or give the engine more KV memory",
                 param=None if params.max_tokens is None else "max_tokens",
             )
-        for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
+        for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {}),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise InvalidRequestError(

@@ -74,6 +74,7 @@ class RequestGroup:
         )
         self.prompt_logprobs_sent = False
         self.arrival_time = time.monotonic()
+        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
     @property
     def finished(self) -> bool:
@@ -134,6 +135,7 @@ class EngineCore:
         for i, seq_id in enumerate(seq_ids(group.request_id, count)):
             seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
+            req.bad_word_ids = group.bad_word_ids
             if self.block_manager.enable_prefix_caching:
                 req.prefix_leader = leader
                 leader = leader or req

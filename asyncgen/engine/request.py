@@ -44,7 +44,7 @@ class Request:
     __slots__ = (
         "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_confirmed_tokens",
         "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
-        "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time", "epoch",
+        "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time", "epoch", "bad_word_ids",
     )
 
     def __init__(
@@ -74,6 +74,7 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.epoch = -1  # set by the scheduler at each admission
+        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
 
     @property
     def prompt_done(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from ..sampling_params import StructuredOutputsParams
 
-__all__ = ["GuideFactory", "SequenceGuide"]
+__all__ = ["GuideFactory", "SequenceGuide", "TokenFilter"]
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +121,47 @@ class SequenceGuide:
             mask = mask.clone()
             mask[self._stops] = True
         return mask
+
+
+class TokenFilter:
+    """One sequence's ``allowed_token_ids`` and ``bad_words`` as a mask over the logits'
+    ``width``. ``bad_words`` are token sequences: the last token of each is masked where
+    the output ends with the others (a one-token word is masked everywhere)."""
+
+    def __init__(self, allowed_token_ids: Optional[Sequence[int]], bad_words: Sequence[Sequence[int]], width: int):
+        self._allowed = None
+        if allowed_token_ids:
+            self._allowed = torch.zeros(width, dtype=torch.bool)
+            self._allowed[[t for t in allowed_token_ids if t < width]] = True
+        single = sorted({w[0] for w in bad_words if len(w) == 1 and w[0] < width})
+        self._base = self._allowed
+        if single:
+            self._base = torch.ones(width, dtype=torch.bool) if self._allowed is None else self._allowed.clone()
+            self._base[single] = False
+        self._multi = [tuple(w) for w in bad_words if len(w) > 1 and w[-1] < width]
+        self._width = width
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the mask depends on the output so far (a word of several tokens)."""
+        return bool(self._multi)
+
+    def mask(self, output_token_ids: Sequence[int], generated: int, allowed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``allowed`` (a structured output's mask, or None for every token) narrowed to
+        this filter after the first ``generated`` output tokens (None: every token). The
+        bad words never leave a row without a token: where they would, they are not
+        applied at that step (logged)."""
+        if self._base is None and not self._multi:
+            return allowed
+        out = self._base if allowed is None else (allowed if self._base is None else allowed & self._base)
+        banned = [w[-1] for w in self._multi
+                  if generated >= len(w) - 1 and tuple(output_token_ids[generated - len(w) + 1 : generated]) == w[:-1]]
+        if banned:
+            out = torch.ones(self._width, dtype=torch.bool) if out is None else out.clone()
+            out[banned] = False
+        if out is not None and not bool(out.any()):
+            log.warning("bad_words leave no token to sample after output token %d; not applied there", generated)
+            if allowed is None or self._allowed is None:
+                return allowed if allowed is not None else self._allowed
+            return allowed & self._allowed
+        return out

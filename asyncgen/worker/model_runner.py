@@ -37,7 +37,7 @@ from ..model.config import ModelConfig
 from ..model.llama import AttentionMetadata, LlamaForCausalLM
 from ..model.loader import load_weights
 from ..outputs import TokenLogprob
-from .guided import GuideFactory, SequenceGuide
+from .guided import GuideFactory, SequenceGuide, TokenFilter
 from .sampler import PendingSample, SamplingRow, sample_async
 
 __all__ = ["LaunchedStep", "ModelOutput", "ModelRunner", "resolve_device", "resolve_dtype"]
@@ -152,6 +152,7 @@ class _SeqState:
     # gets the tokens it gets alone.
     generator_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     guide: Optional[SequenceGuide] = None  # structured outputs: the grammar's states and masks
+    token_filter: Optional[TokenFilter] = None  # allowed_token_ids, bad_words
     # The output positions of the launched steps' rows not yet collected, in launch order.
     in_flight: deque = dataclasses.field(default_factory=deque)
 
@@ -167,7 +168,7 @@ def _waits_for_history(st: _SeqState, position: int) -> bool:
     if len(st.output_token_ids) >= position:
         return False
     p = st.params
-    return st.guide is not None or (
+    return st.guide is not None or (st.token_filter is not None and st.token_filter.reads_history) or (
         p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
     )
 
@@ -627,6 +628,8 @@ class ModelRunner:
             st = _SeqState(new.params, new.prompt_token_ids, [], new.stop_token_ids, gen)
             if new.params.structured_outputs is not None:
                 st.guide = self._guides()(new.params.structured_outputs, new.stop_token_ids)
+            if new.params.allowed_token_ids or new.bad_word_ids:
+                st.token_filter = TokenFilter(new.params.allowed_token_ids, new.bad_word_ids, self.model_cfg.vocab_size)
             self.states[new.req_id] = st
         if not out.seqs:
             return LaunchedStep([], None)
@@ -679,6 +682,8 @@ class ModelRunner:
             if st.generator is not None:
                 _position_generator(st, generated)
             allowed = None if st.guide is None else st.guide.mask(st.output_token_ids, generated)
+            if st.token_filter is not None:
+                allowed = st.token_filter.mask(st.output_token_ids, generated, allowed)
             rows.append(SamplingRow(
                 st.params, st.prompt_token_ids, st.output_token_ids, st.stop_token_ids, st.generator, generated, allowed
             ))

@@ -2,7 +2,8 @@
 
 Per row, in this order (the order vLLM documents): stop tokens masked until
 ``min_tokens``; ``logit_bias`` added; repetition / frequency / presence penalties
-(logprobs are computed here); tokens a structured output rules out masked;
+(logprobs are computed here); tokens a structured output, ``allowed_token_ids`` or
+``bad_words`` rule out masked (``SamplingRow.allowed``);
 greedy rows take the argmax here; the others are divided by their temperature, filtered
 by min_p, top_k and top_p, and sampled with the exponential-race form of the Gumbel-max
 trick (``argmax(p / E)``, ``E ~ Exp(1)``), drawing ``E`` from the row's own generator when
@@ -34,7 +35,8 @@ class SamplingRow:
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
     num_generated: Optional[int] = None  # output tokens so far (default: len(output_token_ids))
-    allowed: Optional[torch.Tensor] = None  # structured outputs: [vocab] bool on the host, True = may come next
+    # structured outputs, allowed_token_ids, bad_words: [vocab] bool on the host, True = may come next
+    allowed: Optional[torch.Tensor] = None
 
     @property
     def num_output(self) -> int:
