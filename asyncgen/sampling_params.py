@@ -118,6 +118,8 @@ class SamplingParams(BaseModel):
     keeps each word out of the output: the token that would complete it, as the word or
     as " word" tokenizes, is masked wherever the output ends with the tokens before it.
     Both mask after the logprobs are taken, as structured outputs do.
+    ``truncate_prompt_tokens=k`` (vLLM's) keeps only the prompt's last ``k`` tokens (-1:
+    ``max_model_len``; more than that is refused); without it a prompt too long is refused.
     Invalid values raise pydantic's ``ValidationError`` naming the field.
     """
 
@@ -146,6 +148,7 @@ class SamplingParams(BaseModel):
     structured_outputs: Optional[StructuredOutputsParams] = None
     allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = None
     bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1)]] = None
 
     @field_validator("stop")
     @classmethod
@@ -155,6 +158,13 @@ class SamplingParams(BaseModel):
         strings = [v] if isinstance(v, str) else v
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_to_some(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1 (0 would leave no prompt)")
         return v
 
     @field_validator("bad_words")

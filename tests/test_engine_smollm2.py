@@ -367,3 +367,31 @@ async def test_allowed_token_ids_and_bad_words_mask_what_they_name(smollm2_path)
             await client.completions.create(model=client.model, prompt=prompt, max_tokens=4,
                                             extra_body={"allowed_token_ids": [10 ** 7]})
         assert e.value.param == "allowed_token_ids"
+
+
+@pytest.mark.anyio
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smollm2_path):
+    from asyncgen.errors import InvalidRequestError, PromptTooLongError
+
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=64) as engine:
+        long = "Once upon a time there was a small village by the sea. " * 30
+        ids = engine.tokenizer.encode(long)
+        assert len(ids) > 256
+        greedy = SamplingParams(max_tokens=8, temperature=0)
+        with pytest.raises(PromptTooLongError):
+            await engine.generate(long, greedy)
+        cut = await engine.generate(long, greedy.model_copy(update={"truncate_prompt_tokens": 100}))
+        tail = await engine.generate(ids[-100:], greedy)
+        assert cut.token_ids == tail.token_ids and cut.usage.prompt_tokens == 100
+        assert cut.prompt == engine.tokenizer.decode(ids[-100:])
+        short = await engine.generate("Hi there", greedy.model_copy(update={"truncate_prompt_tokens": 100}))
+        assert short.prompt == "Hi there"  # shorter than k: as it is
+        with pytest.raises(InvalidRequestError, match="greater than max_model_len") as e:
+            await engine.generate(long, greedy.model_copy(update={"truncate_prompt_tokens": 300}))
+        assert e.value.param == "truncate_prompt_tokens"
+        with pytest.raises(PromptTooLongError):  # -1 keeps max_model_len tokens: none left to generate
+            await engine.generate(long, greedy.model_copy(update={"truncate_prompt_tokens": -1}))
+        client = engine.openai_client()
+        r = await client.completions.create(model=client.model, prompt=long, max_tokens=8, temperature=0,
+                                            extra_body={"truncate_prompt_tokens": 100})
+        assert r.usage.prompt_tokens == 100 and r.choices[0].text == tail.text

@@ -419,6 +419,8 @@ class AsyncEngine:
         params = _coerce_params(params)
         prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools, continue_final_message,
                                                 add_generation_prompt)
+        if params.truncate_prompt_tokens is not None:
+            prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
         self._check_fits(token_ids, params)
         own_id = request_id is not None
         if not own_id:
@@ -434,6 +436,20 @@ class AsyncEngine:
         if own_id:
             self._unsent[request_id] = stream
         return stream
+
+    def _truncate(self, text: Optional[str], token_ids: list[int], keep: int) -> tuple[Optional[str], list[int]]:
+        """The prompt's last ``keep`` tokens (-1: ``max_model_len``), and their text."""
+        if keep == -1:
+            keep = self.max_model_len
+        elif keep > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.max_model_len})",
+                param="truncate_prompt_tokens",
+            )
+        if len(token_ids) <= keep:
+            return text, token_ids
+        token_ids = token_ids[-keep:]
+        return (None if text is None else self._tokenizer.decode(token_ids)), token_ids
 
     def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """The token sequences of ``bad_words``: each word as it is and after a space (as

@@ -137,7 +137,7 @@ T = TypeVar("T")
 
 _EXTENSION_FIELDS = (
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
 )
 
 
