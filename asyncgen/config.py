@@ -24,7 +24,11 @@ class EngineConfig(BaseModel):
     the device. ``freeze_gc`` (on by default) moves every object alive when the engine
     has loaded out of the cyclic garbage collector's reach until the last engine closes,
     so that the collector's full passes stop pausing the process for hundreds of
-    milliseconds (``asyncgen.engine.heap``).
+    milliseconds (``asyncgen.engine.heap``). ``scheduling_policy="priority"`` serves
+    waiting requests by their ``priority`` (lower first; then by arrival) and, when the
+    KV pool runs short, preempts the running request of the lowest priority (the latest
+    among equals) instead of the latest admitted ("fcfs", the default, takes requests in
+    arrival order and refuses a nonzero ``priority``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,6 +47,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = False
     freeze_gc: bool = True
     trust_remote_code: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @property
     def default_cpu_kv_cache_bytes(self) -> int:

@@ -395,3 +395,43 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smollm2_path
         r = await client.completions.create(model=client.model, prompt=long, max_tokens=8, temperature=0,
                                             extra_body={"truncate_prompt_tokens": 100})
         assert r.usage.prompt_tokens == 100 and r.choices[0].text == tail.text
+
+
+@pytest.mark.anyio
+async def test_priority_policy_serves_waiting_requests_by_priority(smollm2_path):
+    """One sequence at a time: requests that arrive while one runs are served lowest
+    priority value first, then in arrival order; outputs are what they are alone. Under
+    the default policy a priority is refused, naming the field."""
+    from asyncgen.errors import InvalidRequestError
+    from asyncgen.openai import BadRequestError
+
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    prompts = {"b": "Blue is", "c": "Cats are", "d": "Dogs are", "e": "Eggs are"}
+    priorities = {"b": 5, "c": -1, "d": 5, "e": 0}
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=64, max_num_seqs=1,
+                                           scheduling_policy="priority") as engine:
+        done, outs = [], {}
+
+        async def one(name):
+            outs[name] = await engine.generate(prompts[name], greedy, priority=priorities[name])
+            done.append(name)
+
+        async with engine.stream("A long story:", SamplingParams(max_tokens=24, temperature=0), priority=9) as first:
+            await first.__anext__()  # running: the others wait behind it
+            async with anyio.create_task_group() as tg:
+                for name in prompts:
+                    tg.start_soon(one, name)
+                    await anyio.sleep(0.01)
+                async for _ in first:
+                    pass
+        assert done == ["c", "e", "b", "d"]
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=64) as engine:
+        for name, prompt in prompts.items():
+            assert (await engine.generate(prompt, greedy)).token_ids == outs[name].token_ids
+        with pytest.raises(InvalidRequestError, match="scheduling_policy") as e:
+            await engine.generate("Hi", greedy, priority=1)
+        assert e.value.param == "priority"
+        client = engine.openai_client()
+        with pytest.raises(BadRequestError) as e:
+            await client.completions.create(model=client.model, prompt="Hi", max_tokens=2, extra_body={"priority": 1})
+        assert e.value.param == "priority"

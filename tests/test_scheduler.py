@@ -104,6 +104,47 @@ def test_preempts_most_recently_admitted_and_recomputes_it():
     assert [(q.req_id, q.start_pos, len(q.token_ids)) for q in out.seqs] == [("b", 0, 9)]
 
 
+def _with_priority(req, priority):
+    req.priority = priority
+    return req
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64, policy="priority")
+    for name, prio in (("late", 5), ("urgent", -1), ("later", 5), ("normal", 0)):
+        s.add(_with_priority(make(name, 3, max_tokens=2, first=10 * len(name)), prio))
+    order = []
+    while s.has_work:
+        out = step(s)
+        order += [q.req_id for q in out.seqs if q.req_id not in order]
+    assert order == ["urgent", "normal", "late", "later"]
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        Scheduler(BlockManager(4, 4), 1, 64, 64, policy="lifo")
+
+
+def test_priority_policy_preempts_the_lowest_priority_not_the_newest():
+    # 4 blocks of 4 tokens; b comes first, a later with a higher priority; prompts of 7
+    # fill the pool once both decode, and b's next token needs a third block
+    for policy, victim in (("fcfs", "a"), ("priority", "b")):
+        s = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, policy=policy)
+        s.add(_with_priority(make("b", 7, max_tokens=6, first=100), 1 if policy == "priority" else 0))
+        step(s)
+        s.add(make("a", 7, max_tokens=6))
+        step(s)
+        assert s.block_manager.num_free_blocks == 0
+        out = step(s)
+        assert out.preempted_req_ids == [victim], policy
+        assert [q.req_id for q in out.seqs] == ["b" if victim == "a" else "a"]
+    # a preempted request keeps its place by priority among the waiting ones, ahead of a
+    # later one of the same priority, and comes back first
+    s.add(_with_priority(make("c", 4, max_tokens=2, first=200), 1))
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    while "a" in s.requests:
+        step(s)
+    out = step(s)
+    assert [q.req_id for q in out.seqs][0] == "b"
+
+
 def test_finish_on_eos_max_tokens_and_stop_token_ids():
     s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     s.add(make("eos", 2))

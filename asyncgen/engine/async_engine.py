@@ -199,6 +199,7 @@ class AsyncEngine:
         self._core = EngineCore(
             tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
             self.config.max_num_batched_tokens, max_len, eos_ids, self.config.enable_prefix_caching,
+            self.config.scheduling_policy,
         )
         self._core.finish_listeners = self._finish_listeners
         if self.config.freeze_gc:  # last: everything loading made is long-lived now
@@ -385,6 +386,7 @@ class AsyncEngine:
         tools: Optional[list[dict[str, Any]]] = None,
         continue_final_message: bool = False,
         add_generation_prompt: Optional[bool] = None,
+        priority: int = 0,
     ) -> "RequestStream":
         """Generates for one prompt, yielding :class:`StreamChunk` as text arrives.
 
@@ -402,7 +404,8 @@ class AsyncEngine:
         ``continue_final_message=True`` (with ``messages`` only) has the model go on with
         the last message, typically an assistant reply begun for it, instead of opening a
         new turn: the output is what follows its content. ``add_generation_prompt=False``
-        ends the prompt after the last message's turn, opening none.
+        ends the prompt after the last message's turn, opening none. ``priority`` orders
+        the request among others under ``scheduling_policy="priority"`` (lower first).
         """
         params = _coerce_params(params)
         if params.num_sequences > params.n:
@@ -411,12 +414,19 @@ class AsyncEngine:
                 "known at the end; use generate()"
             )
         return self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools,
-                                 continue_final_message, add_generation_prompt)
+                                 continue_final_message, add_generation_prompt, priority)
 
     def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None, tools=None,
-                     continue_final_message=False, add_generation_prompt=None) -> "RequestStream":
+                     continue_final_message=False, add_generation_prompt=None, priority=0) -> "RequestStream":
         self._check_running()
         params = _coerce_params(params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an int, got {priority!r}", param="priority")
+        if priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority={priority} needs the engine's scheduling_policy=\"priority\" (it is "
+                f"{self.config.scheduling_policy!r})", param="priority",
+            )
         prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools, continue_final_message,
                                                 add_generation_prompt)
         if params.truncate_prompt_tokens is not None:
@@ -430,6 +440,7 @@ class AsyncEngine:
         else:
             self._check_request_id(request_id, params.num_sequences)
         group = RequestGroup(request_id, prompt_text, token_ids, params)
+        group.priority = priority
         if params.bad_words:
             group.bad_word_ids = self._bad_word_ids(params.bad_words)
         stream = RequestStream(self, group, self._max_tokens(token_ids, params))
@@ -485,12 +496,13 @@ class AsyncEngine:
         tools: Optional[list[dict[str, Any]]] = None,
         continue_final_message: bool = False,
         add_generation_prompt: Optional[bool] = None,
+        priority: int = 0,
     ) -> RequestOutput:
         """Generates for one prompt and returns the whole :class:`RequestOutput` (the
         arguments are :meth:`stream`'s). With ``best_of``, the ``n`` completions with the
         highest cumulative logprob, best first."""
         stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, tools,
-                                   continue_final_message, add_generation_prompt)
+                                   continue_final_message, add_generation_prompt, priority)
         stream.group.wake_each_chunk = False
         want = stream.group.params
         n = want.num_sequences

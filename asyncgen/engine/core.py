@@ -75,6 +75,7 @@ class RequestGroup:
         self.prompt_logprobs_sent = False
         self.arrival_time = time.monotonic()
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+        self.priority = 0  # (the "priority" scheduling policy's)
 
     @property
     def finished(self) -> bool:
@@ -92,12 +93,14 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
     ):
         self.tokenizer = tokenizer
         # Called with the last chunk of every completion (AsyncEngine.add_finish_listener).
         self.finish_listeners: list[Callable[[StreamChunk], object]] = []
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                   scheduling_policy)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.groups: dict[str, RequestGroup] = {}
@@ -136,6 +139,7 @@ class EngineCore:
             seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
             req.bad_word_ids = group.bad_word_ids
+            req.priority = group.priority
             if self.block_manager.enable_prefix_caching:
                 req.prefix_leader = leader
                 leader = leader or req

@@ -45,6 +45,7 @@ class Request:
         "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_confirmed_tokens",
         "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
         "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time", "epoch", "bad_word_ids",
+        "priority", "arrival_order",
     )
 
     def __init__(
@@ -75,6 +76,8 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.epoch = -1  # set by the scheduler at each admission
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
+        self.priority = 0  # lower is served first under the "priority" policy
+        self.arrival_order = 0  # set by the scheduler when added: ties of priority go by it
 
     @property
     def prompt_done(self) -> bool:

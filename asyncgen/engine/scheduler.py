@@ -68,8 +68,16 @@ class SchedulerOutput:
         return not self.seqs
 
 
+def _priority_key(req: Request) -> tuple[int, int]:
+    return req.priority, req.arrival_order
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.by_priority = policy == "priority"
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -81,13 +89,19 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self._num_admissions = 0
+        self._num_added = 0
 
     # --- admission and removal --------------------------------------------------------------
     def add(self, req: Request, seed: Optional[int] = None) -> None:
         if req.request_id in self.requests:
             raise KeyError(f"duplicate sequence id {req.request_id!r}")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        req.arrival_order = self._num_added
+        self._num_added += 1
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.append(req)
         stop_ids = frozenset(req.params.stop_token_ids or ()) | (frozenset() if req.params.ignore_eos else req.eos_token_ids)
         self._unseen[req.request_id] = NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids,
                                                       req.bad_word_ids)
@@ -106,6 +120,17 @@ class Scheduler:
         del self.requests[req.request_id]
         if self._unseen.pop(req.request_id, None) is None:  # the runner knows it: tell it to forget
             self._finished_ids.append(req.request_id)
+
+    def _insert_waiting(self, req: Request) -> None:
+        """Into the waiting queue in (priority, arrival) order."""
+        key = _priority_key(req)
+        i = 0
+        for i, other in enumerate(self.waiting):  # (short queues: a scan)
+            if _priority_key(other) > key:
+                break
+        else:
+            i = len(self.waiting)
+        self.waiting.insert(i, req)
 
     def abort(self, req_id: str) -> bool:
         req = self.requests.get(req_id)
@@ -132,12 +157,17 @@ class Scheduler:
         running request's next tokens, the most recently admitted running request is
         preempted (blocks freed, recomputed later) until it can. Waiting requests are
         admitted in arrival order while the budget, ``max_num_seqs`` and the pool allow,
-        and not at all in a step that had to preempt.
+        and not at all in a step that had to preempt. Under the priority policy "admission
+        order" and "arrival order" are (priority, arrival) order: the running requests are
+        taken by it, the last of them (the lowest priority) is the one preempted, and the
+        waiting queue is kept in it.
         """
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         seqs: list[ScheduledSeq] = []
         preempted: list[str] = []
+        if self.by_priority:
+            self.running.sort(key=_priority_key)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -221,7 +251,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._insert_waiting(req)
+        else:
+            self.waiting.appendleft(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Confirms the tokens a finished step computed and writes its sampled tokens

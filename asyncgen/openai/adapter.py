@@ -511,7 +511,7 @@ class OpenAIAdapter:
         fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs,
-                            tools, bool(req.continue_final_message), req.add_generation_prompt)
+                            tools, bool(req.continue_final_message), req.add_generation_prompt, req.priority or 0)
         reasoning = None
         if self.reasoning_parser is not None:
             # a constrained output (structured outputs, a forced tool call) has no room for a
@@ -693,7 +693,8 @@ class OpenAIAdapter:
         streams = []
         try:
             for k, prompt in enumerate(prompts):
-                streams.append(self._open(prompt, None, params, rid if len(prompts) == 1 else f"{rid}-{k}", "prompt"))
+                streams.append(self._open(prompt, None, params, rid if len(prompts) == 1 else f"{rid}-{k}", "prompt",
+                                          priority=req.priority or 0))
         except APIStatusError:
             for s in streams:
                 await s.aclose()
@@ -726,7 +727,7 @@ class OpenAIAdapter:
         async def one(k: int, prompt) -> None:
             request_id = rid if len(prompts) == 1 else f"{rid}-{k}"
             try:
-                results[k] = await self.engine.generate(prompt, params, request_id=request_id)
+                results[k] = await self.engine.generate(prompt, params, request_id=request_id, priority=req.priority or 0)
             except (AsyncGenError, ValidationError) as e:
                 errors.append(e)
                 tg.cancel_scope.cancel()
@@ -851,12 +852,13 @@ class OpenAIAdapter:
 
     # --- shared -------------------------------------------------------------------------------
     def _open(self, prompt, messages, params: SamplingParams, request_id: str, prompt_param: str, fields=None,
-              chat_template_kwargs=None, tools=None, continue_final_message=False, add_generation_prompt=None):
+              chat_template_kwargs=None, tools=None, continue_final_message=False, add_generation_prompt=None,
+              priority=0):
         try:
             return self.engine.stream(prompt, params, messages=messages, request_id=request_id,
                                       chat_template_kwargs=chat_template_kwargs, tools=tools,
                                       continue_final_message=continue_final_message,
-                                      add_generation_prompt=add_generation_prompt)
+                                      add_generation_prompt=add_generation_prompt, priority=priority)
         except (AsyncGenError, ValidationError) as e:
             raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 

@@ -16,7 +16,7 @@ and ``tool`` messages in the history go to the chat template. Fields that only l
 A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``,
-``bad_words``, ``truncate_prompt_tokens``, ``structured_outputs``, e.g.
+``bad_words``, ``truncate_prompt_tokens``, ``priority``, ``structured_outputs``, e.g.
 ``{"choice": ["yes", "no"]}`` or ``{"regex": "[0-9]{3}"}``), are accepted as extensions,
 and so are chat's ``chat_template_kwargs`` (variables for the chat template, such as
 Qwen3's ``enable_thinking``), ``continue_final_message`` (the model goes on with the last
@@ -322,6 +322,7 @@ class VLLMSamplingFields(_Strict):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None  # under the engine's scheduling_policy="priority": lower first
     # vLLM's: {"json": schema} | {"json_object": true} | {"choice": [...]} | {"regex": "..."}
     # | {"structural_tag": {...}} (StructuredOutputsParams)
     structured_outputs: Optional[dict[str, Any]] = None

@@ -37,7 +37,7 @@ Mapping notes:
 * vLLM-style sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``,
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
   ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
-  ``truncate_prompt_tokens``, ``structured_outputs``, ``chat_template_kwargs``) and the
+  ``truncate_prompt_tokens``, ``priority``, ``structured_outputs``, ``chat_template_kwargs``) and the
   chat fields ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty`` are accepted
   (``extra_body`` in the SDK) and passed to the chat request.
 
@@ -297,7 +297,7 @@ class ResponseStreamOptions(_Strict):
 _PASSED = (
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "structured_outputs", "chat_template_kwargs", "seed", "stop", "presence_penalty",
-    "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority",
 )
 
 
