@@ -13,7 +13,7 @@ to 16 (chunked prefill); ``max_num_seqs`` down to 1; ``n`` > 1 and ``best_of`` (
 greedy sample equals the one greedy output); arrivals while others decode; requests
 aborted, broken off or cancelled midway (what they received is a prefix of their
 reference, and they change nobody else's output), some retried at once under the same
-request_id; logprobs and prompt logprobs; stop strings and stop token ids taken from the
+request_id; random priorities under the priority policy; logprobs and prompt logprobs; stop strings and stop token ids taken from the
 reference's own output so that they end it midway; ``max_tokens=1``; a repetition
 penalty and structured outputs (a JSON Schema, JSON mode, choices, a structural tag; both
 stop the engine planning steps ahead while they run). Afterwards every
@@ -82,6 +82,7 @@ class Planned:
     delay: float  # seconds before "cancel"
     then: Optional["Planned"] = None  # submitted with the same request_id as soon as this one ended
     is_retry: bool = False
+    priority: int = 0  # under the "priority" scheduling policy
 
 
 @dataclasses.dataclass
@@ -224,6 +225,13 @@ async def _plan_case(seed: int, reference: "Reference", num_requests: int) -> Ca
     # A pool a few blocks larger than the longest sequence: preemption under load.
     need = max(-(-(len(r.prompt) + r.params.max_tokens) // bs) for r in requests)
     settings["num_kv_blocks"] = need + rng.choice((0, 1, 2, 3, 5, 8, 64))
+    # Some cases schedule by random priorities (drawn apart, so the rest of a case is as
+    # it was): the order of admission and the victims of preemption change, no output may.
+    by_priority = random.Random(f"{seed}-priority")
+    if by_priority.random() < 0.3:
+        settings["scheduling_policy"] = "priority"
+        for r in requests:
+            r.priority = by_priority.choice((-1, 0, 0, 1, 2))
     return Case(seed, settings, requests)
 
 
@@ -290,7 +298,7 @@ async def _consume(engine: AsyncEngine, r: Planned, got: dict[str, Received]) ->
 
 async def _consume_one(engine: AsyncEngine, r: Planned, got: Received) -> None:
     if r.consumer == "generate":
-        out = await engine.generate(r.prompt, r.params, request_id=r.request_id)
+        out = await engine.generate(r.prompt, r.params, request_id=r.request_id, priority=r.priority)
         for o in out.outputs:
             got.ids[o.index], got.text[o.index] = list(o.token_ids), o.text
             if o.logprobs is not None:
@@ -324,7 +332,7 @@ async def _consume_one(engine: AsyncEngine, r: Planned, got: Received) -> None:
                 elif r.consumer == "break":
                     return
 
-    stream = engine.stream(r.prompt, r.params, request_id=r.request_id)
+    stream = engine.stream(r.prompt, r.params, request_id=r.request_id, priority=r.priority)
     with anyio.move_on_after(r.delay if r.consumer == "cancel" else None):
         async with stream:
             await read(stream)
@@ -537,6 +545,7 @@ async def fuzz(model: Path, seeds, num_requests: int) -> collections.Counter:
             tally["chunking_cases"] += seen.num_partial_prefills > 0
             tally["prefix_hit_cases"] += seen.prefix_cache_hit_rate > 0
             tally["batching_cases"] += seen.max_batch > 1
+            tally["priority_cases"] += case.settings.get("scheduling_policy") == "priority"
     assert not failures, f"{len(failures)} of {len(seeds)} cases differ from their reference:\n\n" + "\n\n".join(failures)
     print(f"differential: {dict(tally)}")
     return tally
@@ -555,7 +564,7 @@ def assert_covered(tally: collections.Counter) -> None:
     """The workload really did what it claims, and near-ties excused little of it."""
     for what in ("preempting_cases", "chunking_cases", "prefix_hit_cases", "batching_cases", "interrupted", "retries",
                  "prefixes_compared", "prompt_logprobs_compared", "n>1", "best_of", "max_tokens=1", "stop_string",
-                 "stop_token", "structured"):
+                 "stop_token", "structured", "priority_cases"):
         assert tally[what] > 0, (what, dict(tally))
     assert tally["ties"] <= max(2, tally["outputs_compared"] // 50), dict(tally)
 
