@@ -1,11 +1,13 @@
-"""Token masks for structured outputs, on the runner's side.
+"""Token masks on the runner's side: structured outputs, ``allowed_token_ids`` and
+``bad_words``.
 
 A request with ``structured_outputs`` gets a :class:`SequenceGuide`: the grammar's state
 after each of its output tokens, and from the state the mask of tokens that may come
 next (:meth:`asyncgen.structured.TokenGuide.allowed`), plus the request's stop tokens
 once the output is complete. Masks are cached per grammar and state, so requests that
 share a schema share them; the vocabulary's bytes are read from the tokenizer the first
-time a request needs them.
+time a request needs them. A request with ``allowed_token_ids`` or ``bad_words`` gets a
+:class:`TokenFilter`, which narrows that mask (or makes one).
 """
 
 from __future__ import annotations
