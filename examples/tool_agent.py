@@ -12,8 +12,10 @@ The first round forces a call (``tool_choice="required"``): the output is then
 constrained to valid calls of these functions, which works with any model. Later rounds
 let the model choose (``"auto"``) where asyncgen knows how the model writes calls (its
 chat template names a format: Qwen, Hermes, Llama 3.1+, Mistral), and otherwise go
-straight to the answer (``"none"``). The bundled SmolLM2-135M is far too small to use
-tools well, but what it calls is always a well-formed call of a real function.
+straight to the answer (``"none"``). The functions are ``strict``, so in those rounds a
+model that writes Qwen's and Hermes' format also writes only valid calls. The bundled
+SmolLM2-135M is far too small to use tools well, but what it calls is always a
+well-formed call of a real function.
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ TOOLS: dict[str, tuple[type[BaseModel], Callable[[Any], dict[str, Any]]]] = {
 
 
 def tool_specs() -> list[dict[str, Any]]:
-    """The tools in OpenAI's form: name, description and the arguments' JSON Schema."""
+    """The tools in OpenAI's form: name, description, the arguments' JSON Schema, and
+    ``strict`` (the arguments must follow the schema, also when the model chooses)."""
     return [
-        {"type": "function", "function": {"name": name, "description": model.__doc__, "parameters": model.model_json_schema()}}
+        {"type": "function", "function": {"name": name, "description": model.__doc__,
+                                          "parameters": model.model_json_schema(), "strict": True}}
         for name, (model, _) in TOOLS.items()
     ]
 
