@@ -511,7 +511,7 @@ def _feed(stack: tuple, b: int, out: list) -> None:
         if nxt >= 0:
             out.append(stack[:-1] + ((_TAGS, spec, nxt),))
         else:  # a trigger is complete: a structure that begins with it follows
-            base = stack[:-1] + ((_TAGS, spec, spec.dfa.start),)
+            base = stack[:-1] + ((_TAGS, spec, 0),)  # (0: the watch's start, after the structure)
             for t in spec.completed[(d, b)]:
                 _enter(base, spec, spec.rests[t], out)
     elif tag == _BEGIN:
@@ -1223,29 +1223,87 @@ def choice_grammar(options: list[str]) -> Grammar:
     return Grammar(((_END,), (_LITERAL, root)))
 
 
-def _trigger_dfa(triggers: list[bytes]):
+_WS_BYTES = frozenset(b" \t\n\r")
+
+
+def _trigger_dfa(triggers: list[bytes], reasoning: Optional[str] = None):
     """Free text watched for ``triggers``: a DFA whose states are the longest suffix of the
     text so far that is a proper prefix of a trigger, and the byte that completes a trigger
-    leads nowhere (-1); with it, {(state, byte): the triggers completed}."""
+    leads nowhere (-1); with it, {(state, byte): the triggers completed}. State 0 is the
+    watch's start, where the text goes on after a structure.
+
+    With ``reasoning``, a ``<think>`` block is not watched: "may_open", one that opens the
+    output (after blank space); "inside", one the prompt left open, which the output
+    closes. That is where the reasoning parser (:mod:`asyncgen.reasoning`) reads reasoning.
+    """
+    from .reasoning import THINK_END, THINK_START
     from .regex import ByteDFA
 
     prefixes = sorted({t[:i] for t in triggers for i in range(len(t))}, key=lambda p: (len(p), p))
-    number = {p: i for i, p in enumerate(prefixes)}  # b"" (the start) is 0
-    rows, completed = [], {}
-    for d, prefix in enumerate(prefixes):
+    number = {p: i for i, p in enumerate(prefixes)}  # b"" (the watch's start) is 0
+
+    def watch(d: int, b: int) -> tuple[int, tuple[int, ...]]:
+        """(the next watch state, or -1 with the triggers ``b`` completes)."""
+        text = prefixes[d] + _BYTE[b]
+        done = tuple(t for t, trigger in enumerate(triggers) if text.endswith(trigger))
+        if done:
+            return -1, done
+        while text not in number:
+            text = text[1:]
+        return number[text], ()
+
+    rows: list[list[int]] = []
+    completed: dict[tuple[int, int], tuple[int, ...]] = {}
+    for d in range(len(prefixes)):
         row = []
         for b in range(256):
-            text = prefix + _BYTE[b]
-            done = tuple(t for t, trigger in enumerate(triggers) if text.endswith(trigger))
+            nxt, done = watch(d, b)
             if done:
                 completed[(d, b)] = done
-                row.append(-1)
-                continue
-            while text not in number:
-                text = text[1:]
-            row.append(number[text])
-        rows.append(tuple(row))
-    return ByteDFA(0, tuple(rows), (True,) * len(rows)), completed
+            row.append(nxt)
+        rows.append(row)
+    start = 0
+    if reasoning is not None:
+        opening, closing = THINK_START.encode(), THINK_END.encode()
+        think = len(rows)  # state think + j: in the block, j bytes of </think> matched
+        for j in range(len(closing)):
+            row = []
+            for b in range(256):
+                text = closing[:j] + _BYTE[b]
+                if text == closing:
+                    row.append(0)  # closed: the watch starts
+                    continue
+                k = next(k for k in range(len(text), -1, -1) if closing.startswith(text[len(text) - k:]))
+                row.append(think + k)
+            rows.append(row)
+        start = think
+        if reasoning == "may_open":
+            # state start + k: blank space then k bytes of <think> read, nothing watched yet;
+            # another byte makes all of it text, and the watch goes on from where it would be
+            start = len(rows)
+            for k in range(len(opening)):
+                d = 0
+                for b in opening[:k]:
+                    d, done = watch(d, b)
+                    if done:
+                        raise _error(f"structural_tag: a trigger ends inside {THINK_START!r}, which may open the "
+                                     "output's reasoning")
+                row = []
+                for b in range(256):
+                    if b == opening[k]:
+                        row.append(start + k + 1 if k + 1 < len(opening) else think)
+                    elif k == 0 and b in _WS_BYTES:
+                        if watch(0, b) != (0, ()):
+                            raise _error("structural_tag: a trigger starts with blank space, which may come "
+                                         "before the output's reasoning")
+                        row.append(start)
+                    else:
+                        nxt, done = watch(d, b)
+                        if done:
+                            completed[(start + k, b)] = done
+                        row.append(nxt)
+                rows.append(row)
+    return ByteDFA(start, tuple(map(tuple, rows)), (True,) * len(rows)), completed
 
 
 def structural_tag_grammar(tag: Union[dict, str]) -> Grammar:
@@ -1263,6 +1321,11 @@ def structural_tag_grammar(tag: Union[dict, str]) -> Grammar:
     watched for triggers. Generation may end anywhere in free text, not inside a
     structure. Every begin must start with a trigger, every trigger must start some
     begin, and no two begins may be equal.
+
+    asyncgen's extension, ``"reasoning"``: with ``"may_open"``, a ``<think>`` block that
+    opens the output (after blank space) is not watched; with ``"inside"``, the output
+    starts in such a block (the prompt opened it) and is watched once it closes. Text in
+    that block is reasoning to :mod:`asyncgen.reasoning`, where a call is not read.
     """
     if isinstance(tag, str):
         try:
@@ -1271,10 +1334,13 @@ def structural_tag_grammar(tag: Union[dict, str]) -> Grammar:
             raise _error(f"structural_tag is not valid JSON: {e}") from None
     if not isinstance(tag, dict):
         raise _error(f"structural_tag must be a JSON object, got {type(tag).__name__}")
-    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    unknown = sorted(set(tag) - {"type", "structures", "triggers", "reasoning"})
     if unknown or tag.get("type", "structural_tag") != "structural_tag":
         raise _error("structural_tag: only the form {\"type\": \"structural_tag\", \"structures\": [...], "
                      f"\"triggers\": [...]}} is supported (got the keys {sorted(tag)}, type {tag.get('type')!r})")
+    reasoning = tag.get("reasoning")
+    if reasoning not in (None, "may_open", "inside"):
+        raise _error(f"structural_tag.reasoning must be \"may_open\" or \"inside\", got {reasoning!r}")
     triggers, structures = tag.get("triggers"), tag.get("structures")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise _error(f"structural_tag.triggers must be a non-empty list of non-empty strings, got {triggers!r}")
@@ -1321,7 +1387,7 @@ def structural_tag_grammar(tag: Union[dict, str]) -> Grammar:
                 node = node.children.setdefault(b, _Lit())
             node.terminal, node.index = True, j
         rests.append(rest)
-    dfa, completed = _trigger_dfa(trigger_bytes)
+    dfa, completed = _trigger_dfa(trigger_bytes, reasoning)
     spec = _TagSpec(dfa, completed, rests, frames, frozenset(t[-1] for t in trigger_bytes))
     return Grammar(((_TAGS, spec, dfa.start),))
 

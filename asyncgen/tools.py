@@ -688,12 +688,14 @@ def named_tool_schema(function: dict[str, Any]) -> Any:
 _CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>")}
 
 
-def strict_tool_call_tag(parser: str, functions: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+def strict_tool_call_tag(parser: str, functions: list[dict[str, Any]],
+                         reasoning: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The structural tag (see :func:`asyncgen.structured.structural_tag_grammar`) under
     which each call the model opens in format ``parser`` names one of ``functions`` and
     has arguments valid for its ``parameters`` where the function is ``strict`` (any JSON
     object where it is not), while the text around the calls stays free; None for the
-    formats it cannot hold (``llama3_json``, ``mistral``)."""
+    formats it cannot hold (``llama3_json``, ``mistral``). ``reasoning`` ("may_open" or
+    "inside") leaves a thinking model's ``<think>`` block free, where calls are not read."""
     if parser not in _CALL_TAGS:
         return None
     trigger, head, middle, end = _CALL_TAGS[parser]
@@ -702,7 +704,10 @@ def strict_tool_call_tag(parser: str, functions: list[dict[str, Any]]) -> Option
          "schema": _parameters(f) if f.get("strict") else {"type": "object"}, "end": end}
         for f in functions
     ]
-    return {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
+    tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
+    if reasoning is not None:
+        tag["reasoning"] = reasoning
+    return tag
 
 
 def required_tools_schema(functions: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:

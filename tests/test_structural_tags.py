@@ -89,6 +89,23 @@ def test_triggers_that_overlap_begins_equal_to_triggers_and_an_empty_end():
     assert _reads(g, "b12") and _reads(g, "b1x")
 
 
+def test_a_reasoning_block_is_left_free():
+    """"may_open": a <think> block that opens the output (after blank space) is free, a
+    later or unclosed-then-text one is not special; "inside": free until </think>."""
+    g = structural_tag_grammar({**CALLS, "reasoning": "may_open"})
+    assert _reads(g, "<think>I could write <tool_call> here, or <tool_call>{ x</think>\n" + WEATHER_CALL)
+    assert _reads(g, " \n <think>a <tool_call> b</think>ok") and _reads(g, "<think>never closed <tool_call>")
+    assert not _prefix_ok(g, "<think>x</think> <tool_call>oops")  # watched after the block
+    assert not _prefix_ok(g, "x<think> <tool_call>oops")  # a block that does not open the output
+    assert not _prefix_ok(g, "<tool_call>oops") and _prefix_ok(g, "<thi")
+    assert not _prefix_ok(g, "<thx <tool_call>oops") and _reads(g, "<th " + WEATHER_CALL)
+    inside = structural_tag_grammar({**CALLS, "reasoning": "inside"})
+    assert _reads(inside, "a <tool_call> b </think>" + WEATHER_CALL)
+    assert not _prefix_ok(inside, "a</think><tool_call>x") and _reads(inside, "<think> again <tool_call></think>")
+    plain = structural_tag_grammar(CALLS)
+    assert not _prefix_ok(plain, "<think><tool_call>x")
+
+
 @pytest.mark.parametrize("tag, words", [
     ({"triggers": [], "structures": CALLS["structures"]}, "triggers must be a non-empty list"),
     ({"triggers": ["<tool_call>"], "structures": []}, "structures must be a non-empty list"),
@@ -100,6 +117,9 @@ def test_triggers_that_overlap_begins_equal_to_triggers_and_an_empty_end():
      r"structures\[0\].schema: .*minimum"),
     ({"triggers": ["<a"], "structures": [{"begin": "<a", "shape": {}, "end": ""}]}, r"structures\[0\] must be an object"),
     ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "only the form"),
+    ({**CALLS, "reasoning": "always"}, "reasoning must be"),
+    ({"triggers": ["<th"], "structures": [{"begin": "<th", "end": ""}], "reasoning": "may_open"}, "ends inside '<think>'"),
+    ({"triggers": ["\n<a"], "structures": [{"begin": "\n<a", "end": ""}], "reasoning": "may_open"}, "blank space"),
     ("{not json", "not valid JSON"),
 ])
 def test_malformed_tags_are_refused_naming_what_is_wrong(tag, words):
@@ -124,37 +144,43 @@ def tag_vocabulary(token_bytes):
     made = [b"<tool_call>", b"<tool", b"_call", b"call>", b"l>", b">\n", b'>\n{"', b"<tool_call>\n", b'{"name": "',
             b'get_weather", "', b'arguments": {"', b"}}", b"}\n</tool_call>", b"</tool_call>", b"\n</", b"x<tool_call>",
             b"call><tool_call>", b'"}}\n</tool_call> ok', b"<<tool_", "é<tool_call>".encode(), b'call>\n{"name": "get_time',
+            b"<think>", b"</think>", b"<think>\n", b"</think>\n\n", b"</", b"think>", b"ink> <tool_call>", b" <think>",
             None, b""]
     return Vocabulary(singles + rng.sample(longer, 3000) + made)
 
 
-def test_masks_equal_the_general_walk_on_walks_steered_into_structures(tag_vocabulary):
-    """Walks that half the time take the token that goes furthest along a script of text
-    and calls (and otherwise any allowed token): at every state, the mask (free text's
+@pytest.mark.parametrize("reasoning", [None, "may_open", "inside"])
+def test_masks_equal_the_general_walk_on_walks_steered_into_structures(tag_vocabulary, reasoning):
+    """Walks that mostly take the token that goes furthest along a script of text and
+    calls from where they left it (and otherwise any allowed token): at every state, the mask (free text's
     DFA fast path, the plain tokens that hold a trigger's last byte, the other tokens
-    walked) equals the general walk of every token."""
+    walked) equals the general walk of every token; also with a reasoning block."""
     vocab = tag_vocabulary
-    g = structural_tag_grammar(CALLS)
+    g = structural_tag_grammar(CALLS if reasoning is None else {**CALLS, "reasoning": reasoning})
     guide = TokenGuide(g, vocab)
     scripts = [
         "Sure. " + WEATHER_CALL + " and then " + WEATHER_CALL.replace("Lyon", "Paris"),
         'x<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call> ok',
         "call><tool_call>\n" + '{"name": "get_time", "arguments": {}}\n</tool_call>',
+        " <think>maybe <tool_call> now</think>\n\n" + WEATHER_CALL,
     ]
     rng = random.Random(3)
     entered = in_free_text = 0
     for trial in range(24):
-        script = scripts[trial % len(scripts)].encode()
-        state, written = g.initial, b""
+        script = ("notes <tool_call> </think>" if reasoning == "inside" else "").encode() + scripts[trial % 4].encode()
+        state, written, at = g.initial, b"", 0
         for _ in range(rng.randint(10, 50)):
             allowed = guide.allowed(state)
             assert allowed == _general_walk(vocab, state), (trial, written)
             if not allowed:
                 break
             in_free_text += state[-1][0] == g.initial[-1][0] if type(state) is tuple else 0
-            on_script = [t for t in allowed if script.startswith(written + vocab.token_bytes[t])]
-            token = max(on_script, key=lambda t: len(vocab.token_bytes[t])) if on_script and rng.random() < 0.5 \
-                else rng.choice(allowed)
+            on_script = [t for t in allowed if script.startswith(vocab.token_bytes[t], at)]
+            if on_script and rng.random() < 0.75:
+                token = max(on_script, key=lambda t: len(vocab.token_bytes[t]))
+                at += len(vocab.token_bytes[token])
+            else:
+                token = rng.choice(allowed)
             written += vocab.token_bytes[token]
             state = g.advance(state, vocab.token_bytes[token])
             entered += type(state) is not tuple or len(state) > 1

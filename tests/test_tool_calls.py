@@ -21,7 +21,7 @@ from asyncgen.errors import InvalidRequestError
 from asyncgen.openai import BadRequestError
 from asyncgen.openai.adapter import _template_messages
 from asyncgen.openai.protocol import ChatCompletionRequest
-from asyncgen.structured import json_schema_grammar
+from asyncgen.structured import json_schema_grammar, structural_tag_grammar
 from asyncgen.tools import (
     NamedToolCallParser,
     RequiredToolCallsParser,
@@ -670,6 +670,35 @@ async def test_auto_with_strict_functions_writes_only_valid_calls(hermes_model):
                 tg.start_soon(respond, seed)
         assert items and all(_valid_call(*item) for item in items), items
         assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
+@pytest.mark.anyio
+async def test_strict_calls_leave_a_reasoning_block_free(hermes_model):
+    """With a reasoning parser the strict calls' tag leaves the <think> block free: one
+    the output may open, or, when the prompt ends inside one, the rest of it."""
+    from asyncgen import SamplingParams
+
+    async with AsyncEngine.from_pretrained(hermes_model, max_num_seqs=4, num_kv_blocks=128) as engine:
+        strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+
+        def tag(adapter, **fields):
+            req = _request(tools=strict, **fields)
+            return adapter._strict_calls(req, SamplingParams()).structured_outputs.structural_tag
+
+        thinking = engine.openai_client(reasoning_parser="think").adapter
+        opens = tag(thinking)
+        assert opens["reasoning"] == "may_open"
+        begun = [*ASK, {"role": "assistant", "content": "<think>\nI may write <tool_call> here"}]
+        inside = tag(thinking, messages=begun, continue_final_message=True)
+        assert inside["reasoning"] == "inside"
+        assert "reasoning" not in tag(engine.openai_client(reasoning_parser=None).adapter)
+        # what each lets through: a <tool_call> in the block is text; after it, a call
+        for spec, free in ((opens, "<think>I call <tool_call> x</think>"), (inside, "I call <tool_call> x</think>")):
+            g = structural_tag_grammar(spec)
+            assert g.advance(g.initial, free.encode()) is not None
+            assert g.advance(g.initial, (free + "<tool_call> x").encode()) is None
+        g = structural_tag_grammar(opens)
+        assert g.advance(g.initial, b"<tool_call> x") is None  # no block: watched from the start
 
 
 @pytest.mark.anyio

@@ -65,6 +65,7 @@ Mapping notes:
   ``structural_tag``; a strict function's schema must then be enforceable, as a forced
   call's). Calls in the ``llama3_json`` and ``mistral`` formats, and all calls of a
   request that sets ``response_format`` or ``structured_outputs``, are read as written.
+  With a reasoning parser, the ``<think>`` block is left free (calls are not read there).
 * Reasoning: with ``reasoning_parser`` on, a ``<think>`` block (opened by the output, or
   by the prompt as DeepSeek-R1's template does) goes to the message's
   ``reasoning_content`` and to the chunks' ``delta.reasoning_content``; tool calls are
@@ -87,7 +88,7 @@ import anyio
 from pydantic import ValidationError
 
 from ..engine.detokenizer import IncrementalDetokenizer
-from ..engine.tokenizer import TokenBytes
+from ..engine.tokenizer import TokenBytes, apply_chat_template
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..reasoning import ReasoningParser, opens_reasoning, template_reasons
@@ -577,7 +578,16 @@ class OpenAIAdapter:
         if (req.tool_mode != "auto" or params.structured_outputs is not None or self.tool_call_parser is None
                 or not any(f.strict for f in functions)):
             return params
-        tag = strict_tool_call_tag(self.tool_call_parser, [f.model_dump() for f in functions])
+        reasoning = None
+        if self.reasoning_parser is not None:  # calls are read after the <think> block: leave it free
+            try:
+                prompt = apply_chat_template(self.engine.tokenizer, _template_messages(req), req.chat_template_kwargs,
+                                             [t.model_dump(exclude_none=True) for t in req.tools],
+                                             req.add_generation_prompt, bool(req.continue_final_message))
+            except AsyncGenError:
+                prompt = None  # (opening the stream raises it, with the field named)
+            reasoning = "inside" if opens_reasoning(prompt) else "may_open"
+        tag = strict_tool_call_tag(self.tool_call_parser, [f.model_dump() for f in functions], reasoning)
         if tag is None:
             return params
         _check_tool_schemas(req, [f for f in functions if f.strict])
