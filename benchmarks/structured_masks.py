@@ -5,8 +5,9 @@ vocabulary from the state, then memoized per grammar and state, so each distinct
 costs this once per engine. This times the first computation for the kinds of state
 that differ most: inside a free string (plain tokens are allowed as a block), inside
 strings with a ``pattern`` or ``format`` and in a regex output (plain tokens run through
-the DFA's tables all at once, the others are walked), and a schema's key and number
-states. "first mask" is what the model runner pays: the mask as a bool tensor over the
+the DFA's tables all at once, the others are walked), a schema's key and number
+states, and a structural tag's free text (plain tokens through the trigger watch's
+DFA; the others, and those holding a trigger's last byte, walked). "first mask" is what the model runner pays: the mask as a bool tensor over the
 vocabulary, ready for the sampler; "ids" is :meth:`TokenGuide.allowed`'s sorted id list
 for the same state (a fresh guide). Each repeat compiles the grammar afresh, so the DFA's
 table is filled again; the plain tokens' byte columns are built once per vocabulary,
@@ -27,12 +28,25 @@ import time
 from pathlib import Path
 
 from asyncgen.engine.tokenizer import TokenBytes, load_tokenizer
-from asyncgen.structured import TokenGuide, Vocabulary, json_schema_grammar, regex_grammar
+from asyncgen.structured import TokenGuide, Vocabulary, json_schema_grammar, regex_grammar, structural_tag_grammar
+from asyncgen.tools import strict_tool_call_tag
 from asyncgen.worker.guided import _SharedGuide
 
 
 def _object(schema: dict) -> dict:
     return {"type": "object", "properties": {"s": schema}, "required": ["s"]}
+
+
+# Strict calls of two functions in the hermes format (what tool_choice="auto" runs under).
+_WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"]}
+
+
+def _calls():
+    return structural_tag_grammar(strict_tool_call_tag("hermes", [
+        {"name": "get_weather", "parameters": _WEATHER, "strict": True},
+        {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}, "strict": True},
+    ]))
 
 
 CASES = [
@@ -49,6 +63,9 @@ CASES = [
     ("regex [A-Z][a-z]+ [0-9]{1,2}", lambda: regex_grammar("[A-Z][a-z]+ [0-9]{1,2}"), b"Ma"),
     ("object key", lambda: json_schema_grammar(_object({"type": "string"})), b"{"),
     ("number", lambda: json_schema_grammar(_object({"type": "integer"})), b'{"s": 1'),
+    ("structural tag, free text", _calls, b"Sure, "),
+    ("structural tag, in a trigger", _calls, b"Sure <tool_"),
+    ("structural tag, in a call's string", _calls, b'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
 ]
 
 DOCUMENT_SCHEMA = {
