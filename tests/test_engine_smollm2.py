@@ -309,6 +309,13 @@ async def test_continue_final_message_goes_on_with_a_begun_reply(smollm2_path, h
         reply = await client.chat.completions.create(model=client.model, messages=begun, max_tokens=12, temperature=0,
                                                      extra_body={"continue_final_message": True})
         assert reply.choices[0].message.content == out.text and reply.usage.prompt_tokens == ids.shape[1]
+        # echo: the reply starts with the begun message, whole and streamed
+        echoed = await client.chat.completions.create(model=client.model, messages=begun, max_tokens=12, temperature=0,
+                                                      extra_body={"continue_final_message": True, "echo": True})
+        assert echoed.choices[0].message.content == "The three primary colors are" + out.text
+        chunks = await client.chat.completions.create(model=client.model, messages=begun, max_tokens=12, temperature=0,
+                                                      stream=True, extra_body={"continue_final_message": True, "echo": True})
+        assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]) == echoed.choices[0].message.content
         # the turn closed and none opened: the prompt ends with the last message's end of turn
         closed = await engine.generate(messages=begun, params=greedy, add_generation_prompt=False)
         assert closed.prompt == tok.apply_chat_template(begun, tokenize=False) and closed.prompt.endswith("<|im_end|>\n")

@@ -232,6 +232,18 @@ def _tool_call_schema(request: ChatCompletionRequest) -> Any:
     return required_tools_schema([f.model_dump() for f in functions], parallel=request.parallel_tool_calls is not False)
 
 
+def _echoed(request: ChatCompletionRequest) -> str:
+    """With ``echo``, the text the reply starts with: the last message's, where it is the
+    assistant's (the reply goes on with it); else ""."""
+    last = request.messages[-1]
+    if not request.echo or not isinstance(last, AssistantMessage):
+        return ""
+    content = last.content
+    if isinstance(content, list):
+        return "\n".join(p.text if p.type == "text" else p.refusal for p in content)
+    return content or ""
+
+
 def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: a role and a string, and the history's
     tool calls (arguments as a dict where they are a JSON object, as templates expect)."""
@@ -557,6 +569,9 @@ class OpenAIAdapter:
                 )
                 finish_reason = _tool_finish_reason(req, finish_reason, bool(calls))
             message.reasoning_content = thought
+            echo = _echoed(req)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
         return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
 
@@ -631,8 +646,9 @@ class OpenAIAdapter:
         done = [False] * n  # the choice's finish went out
         running = [True] * n  # the engine still generates it
         try:
+            echo = _echoed(req)
             for i in range(n):
-                yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+                yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=echo))])
             async for c in stream:
                 if c.usage is not None:
                     usage = c.usage

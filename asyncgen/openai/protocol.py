@@ -20,8 +20,9 @@ A few sampling fields beyond OpenAI's, with vLLM's names (``top_k``, ``min_p``,
 ``{"choice": ["yes", "no"]}`` or ``{"regex": "[0-9]{3}"}``), are accepted as extensions,
 and so are chat's ``chat_template_kwargs`` (variables for the chat template, such as
 Qwen3's ``enable_thinking``), ``continue_final_message`` (the model goes on with the last
-message, an assistant reply begun for it; the reply holds what it adds) and
-``add_generation_prompt``; the official client sends them through ``extra_body``.
+message, an assistant reply begun for it; the reply holds what it adds, or with ``echo``
+the whole message) and ``add_generation_prompt``; the official client sends them through
+``extra_body``.
 
 Responses (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``ModelList``,
 ``ErrorResponse``) serialise to the JSON OpenAI sends. ``finish_reason`` is "stop" or
@@ -366,6 +367,7 @@ class ChatCompletionRequest(_SamplingExtensions):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     continue_final_message: Optional[bool] = None
     add_generation_prompt: Optional[bool] = None
+    echo: Optional[bool] = None  # vLLM's: a reply to an assistant message starts with its text
     audio: Optional[dict[str, Any]] = None
     frequency_penalty: Optional[Penalty] = 0.0
     function_call: Optional[Union[str, dict[str, Any]]] = None
