@@ -65,7 +65,7 @@ CASES = [
     ("number", lambda: json_schema_grammar(_object({"type": "integer"})), b'{"s": 1'),
     ("structural tag, free text", _calls, b"Sure, "),
     ("structural tag, in a trigger", _calls, b"Sure <tool_"),
-    ("structural tag, in a call's string", _calls, b'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+    ("structural tag, a call's string", _calls, b'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
 ]
 
 DOCUMENT_SCHEMA = {
@@ -114,6 +114,24 @@ def main() -> None:
     t2 = time.perf_counter()
     print(f"first request: tries {(t1 - t0) * 1e3:.0f} ms, then the masks of a {len(ids)}-token document "
           f"{(t2 - t1) * 1e3:.0f} ms")
+    # The same for a first request with strict tool calls: text, then a call.
+    grammar = _calls()
+    reply = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    t0 = time.perf_counter()
+    shared = _SharedGuide(grammar, Vocabulary(token_bytes), len(token_bytes))
+    t1 = time.perf_counter()
+    state = grammar.initial
+    times = []
+    for token_id in ids:
+        t = time.perf_counter()
+        mask, _ = shared.allowed_mask(state)
+        times.append(time.perf_counter() - t)
+        assert mask[token_id], tokenizer.decode([token_id])
+        state = grammar.advance(state, token_bytes[token_id])
+    assert grammar.accepts(state)
+    print(f"first request with strict tool calls: tries {(t1 - t0) * 1e3:.0f} ms, then the masks of a "
+          f"{len(ids)}-token reply {sum(times) * 1e3:.0f} ms (its first, free text: {times[0] * 1e3:.0f} ms)")
     t0 = time.perf_counter()
     vocabulary.plain_columns()
     print(f"plain tokens' byte columns (once per vocabulary, at the first pattern or regex state): "
