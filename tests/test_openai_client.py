@@ -88,10 +88,23 @@ async def test_chat_stream(client, engine):
     assert chunks[-1].usage.completion_tokens == 2 * whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk with a choice has that choice's usage so far
+    stream = await client.chat.completions.create(
+        model=client.model, messages=MESSAGES, max_tokens=8, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = [c async for c in stream]
+    for i in range(2):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        counts = [c.usage.completion_tokens for c in mine]
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens
+        assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in mine)
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in mine)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * whole.usage.completion_tokens
     assert_idle(engine)
 
 
-async def test_completions_several_prompts(client):
+async def test_completions_several_prompts(client, engine):
     prompts = ["The capital of France is", "One, two, three,"]
     singles = [
         (await client.completions.create(model=client.model, prompt=p, max_tokens=4, temperature=0)).choices[0].text
@@ -116,6 +129,17 @@ async def test_completions_several_prompts(client):
                 finish[choice.index] = choice.finish_reason
     assert texts == {0: prompts[0] + singles[0], 1: prompts[1] + singles[1]}
     assert finish == {0: "length", 1: "length"} and chunk.usage.completion_tokens == 8
+    stream = await client.completions.create(
+        model=client.model, prompt=prompts, max_tokens=4, temperature=0, stream=True, echo=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    seen = {0: [], 1: []}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            seen[choice.index].append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+    for i, p in enumerate(prompts):
+        assert {u[0] for u in seen[i]} == {len(engine.tokenizer.encode(p))}
+        assert [u[1] for u in seen[i]][0] == 0 and seen[i][-1][1] == 4
 
 
 @ASYNCIO_ONLY

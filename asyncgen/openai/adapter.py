@@ -26,6 +26,9 @@ Mapping notes:
   not in them, nor are the tokens of a stop string cut from the text. When streamed, a
   token's logprob is sent with the chunk that sends the text it starts (a token whose
   text is held back, as a possible stop string, waits with it).
+* ``stream_options.include_usage`` sends the usage in a last chunk with no choices;
+  with vLLM's ``continuous_usage_stats`` too, every chunk that has a choice also carries
+  the usage so far: the prompt's tokens and that choice's generated tokens.
 * Completions' ``text_offset`` is where each token starts in the choice's text,
   counted in characters (a token that continues a multi-byte character starts where
   that character does; one after bytes no byte can complete, shown as U+FFFD, starts
@@ -633,12 +636,15 @@ class OpenAIAdapter:
     async def _chat_chunks(self, stream, req: ChatCompletionRequest, rid: str, created: int, tool_parser=None,
                            reasoning=None):
         model = req.model
+        n = req.n or 1
+        generated = [0] * n  # tokens of each choice so far (continuous usage)
 
         def chunk(choices, usage=None):
+            if usage is None and choices and req.continuous_usage:
+                usage = _usage([Usage(len(stream.prompt_token_ids), generated[choices[0].index])])
             return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usage = None
-        n = req.n or 1
         aligned = [self._aligner(stream) for _ in range(n)]
         parsers = [tool_parser() for _ in range(n)] if tool_parser is not None else None
         thinkers = [reasoning() for _ in range(n)] if reasoning is not None else None
@@ -650,6 +656,7 @@ class OpenAIAdapter:
             for i in range(n):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=echo))])
             async for c in stream:
+                generated[c.index] += len(c.token_ids)
                 if c.usage is not None:
                     usage = c.usage
                 if c.finish_reason is not None:
@@ -785,7 +792,12 @@ class OpenAIAdapter:
         bases = [len(echoes[k // n]) for k in range(n * len(streams))]
         aligned = [self._aligner(streams[k // n]) for k in range(n * len(streams))]
 
+        generated = [0] * (n * len(streams))  # tokens of each choice so far (continuous usage)
+
         def chunk(choices, usage=None):
+            if usage is None and choices and req.continuous_usage:
+                index = choices[0].index
+                usage = _usage([Usage(len(streams[index // n].prompt_token_ids), generated[index])])
             return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usages: list[Usage] = []
@@ -831,6 +843,7 @@ class OpenAIAdapter:
                         ready.append((k, c))
                         continue
                 index = k * n + c.index
+                generated[index] += len(c.token_ids)
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._completion_logprobs(aligned[index].add(c), bases[index])

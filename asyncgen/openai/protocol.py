@@ -202,6 +202,9 @@ ChatMessage = Annotated[
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
     include_obfuscation: Optional[bool] = None  # accepted; nothing to obfuscate in-process
+    # vLLM's: with include_usage, every chunk that has a choice carries the usage so far
+    # (that choice's completion tokens)
+    continuous_usage_stats: Optional[bool] = None
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -481,6 +484,10 @@ class ChatCompletionRequest(_SamplingExtensions):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    @property
     def tool_mode(self) -> Optional[str]:
         """None (no tools, or ``tool_choice="none"``), "auto", "required" or "named"."""
         choice = self.tool_choice
@@ -561,6 +568,10 @@ class CompletionRequest(_SamplingExtensions):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def prompts(self) -> list[Union[str, list[int]]]:
