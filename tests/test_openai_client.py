@@ -411,3 +411,42 @@ async def test_served_model_names(engine):
     assert resp.model == "assistant"
     with pytest.raises(NotFoundError):
         await client.chat.completions.create(model=engine.model_name, messages=MESSAGES, max_tokens=1)
+
+
+async def test_return_token_ids(client, engine):
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids, whole and
+    streamed (the prompt's in the first chunk, each chunk's own tokens in it); absent
+    from the JSON otherwise."""
+    kw = dict(model=client.model, messages=MESSAGES, max_tokens=8, temperature=0)
+    direct = await engine.generate(messages=MESSAGES, params=SamplingParams(max_tokens=8, temperature=0))
+    plain = await client.chat.completions.create(**kw)
+    assert "prompt_token_ids" not in plain.to_dict() and "token_ids" not in plain.to_dict()["choices"][0]
+    whole = await client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    prompt_ids = engine.tokenizer.encode(direct.prompt, add_special_tokens=False)
+    assert whole.prompt_token_ids == prompt_ids and whole.choices[0].token_ids == list(direct.token_ids)
+    chunks = [c async for c in await client.chat.completions.create(**kw, n=2, stream=True,
+                                                                    extra_body={"return_token_ids": True})]
+    assert chunks[0].prompt_token_ids == prompt_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    for i in range(2):
+        ids = [t for c in chunks for ch in c.choices if ch.index == i for t in ch.token_ids]
+        assert ids == list(direct.token_ids)
+    prompt = "The capital of France is"
+    one = await engine.generate(prompt, SamplingParams(max_tokens=6, temperature=0))
+    done = await client.completions.create(model=client.model, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                           extra_body={"return_token_ids": True})
+    assert done.choices[0].prompt_token_ids == engine.tokenizer.encode(prompt)
+    assert done.choices[0].token_ids == list(one.token_ids)
+    pieces = [ch for c in await _collect_stream(client.completions.create(
+        model=client.model, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+        extra_body={"return_token_ids": True})) for ch in c.choices]
+    assert pieces[0].prompt_token_ids == engine.tokenizer.encode(prompt)
+    assert [t for ch in pieces for t in ch.token_ids] == list(one.token_ids)
+    best = await client.completions.create(model=client.model, prompt=prompt, max_tokens=6, temperature=0, best_of=2,
+                                           extra_body={"return_token_ids": True})
+    assert best.choices[0].token_ids == list(one.token_ids)
+    assert_idle(engine)
+
+
+async def _collect_stream(pending):
+    return [c async for c in await pending]

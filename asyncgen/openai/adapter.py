@@ -29,6 +29,11 @@ Mapping notes:
 * ``stream_options.include_usage`` sends the usage in a last chunk with no choices;
   with vLLM's ``continuous_usage_stats`` too, every chunk that has a choice also carries
   the usage so far: the prompt's tokens and that choice's generated tokens.
+* vLLM's ``return_token_ids`` adds the prompt's token ids (a chat completion's
+  ``prompt_token_ids``; each completions choice's) and each choice's generated ids
+  (``token_ids``: every token generated, those of a stop string cut from the text
+  included). Streamed, the prompt's ids come in the first chunk (of each choice, for
+  completions) and each chunk carries the tokens generated since the last one.
 * Completions' ``text_offset`` is where each token starts in the choice's text,
   counted in characters (a token that continues a multi-byte character starts where
   that character does; one after bytes no byte can complete, shown as U+FFFD, starts
@@ -575,8 +580,11 @@ class OpenAIAdapter:
             echo = _echoed(req)
             if echo:
                 message.content = echo + (message.content or "")
-            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason))
-        return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
+            ids = {"token_ids": out.token_ids} if req.return_token_ids else {}
+            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                                                **ids))
+        ids = {"prompt_token_ids": list(stream.prompt_token_ids)} if req.return_token_ids else {}
+        return ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=usage, **ids)
 
     async def create_response(self, request: Any) -> Any:
         """OpenAI's Responses API (``POST /v1/responses``): a ``Response``, or an
@@ -638,11 +646,21 @@ class OpenAIAdapter:
         model = req.model
         n = req.n or 1
         generated = [0] * n  # tokens of each choice so far (continuous usage)
+        unsent = [[] for _ in range(n)]  # return_token_ids: each choice's tokens not yet in a chunk
+        extra = {"prompt_token_ids": list(stream.prompt_token_ids)} if req.return_token_ids else {}
 
         def chunk(choices, usage=None):
+            nonlocal extra
             if usage is None and choices and req.continuous_usage:
                 usage = _usage([Usage(len(stream.prompt_token_ids), generated[choices[0].index])])
-            return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+            if req.return_token_ids and choices:
+                i = choices[0].index
+                choices = [choices[0].model_copy(update={"token_ids": unsent[i]})]
+                unsent[i] = []
+            out = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage, **extra)
+            if choices:
+                extra = {}  # (the prompt's ids go in the first chunk only)
+            return out
 
         usage = None
         aligned = [self._aligner(stream) for _ in range(n)]
@@ -657,6 +675,8 @@ class OpenAIAdapter:
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=echo))])
             async for c in stream:
                 generated[c.index] += len(c.token_ids)
+                if not done[c.index]:
+                    unsent[c.index].extend(c.token_ids)
                 if c.usage is not None:
                     usage = c.usage
                 if c.finish_reason is not None:
@@ -748,7 +768,9 @@ class OpenAIAdapter:
                 if req.echo:
                     logprobs = _joined(self._prompt_logprobs(prompt_ids[k], prompt_lps[k]), logprobs)
             text = echo + "".join(out.texts)
-            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason))
+            ids = {"prompt_token_ids": list(prompt_ids[k]), "token_ids": out.token_ids} if req.return_token_ids else {}
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                            **ids))
         return Completion(id=rid, created=created, model=req.model, choices=choices, usage=usage)
 
     async def _best_of_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
@@ -781,8 +803,10 @@ class OpenAIAdapter:
                     logprobs = self._completion_logprobs(aligned, len(echo))
                     if req.echo:
                         logprobs = _joined(self._prompt_logprobs(res.prompt_token_ids, res.prompt_logprobs), logprobs)
+                ids = {"prompt_token_ids": list(res.prompt_token_ids), "token_ids": list(out.token_ids)} \
+                    if req.return_token_ids else {}
                 choices.append(CompletionChoice(index=k * params.n + out.index, text=echo + out.text,
-                                                logprobs=logprobs, finish_reason=out.finish_reason))
+                                                logprobs=logprobs, finish_reason=out.finish_reason, **ids))
         return Completion(id=rid, created=created, model=req.model, choices=choices,
                           usage=_usage([r.usage for r in results]))
 
@@ -793,11 +817,21 @@ class OpenAIAdapter:
         aligned = [self._aligner(streams[k // n]) for k in range(n * len(streams))]
 
         generated = [0] * (n * len(streams))  # tokens of each choice so far (continuous usage)
+        unsent = [[] for _ in range(n * len(streams))]  # return_token_ids: tokens not yet in a chunk
+        prompt_sent = [False] * (n * len(streams))
 
         def chunk(choices, usage=None):
             if usage is None and choices and req.continuous_usage:
                 index = choices[0].index
                 usage = _usage([Usage(len(streams[index // n].prompt_token_ids), generated[index])])
+            if req.return_token_ids and choices:
+                index = choices[0].index
+                update = {"token_ids": unsent[index]}
+                if not prompt_sent[index]:  # the prompt's ids in the choice's first chunk
+                    update["prompt_token_ids"] = list(streams[index // n].prompt_token_ids)
+                    prompt_sent[index] = True
+                choices = [choices[0].model_copy(update=update)]
+                unsent[index] = []
             return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usages: list[Usage] = []
@@ -844,6 +878,7 @@ class OpenAIAdapter:
                         continue
                 index = k * n + c.index
                 generated[index] += len(c.token_ids)
+                unsent[index].extend(c.token_ids)
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._completion_logprobs(aligned[index].add(c), bases[index])
@@ -927,6 +962,7 @@ class OpenAIAdapter:
                         prompt_lps[k] = c.prompt_logprobs
                     out = outs[k * n + c.index]
                     out.texts.append(c.text)
+                    out.token_ids.extend(c.token_ids)
                     if c.logprobs is not None:
                         out.logprobs.extend(aligned[k * n + c.index].add(c))
                     if c.finish_reason is not None:
@@ -990,10 +1026,11 @@ class _CallWatch:
 
 
 class _Output:
-    __slots__ = ("texts", "logprobs", "finish_reason")
+    __slots__ = ("texts", "logprobs", "finish_reason", "token_ids")
 
     def __init__(self):
         self.texts: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, TokenLogprob]] = []  # (start in the text, logprob)
         self.finish_reason: Optional[str] = None
 

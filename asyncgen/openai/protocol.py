@@ -337,6 +337,9 @@ class _SamplingExtensions(VLLMSamplingFields):
 
     # OpenAI's (chat), also taken on completions as vLLM does
     response_format: Optional[ResponseFormat] = None
+    # vLLM's: the response holds the prompt's token ids and each choice's generated ones
+    # (streamed: the prompt's in the first chunk, each chunk's own tokens in it)
+    return_token_ids: Optional[bool] = None
 
     def structured_spec(self) -> Optional[tuple[str, dict[str, Any]]]:
         """(the field it came from, StructuredOutputsParams' arguments), or None."""
