@@ -681,11 +681,10 @@ def named_tool_schema(function: dict[str, Any]) -> Any:
     return _parameters(function)
 
 
-# The formats whose calls a structural tag can hold: (trigger, begin before the name's
-# JSON, between the name and the arguments, end). A call in them opens with a marker the
-# model writes anywhere in its text (not so llama3_json's, which only starts an output, nor
-# mistral's, a special token that structured outputs never allow).
-_CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>")}
+# The formats whose calls a structural tag can hold. A call in them opens with a marker
+# the model writes anywhere in its text (not so llama3_json's, which only starts an output,
+# nor mistral's, a special token that structured outputs never allow).
+_CALL_TAGS = ("hermes",)
 
 
 def strict_tool_call_tag(parser: str, functions: list[dict[str, Any]],
@@ -698,13 +697,13 @@ def strict_tool_call_tag(parser: str, functions: list[dict[str, Any]],
     "inside") leaves a thinking model's ``<think>`` block free, where calls are not read."""
     if parser not in _CALL_TAGS:
         return None
-    trigger, head, middle, end = _CALL_TAGS[parser]
+    start, end = TOOL_CALL_PARSERS[parser].start_marker, TOOL_CALL_PARSERS[parser].end_marker
     structures = [
-        {"begin": head + json.dumps(f["name"]) + middle,
-         "schema": _parameters(f) if f.get("strict") else {"type": "object"}, "end": end}
+        {"begin": f'{start}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+         "schema": _parameters(f) if f.get("strict") else {"type": "object"}, "end": f"}}\n{end}"}
         for f in functions
     ]
-    tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
+    tag = {"type": "structural_tag", "structures": structures, "triggers": [start]}
     if reasoning is not None:
         tag["reasoning"] = reasoning
     return tag

@@ -683,7 +683,8 @@ async def test_strict_calls_leave_a_reasoning_block_free(hermes_model):
 
         def tag(adapter, **fields):
             req = _request(tools=strict, **fields)
-            return adapter._strict_calls(req, SamplingParams()).structured_outputs.structural_tag
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            return adapter._strict_calls(req, SamplingParams(), _template_messages(req), tools).structured_outputs.structural_tag
 
         thinking = engine.openai_client(reasoning_parser="think").adapter
         opens = tag(thinking)

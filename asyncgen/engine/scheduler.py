@@ -7,6 +7,7 @@ takes the sampled tokens back.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import deque
@@ -123,14 +124,7 @@ class Scheduler:
 
     def _insert_waiting(self, req: Request) -> None:
         """Into the waiting queue in (priority, arrival) order."""
-        key = _priority_key(req)
-        i = 0
-        for i, other in enumerate(self.waiting):  # (short queues: a scan)
-            if _priority_key(other) > key:
-                break
-        else:
-            i = len(self.waiting)
-        self.waiting.insert(i, req)
+        bisect.insort(self.waiting, req, key=_priority_key)
 
     def abort(self, req_id: str) -> bool:
         req = self.requests.get(req_id)

@@ -90,7 +90,7 @@ import functools
 import json
 import time
 import uuid
-from typing import Any, AsyncGenerator, AsyncIterator, Generic, Mapping, Optional, TypeVar, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Generic, Mapping, Optional, Sequence, TypeVar, Union
 
 import anyio
 from pydantic import ValidationError
@@ -240,16 +240,20 @@ def _tool_call_schema(request: ChatCompletionRequest) -> Any:
     return required_tools_schema([f.model_dump() for f in functions], parallel=request.parallel_tool_calls is not False)
 
 
+def _content_text(content) -> Optional[str]:
+    """A message's content as one string (text parts joined with newlines)."""
+    if isinstance(content, list):
+        return "\n".join(p.text if p.type == "text" else p.refusal for p in content)
+    return content
+
+
 def _echoed(request: ChatCompletionRequest) -> str:
     """With ``echo``, the text the reply starts with: the last message's, where it is the
     assistant's (the reply goes on with it); else ""."""
     last = request.messages[-1]
     if not request.echo or not isinstance(last, AssistantMessage):
         return ""
-    content = last.content
-    if isinstance(content, list):
-        return "\n".join(p.text if p.type == "text" else p.refusal for p in content)
-    return content or ""
+    return _content_text(last.content) or ""
 
 
 def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -258,9 +262,7 @@ def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     out = []
     for m in request.messages:
         role = "system" if isinstance(m, DeveloperMessage) else m.role
-        content = m.content
-        if isinstance(content, list):
-            content = "\n".join(p.text if p.type == "text" else p.refusal for p in content)
+        content = _content_text(m.content)
         message: dict[str, Any] = {"role": role}
         if isinstance(m, AssistantMessage):
             if content is None:
@@ -525,13 +527,14 @@ class OpenAIAdapter:
         req = _parse(ChatCompletionRequest, request)
         self._check_model(req.model)
         tool_parser = self._tool_parser(req)
-        params = self._strict_calls(req, to_sampling_params(req))
+        messages = _template_messages(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        params = self._strict_calls(req, to_sampling_params(req), messages, tools)
         if tool_parser is not None and self.tool_call_parser == "mistral" and req.skip_special_tokens is None:
             params = params.model_copy(update={"skip_special_tokens": False})  # [TOOL_CALLS] is a special token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        stream = self._open(None, _template_messages(req), params, rid, "messages", fields, req.chat_template_kwargs,
+        stream = self._open(None, messages, params, rid, "messages", fields, req.chat_template_kwargs,
                             tools, bool(req.continue_final_message), req.add_generation_prompt, req.priority or 0)
         reasoning = None
         if self.reasoning_parser is not None:
@@ -549,6 +552,7 @@ class OpenAIAdapter:
         if tool_parser is not None and req.tool_mode == "auto" and req.parallel_tool_calls is False:
             until = [_CallWatch(tool_parser(), reasoning() if reasoning is not None else None) for _ in range(params.n)]
         outs, usage, _ = await self._collect([stream], params.n, "messages", until=until)
+        echo = _echoed(req)
         choices = []
         for i, out in enumerate(outs):
             logprobs = None
@@ -577,7 +581,6 @@ class OpenAIAdapter:
                 )
                 finish_reason = _tool_finish_reason(req, finish_reason, bool(calls))
             message.reasoning_content = thought
-            echo = _echoed(req)
             if echo:
                 message.content = echo + (message.content or "")
             ids = {"token_ids": out.token_ids} if req.return_token_ids else {}
@@ -594,7 +597,8 @@ class OpenAIAdapter:
 
         return await create_response(self, request)
 
-    def _strict_calls(self, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    def _strict_calls(self, req: ChatCompletionRequest, params: SamplingParams, messages: list[dict[str, Any]],
+                      tools: Optional[list[dict[str, Any]]]) -> SamplingParams:
         """``params`` under which, with ``tool_choice="auto"`` and a ``strict`` function
         offered, every call the model opens follows the schema of a strict function (any
         JSON object for the others) and names an offered one, the text around the calls
@@ -606,9 +610,10 @@ class OpenAIAdapter:
             return params
         reasoning = None
         if self.reasoning_parser is not None:  # calls are read after the <think> block: leave it free
+            # (whether the prompt leaves one open decides the grammar, so the template is
+            # rendered here as well as when the stream opens)
             try:
-                prompt = apply_chat_template(self.engine.tokenizer, _template_messages(req), req.chat_template_kwargs,
-                                             [t.model_dump(exclude_none=True) for t in req.tools],
+                prompt = apply_chat_template(self.engine.tokenizer, messages, req.chat_template_kwargs, tools,
                                              req.add_generation_prompt, bool(req.continue_final_message))
             except AsyncGenError:
                 prompt = None  # (opening the stream raises it, with the field named)
@@ -645,18 +650,13 @@ class OpenAIAdapter:
                            reasoning=None):
         model = req.model
         n = req.n or 1
-        generated = [0] * n  # tokens of each choice so far (continuous usage)
-        unsent = [[] for _ in range(n)]  # return_token_ids: each choice's tokens not yet in a chunk
+        tokens = _ChoiceTokens(req, n, lambda i: stream.prompt_token_ids)
         extra = {"prompt_token_ids": list(stream.prompt_token_ids)} if req.return_token_ids else {}
 
         def chunk(choices, usage=None):
             nonlocal extra
-            if usage is None and choices and req.continuous_usage:
-                usage = _usage([Usage(len(stream.prompt_token_ids), generated[choices[0].index])])
-            if req.return_token_ids and choices:
-                i = choices[0].index
-                choices = [choices[0].model_copy(update={"token_ids": unsent[i]})]
-                unsent[i] = []
+            if choices:
+                choices, usage = tokens.attach(choices, usage)
             out = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage, **extra)
             if choices:
                 extra = {}  # (the prompt's ids go in the first chunk only)
@@ -674,9 +674,7 @@ class OpenAIAdapter:
             for i in range(n):
                 yield chunk([ChatCompletionChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=echo))])
             async for c in stream:
-                generated[c.index] += len(c.token_ids)
-                if not done[c.index]:
-                    unsent[c.index].extend(c.token_ids)
+                tokens.add(c.index, c.token_ids, send=not done[c.index])
                 if c.usage is not None:
                     usage = c.usage
                 if c.finish_reason is not None:
@@ -816,22 +814,12 @@ class OpenAIAdapter:
         bases = [len(echoes[k // n]) for k in range(n * len(streams))]
         aligned = [self._aligner(streams[k // n]) for k in range(n * len(streams))]
 
-        generated = [0] * (n * len(streams))  # tokens of each choice so far (continuous usage)
-        unsent = [[] for _ in range(n * len(streams))]  # return_token_ids: tokens not yet in a chunk
-        prompt_sent = [False] * (n * len(streams))
+        # (the prompt's ids go in each choice's first chunk)
+        tokens = _ChoiceTokens(req, n * len(streams), lambda i: streams[i // n].prompt_token_ids, per_choice_prompt=True)
 
         def chunk(choices, usage=None):
-            if usage is None and choices and req.continuous_usage:
-                index = choices[0].index
-                usage = _usage([Usage(len(streams[index // n].prompt_token_ids), generated[index])])
-            if req.return_token_ids and choices:
-                index = choices[0].index
-                update = {"token_ids": unsent[index]}
-                if not prompt_sent[index]:  # the prompt's ids in the choice's first chunk
-                    update["prompt_token_ids"] = list(streams[index // n].prompt_token_ids)
-                    prompt_sent[index] = True
-                choices = [choices[0].model_copy(update=update)]
-                unsent[index] = []
+            if choices:
+                choices, usage = tokens.attach(choices, usage)
             return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         usages: list[Usage] = []
@@ -877,8 +865,7 @@ class OpenAIAdapter:
                         ready.append((k, c))
                         continue
                 index = k * n + c.index
-                generated[index] += len(c.token_ids)
-                unsent[index].extend(c.token_ids)
+                tokens.add(index, c.token_ids)
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self._completion_logprobs(aligned[index].add(c), bases[index])
@@ -1023,6 +1010,39 @@ class _CallWatch:
         if self.reasoning is not None:
             text = self.reasoning.feed(text)[1]
         self.parser.feed(text)
+
+
+class _ChoiceTokens:
+    """A stream's tokens by choice, for what its chunks carry: the usage so far
+    (``continuous_usage_stats``) and the generated ids not sent yet (``return_token_ids``;
+    with ``per_choice_prompt``, a choice's first chunk carries its prompt's ids too)."""
+
+    def __init__(self, req, count: int, prompt_ids: Callable[[int], Sequence[int]], per_choice_prompt: bool = False):
+        self._usage = req.continuous_usage
+        self._ids = req.return_token_ids
+        self._prompt_ids = prompt_ids
+        self._generated = [0] * count
+        self._unsent: list[list[int]] = [[] for _ in range(count)]
+        self._prompt_due = [per_choice_prompt] * count
+
+    def add(self, index: int, token_ids: Sequence[int], send: bool = True) -> None:
+        self._generated[index] += len(token_ids)
+        if send:
+            self._unsent[index].extend(token_ids)
+
+    def attach(self, choices: list, usage):
+        """``choices`` (one choice) and ``usage`` with what this stream's chunk carries."""
+        i = choices[0].index
+        if usage is None and self._usage:
+            usage = _usage([Usage(len(self._prompt_ids(i)), self._generated[i])])
+        if self._ids:
+            update: dict[str, Any] = {"token_ids": self._unsent[i]}
+            if self._prompt_due[i]:
+                update["prompt_token_ids"] = list(self._prompt_ids(i))
+                self._prompt_due[i] = False
+            choices = [choices[0].model_copy(update=update)]
+            self._unsent[i] = []
+        return choices, usage
 
 
 class _Output:

@@ -341,6 +341,15 @@ class _SamplingExtensions(VLLMSamplingFields):
     # (streamed: the prompt's in the first chunk, each chunk's own tokens in it)
     return_token_ids: Optional[bool] = None
 
+    @property
+    def include_usage(self) -> bool:
+        """(``stream`` and ``stream_options`` are each subclass's fields.)"""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     def structured_spec(self) -> Optional[tuple[str, dict[str, Any]]]:
         """(the field it came from, StructuredOutputsParams' arguments), or None."""
         fmt = self.response_format
@@ -483,14 +492,6 @@ class ChatCompletionRequest(_SamplingExtensions):
                         _unsupported(f"messages[{i}].content[{j}].type", f"content parts of type {part.type!r}")
 
     @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
-
-    @property
     def tool_mode(self) -> Optional[str]:
         """None (no tools, or ``tool_choice="none"``), "auto", "required" or "named"."""
         choice = self.tool_choice
@@ -567,14 +568,6 @@ class CompletionRequest(_SamplingExtensions):
                 "Invalid value for 'best_of': best_of greater than n cannot be streamed (the best completions "
                 "are known only at the end).", param="best_of",
             )
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def prompts(self) -> list[Union[str, list[int]]]:
