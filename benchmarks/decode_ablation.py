@@ -3,9 +3,7 @@
 The 7B-shaped AWQ and fp16 checkpoints of ``quant_decode.py`` are each served by their own
 process through ``AsyncEngine``, once as they are and once per variant in which the cuda
 backend's RMSNorm, its rotary + attention, or both are replaced by functions that launch
-no kernel (the norm returns its input, the attention an uninitialised output), and for
-AWQ with its one-row products on the kernel of the checkpoint's layout
-(``checkpoint-layout``: ``ASYNCGEN_COLUMNS_4BIT=0``) instead of the column layout. The
+no kernel (the norm returns its input, the attention an uninitialised output). The
 outputs of those variants are meaningless; their token rate says how much of the
 CUDA-graph step the left-out kernels cost, chain of dependent launches included, which a
 profile of eager kernels does not show. With both left out, what remains is the
@@ -24,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -40,8 +37,7 @@ from quant_decode import (  # noqa: E402
 )
 
 VARIANTS = {
-    "awq": ("all", "no-norm", "no-attention", "no-norm-no-attention", "checkpoint-layout", "columns-late-signal",
-            "columns-half-occupancy", "columns-late-half", "columns-ungated", "columns-ungated-half"),
+    "awq": ("all", "no-norm", "no-attention", "no-norm-no-attention"),
     "fp16": ("all", "no-norm-no-attention"),
 }
 
@@ -64,14 +60,6 @@ def _leave_out(variant: str) -> None:
 
 
 async def measure(path: str, variant: str, repeats: int, tokens: int) -> dict:
-    if variant == "checkpoint-layout":  # one row on the one-row kernel of the checkpoint's layout
-        os.environ["ASYNCGEN_COLUMNS_4BIT"] = "0"
-    if variant in ("columns-late-signal", "columns-late-half"):
-        os.environ["ASYNCGEN_COLUMNS_SIGNAL"] = "late"
-    if variant in ("columns-ungated", "columns-ungated-half"):
-        os.environ["ASYNCGEN_GATED_4BIT"] = "0"
-    if variant in ("columns-half-occupancy", "columns-late-half", "columns-ungated-half"):
-        os.environ["ASYNCGEN_COLUMNS_OCCUPANCY"] = "half"
     from asyncgen import AsyncEngine, SamplingParams
 
     _leave_out(variant)

@@ -33,9 +33,6 @@ TORCH_LIBRARY(asyncgen_C, m) {
       "quant_gemv_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, int kernel=0, bool gated=False) -> ()");
   m.def(
-      "quant_gemv_columns(Tensor(a!) out, Tensor x, Tensor qcol, Tensor zs, int group_size, Tensor? bias, "
-      "bool gated=False) -> ()");
-  m.def(
       "quant_gemm_4bit(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
       "int group_size, Tensor? bias, Tensor(b!)? workspace, Tensor(c!)? counters, int warps=4, int splits=1, "
       "int wgmma=0) -> ()");
@@ -49,7 +46,6 @@ TORCH_LIBRARY_IMPL(asyncgen_C, CUDA, m) {
   m.impl("chunk_attention", &asyncgen::chunk_attention);
   m.impl("dense_gemv", &asyncgen::dense_gemv);
   m.impl("quant_gemv_4bit", &asyncgen::quant_gemv_4bit);
-  m.impl("quant_gemv_columns", &asyncgen::quant_gemv_columns);
   m.impl("quant_gemm_4bit", &asyncgen::quant_gemm_4bit);
 }
 

@@ -9,7 +9,6 @@
 
 #include "check.h"
 #include "gemv.cuh"
-#include "gemv_columns.cuh"
 #include "quant_gemm.cuh"
 #include "quant_ws.cuh"
 #include "launch_policy.h"
@@ -176,51 +175,6 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
               "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
               " groups");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void quant_gemv_columns(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qcol, const at::Tensor& zs,
-                        int64_t group_size, const c10::optional<at::Tensor>& bias, bool gated) {
-  AG_CHECK_CUDA(x, qcol);
-  AG_CHECK_CUDA(out, qcol);
-  AG_CHECK_CUDA(zs, qcol);
-  AG_CHECK_DTYPE(x, at::kHalf);
-  AG_CHECK_DTYPE(out, at::kHalf);
-  AG_CHECK_DTYPE(qcol, at::kInt);
-  AG_CHECK_DTYPE(zs, at::kInt);
-  TORCH_CHECK(qcol.dim() == 2 && qcol.is_contiguous() && is_aligned16(qcol),
-              "qcol must be a contiguous, 16-byte aligned [N, K / 8], got shape ", qcol.sizes(), " strides ",
-              qcol.strides());
-  const int64_t n = qcol.size(0), k = qcol.size(1) * 8;
-  TORCH_CHECK(group_size > 0 && k % group_size == 0, "group_size must divide K=", k, ", got ", group_size);
-  TORCH_CHECK(zs.dim() == 2 && zs.size(0) == n && zs.size(1) == k / group_size && zs.is_contiguous(),
-              "zs must be a contiguous [", n, ", ", k / group_size, "], got shape ", zs.sizes());
-  TORCH_CHECK(x.numel() == k && x.is_contiguous() && is_aligned16(x), "x must be one contiguous, 16-byte aligned "
-              "row of ", k, " values, got shape ", x.sizes());
-  const int64_t outputs = gated ? n / 2 : n;
-  TORCH_CHECK(out.numel() == outputs && out.is_contiguous(), "out must be one contiguous row of ", outputs,
-              " values, got shape ", out.sizes());
-  check_bias(bias, x, n);
-  QuantGemvColumnsParams p{};
-  p.out = reinterpret_cast<__half*>(out.data_ptr());
-  p.x = reinterpret_cast<const __half*>(x.data_ptr());
-  p.qcol = qcol.data_ptr<int32_t>();
-  p.zs = reinterpret_cast<const uint32_t*>(zs.data_ptr<int32_t>());
-  p.bias = bias.has_value() ? reinterpret_cast<const __half*>(bias->data_ptr()) : nullptr;
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.group_size = static_cast<int>(group_size);
-  p.gated = gated ? 1 : 0;
-  static const bool late = [] {
-    const char* v = std::getenv("ASYNCGEN_COLUMNS_SIGNAL");
-    return v != nullptr && std::string(v) == "late";
-  }();
-  p.late_signal = late ? 1 : 0;
-  TORCH_CHECK(quant_gemv_columns_ok(p), "the column-layout 4-bit kernel takes K a multiple of 32 up to ",
-              kColumnsMaxK, ", a group size a multiple of 32, and gated an even N; got K=", k, ", group_size=",
-              group_size, ", N=", n);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  launch_quant_gemv_columns(p, c10::cuda::getCurrentCUDAStream(), dependent_launch(x.get_device()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

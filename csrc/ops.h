@@ -71,13 +71,6 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
                      const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t kernel, bool gated);
 
-// out = x @ W (+ bias) for one row of fp16 x, W in the column layout of gemv_columns.cuh:
-// qcol [N, K / 8] int32 (each output's codes contiguous) and zs [N, K / group_size] int32
-// holding the half2 (zero, scale). gated: W is gate | up and out [N / 2] = silu(x W_gate) *
-// (x W_up).
-void quant_gemv_columns(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qcol, const at::Tensor& zs,
-                        int64_t group_size, const c10::optional<at::Tensor>& bias, bool gated);
-
 // quant_gemv_4bit's product for 1 to 64 rows by the tiled tensor-core GEMM (quant_gemm.cuh):
 // blocks of `warps` (4 or 8) warps own 32 * warps columns; splits > 1 divides K over that
 // many blocks per column range, which then need a workspace (fp32, at least splits * M * N)

@@ -67,7 +67,6 @@ __all__ = [
     "QUANT_KERNELS", "QUANT_MMA_MAX_ROWS", "quant_gemv_4bit_max_rows", "quant_gemv_4bit_supported", "quant_gemv_4bit_weight_ok",
     "GemmScratch", "QUANT_GEMM_CONFIGS", "QUANT_GEMM_WS_CONFIGS", "has_wgmma", "launch_quant_gemm_4bit", "quant_gemm_4bit_weight_ok",
     "quant_gemm_config_indices", "quant_gemm_pieces", "stream_gemm_plan",
-    "COLUMNS_MAX_K", "launch_quant_gemv_columns", "quant_gemv_columns_ok",
     "LT_MAX_ROWS", "choose_dense_algos",
 ]
 
@@ -107,7 +106,7 @@ def _register_fakes() -> None:
     if register is None:  # torch < 2.4
         return
     for name in ("store_kv_cache", "rotary_store_kv", "paged_attention_decode", "rotary_paged_attention_decode",
-                 "chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemv_columns", "quant_gemm_4bit"):
+                 "chunk_attention", "dense_gemv", "quant_gemv_4bit", "quant_gemm_4bit"):
         try:
             register(f"asyncgen_C::{name}")(lambda *args, **kwargs: None)
         except RuntimeError:  # already registered
@@ -874,39 +873,6 @@ def launch_quant_gemv_4bit(
     torch.ops.asyncgen_C.quant_gemv_4bit(
         out, x, qweight, scales, zeros, group_size if group_size > 0 else k, bias, kernel, gated
     )
-    return out
-
-
-# The column kernel's most K (csrc/gemv_columns.cuh, kColumnsMaxK).
-COLUMNS_MAX_K = 16384
-
-
-def quant_gemv_columns_ok(k: int, n: int, group_size: int) -> bool:
-    """Whether the one-row column-layout 4-bit kernel (csrc/gemv_columns.cuh) takes a
-    weight of K inputs, N outputs and this group size (its gated form also needs an even
-    N): K a multiple of 32 up to :data:`COLUMNS_MAX_K`, the group size a multiple of 32
-    dividing K."""
-    return (_extension() is not None and 0 < k <= COLUMNS_MAX_K and k % 32 == 0 and n > 0 and group_size > 0
-            and group_size % 32 == 0 and k % group_size == 0)
-
-
-def launch_quant_gemv_columns(
-    x: torch.Tensor,
-    qcol: torch.Tensor,
-    zs: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    *,
-    gated: bool = False,
-) -> torch.Tensor:
-    """``x @ W`` (+ bias) for one row of fp16 ``x`` [1, K], W in the column layout
-    (:func:`asyncgen._ops.quant_reference.columns_layout`); ``gated``: W is gate | up and
-    the result [1, N / 2] is ``silu(gate) * up``. For weights
-    :func:`quant_gemv_columns_ok` takes and inputs :func:`gemv_input_ok` takes; the op
-    validates its arguments in C++."""
-    n = qcol.shape[0] // 2 if gated else qcol.shape[0]
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    torch.ops.asyncgen_C.quant_gemv_columns(out, x, qcol, zs, group_size, bias, gated)
     return out
 
 

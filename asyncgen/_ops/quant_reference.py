@@ -78,28 +78,6 @@ def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_rows(packed.t(), bits).t().contiguous()
 
 
-# Where the column layout puts the code of k offset i within its word (see
-# :func:`columns_layout`): fields (0, 4) hold k offsets (0, 1), (1, 5) hold (2, 3), and so on.
-_COLUMN_FIELD = (0, 4, 1, 5, 2, 6, 3, 7)
-
-
-def columns_layout(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit codes [K, N] with fp16 scales and zero points [G, N] in the layout of the csrc
-    one-row column kernel (csrc/gemv_columns.cuh): ``qcol`` [N, K / 8] int32, output n's
-    codes contiguous, word j holding k = 8j .. 8j + 7 in fields ``_COLUMN_FIELD``; and
-    ``zs`` [N, G] int32, the half2 (zero, scale) of each output and group."""
-    k, n = codes.shape
-    if k % 8:
-        raise ValueError(f"rows ({k}) must be a multiple of 8 for the column layout")
-    if scales.dtype != torch.float16 or zeros.dtype != torch.float16:
-        raise ValueError(f"the column layout takes fp16 scales and zeros, got {scales.dtype} and {zeros.dtype}")
-    c = codes.t().to(torch.int64).reshape(n, k // 8, 8)
-    shifts = 4 * torch.tensor(_COLUMN_FIELD, device=codes.device, dtype=torch.int64)
-    qcol = _to_int32_words((c << shifts).sum(dim=-1))
-    zs = torch.stack([zeros.t(), scales.t()], dim=-1).contiguous().view(torch.int32).reshape(n, -1)
-    return qcol, zs
-
-
 def dequantize(
     qweight: torch.Tensor,
     scales: torch.Tensor,

@@ -151,10 +151,6 @@ class LinearBase(nn.Module):
         # 4-bit gate|up layers: whether one row gives silu(gate) * up from the one-row 4-bit
         # kernel (set by the model runner, after QuantLinearMethod.gated_ok).
         self.quant_gated = False
-        # 4-bit layers on CUDA: the weight again in the one-row column layout (qcol, zs;
-        # asyncgen._ops.quant_reference.columns_layout) where that kernel serves one row.
-        self.register_buffer("qcol", None, persistent=False)
-        self.register_buffer("zs", None, persistent=False)
         # Row counts whose product runs a chosen cuBLASLt algorithm instead of F.linear
         # ({rows: cublaslt.LtRoute}; set by asyncgen._ops.cuda_backend.choose_dense_algos).
         self.lt_routes: dict = {}

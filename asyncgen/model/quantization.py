@@ -55,7 +55,6 @@ writes ``false`` for symmetric AWQ yet stores the zero points (all 8), so the st
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Any, Callable, Optional
 
@@ -76,11 +75,6 @@ GEMV_MAX_ROWS = 4
 # layer (4 bits, fp16, groups of consecutive rows; more than 8 rows on tensor cores only,
 # see cuda_backend.quant_gemv_4bit_max_rows); the Triton kernels do the rest.
 CUDA_GEMV_MAX_ROWS = 64
-# With kernel "cuda": one row of a 4-bit layer without act order and with fp16 scales goes
-# to the column-layout kernel (csrc/gemv_columns.cuh), which reads a second copy of the
-# weight laid out an output at a time; ASYNCGEN_COLUMNS_4BIT=0 keeps one copy and the
-# one-row kernel of the checkpoint's layout.
-COLUMNS_4BIT = os.environ.get("ASYNCGEN_COLUMNS_4BIT", "1") != "0"
 # The kernels a segment routes rows to (the csrc ones are cuda_backend.QUANT_KERNELS values),
 # and the row counts at which choose_kernels times them (the decode CUDA graphs' sizes).
 TRITON, CUDA_CORES, TENSOR_CORES = 0, 1, 2
@@ -462,20 +456,11 @@ class QuantLinearMethod(LinearMethod):
                     g_idx = g_sorted.to(torch.int32)  # unequal groups: per-row indices
             layer.quant_segments.append(_Segment(start, end, perm, g_idx))
         layer.register_buffer("qweight", qref.pack_rows(codes, bits), persistent=False)  # [K/pack, N]
-        columns = (
-            layer.quant_kernel == "cuda" and bits == 4 and len(segments) == 1 and layer.quant_segments[0].perm is None
-            and layer.quant_segments[0].g_idx is None and scales_dtype == torch.float16 and COLUMNS_4BIT
-        )
         layer.register_buffer("scales", torch.cat([p.scales for p in parts], dim=1).contiguous(), persistent=False)
         zeros = torch.cat([p.zeros for p in parts], dim=1).to(scales_dtype).contiguous()
         layer.register_buffer("zeros", zeros, persistent=False)  # [G, N]
         if layer.quant_kernel == "cuda":
             from .._ops import cuda_backend
-
-            if columns and cuda_backend.quant_gemv_columns_ok(k, codes.shape[1], size):
-                qcol, zs = qref.columns_layout(codes, layer.scales, zeros)
-                layer.register_buffer("qcol", qcol, persistent=False)
-                layer.register_buffer("zs", zs, persistent=False)
 
             for seg in layer.quant_segments:
                 weight, bias = self._columns(layer, seg)
@@ -501,13 +486,6 @@ class QuantLinearMethod(LinearMethod):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         m, n = x2.shape[0], layer.out_features
-        if m == 1 and layer.qcol is not None:
-            from .._ops import cuda_backend
-
-            if cuda_backend.gemv_input_ok(x2, torch.float16, layer.in_features, 1):
-                out = cuda_backend.launch_quant_gemv_columns(x2, layer.qcol, layer.zs, layer.quant_group_size,
-                                                             layer.bias)
-                return out.view(*lead, n)
         if len(layer.quant_segments) == 1:
             seg = layer.quant_segments[0]
             out = self._matmul(layer, x2, layer.qweight, layer.scales, layer.zeros, seg, layer.bias, None)
@@ -530,10 +508,6 @@ class QuantLinearMethod(LinearMethod):
         x2 = x.reshape(1, x.shape[-1])
         if not cuda_backend.gemv_input_ok(x2, torch.float16, layer.in_features, 1):
             return None
-        if layer.qcol is not None:
-            y = cuda_backend.launch_quant_gemv_columns(x2, layer.qcol, layer.zs, layer.quant_group_size, layer.bias,
-                                                       gated=True)
-            return y.view(*x.shape[:-1], layer.out_features // 2)
         y = cuda_backend.launch_quant_gemv_4bit(
             x2, layer.qweight, layer.scales, layer.zeros, layer.quant_group_size, None, layer.bias,
             kernel=CUDA_CORES, gated=True,
@@ -544,8 +518,6 @@ class QuantLinearMethod(LinearMethod):
         """Whether :meth:`apply_gated` may serve this gate|up layer at one row."""
         if layer.quant_kernel != "cuda" or len(layer.quant_segments) != 1:
             return False
-        if layer.qcol is not None:
-            return layer.out_features % 2 == 0
         seg = layer.quant_segments[0]
         from .._ops import cuda_backend
 

@@ -6,7 +6,6 @@
 #include "cache_kernels.cuh"
 #include "chunk_attention_wgmma.cuh"
 #include "gemv.cuh"
-#include "gemv_columns.cuh"
 #include "paged_attention.cuh"
 #include "quant_gemm.cuh"
 #include "quant_ws.cuh"
@@ -16,7 +15,6 @@ using asyncgen::DecodeParams;
 using asyncgen::DenseGemvParams;
 using asyncgen::QuantGemmParams;
 using asyncgen::QuantGemvParams;
-using asyncgen::QuantGemvColumnsParams;
 using asyncgen::RotaryStoreParams;
 using asyncgen::StoreKVParams;
 
@@ -94,21 +92,6 @@ int ag_quant_gemv_4bit(const QuantGemvParams* p, int tensor_cores) {
 int ag_quant_gemv_4bit_mma_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv_4bit_mma_ok(*p) ? 1 : 0; }
 int ag_quant_gemv1_ok(const QuantGemvParams* p) { return asyncgen::quant_gemv1_ok(*p) ? 1 : 0; }
 
-// The column-layout one-row kernel (gemv_columns.cuh): the launcher's shape for shape
-// -1, else 0: SPLIT 4, COLS 8, STEPS 1, 256 threads; 1: 4, 4, 3, 256; 2: 8, 8, 2, 256;
-// 3: 2, 16, 2, 128. Returns 0 on success, 1 where the launcher refuses p or for an
-// unknown shape.
-int ag_quant_gemv_columns(const QuantGemvColumnsParams* p, int shape) {
-  switch (shape) {
-    case -1: return asyncgen::launch_quant_gemv_columns(*p, nullptr, false) ? 0 : 1;
-    case 0: asyncgen::launch_quant_gemv_columns_shaped<4, 8, 1, 256>(*p, nullptr, false); return 0;
-    case 1: asyncgen::launch_quant_gemv_columns_shaped<4, 4, 3, 256>(*p, nullptr, false); return 0;
-    case 2: asyncgen::launch_quant_gemv_columns_shaped<8, 8, 2, 256>(*p, nullptr, false); return 0;
-    case 3: asyncgen::launch_quant_gemv_columns_shaped<2, 16, 2, 128>(*p, nullptr, false); return 0;
-    default: return 1;
-  }
-}
-
 // The tiled 4-bit GEMM (quant_gemm.cuh). Returns 0 on success, 1 where it does not take p.
 int ag_quant_gemm_4bit(const QuantGemmParams* p) {
   return asyncgen::launch_tiled_quant_gemm(*p, nullptr) ? 0 : 1;
@@ -123,7 +106,6 @@ void ag_plan_stream_gemm(int n, int k, int warps, int64_t blocks_wanted, int* bl
 int ag_sizeof_quant_gemm_params() { return sizeof(QuantGemmParams); }
 int ag_sizeof_dense_gemv_params() { return sizeof(DenseGemvParams); }
 int ag_sizeof_quant_gemv_params() { return sizeof(QuantGemvParams); }
-int ag_sizeof_quant_gemv_columns_params() { return sizeof(QuantGemvColumnsParams); }
 int ag_sizeof_decode_params() { return sizeof(DecodeParams); }
 int ag_sizeof_chunk_params() { return sizeof(ChunkAttentionParams); }
 int ag_sizeof_store_params() { return sizeof(StoreKVParams); }

@@ -158,21 +158,6 @@ class DenseGemvParams(ctypes.Structure):
     ]
 
 
-class QuantGemvColumnsParams(ctypes.Structure):
-    _fields_ = [
-        ("out", ctypes.c_void_p),
-        ("x", ctypes.c_void_p),
-        ("qcol", ctypes.c_void_p),
-        ("zs", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int),
-        ("k", ctypes.c_int),
-        ("group_size", ctypes.c_int),
-        ("gated", ctypes.c_int),
-        ("late_signal", ctypes.c_int),
-    ]
-
-
 class QuantGemvParams(ctypes.Structure):
     _fields_ = [
         ("out", ctypes.c_void_p),
@@ -254,8 +239,6 @@ class Emulator:
         lib.ag_quant_gemv_4bit.argtypes = [ctypes.POINTER(QuantGemvParams), ctypes.c_int]
         lib.ag_quant_gemv_4bit_mma_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
         lib.ag_quant_gemv1_ok.argtypes = [ctypes.POINTER(QuantGemvParams)]
-        assert lib.ag_sizeof_quant_gemv_columns_params() == ctypes.sizeof(QuantGemvColumnsParams)
-        lib.ag_quant_gemv_columns.argtypes = [ctypes.POINTER(QuantGemvColumnsParams), ctypes.c_int]
         self.last_quant_kernel = ""
         assert lib.ag_sizeof_quant_gemm_params() == ctypes.sizeof(QuantGemmParams)
         lib.ag_quant_gemm_4bit.argtypes = [ctypes.POINTER(QuantGemmParams)]
@@ -396,15 +379,6 @@ class Emulator:
         stream = bool(self.lib.ag_quant_gemv1_ok(ctypes.byref(p)))
         self.last_quant_kernel = "mma" if used_mma else "stream" if stream else "cores"
         return used_mma
-
-    def quant_gemv_columns(self, out, x, qcol, zs, group_size, bias=None, shape=-1, gated=False):
-        """out [N] = x [K] @ the column-layout 4-bit weight (qcol [N, K / 8], zs [N, G]
-        half2 (z, s); gemv_columns.cuh) (+ bias), or gated out [N / 2] = silu(gate) * up;
-        in the launcher's block shape, or ``shape`` (see emulate.cpp). Returns False where
-        the launcher refuses the call."""
-        p = QuantGemvColumnsParams(_ptr(out), _ptr(x), _ptr(qcol), _ptr(zs), _ptr(bias), qcol.shape[0],
-                                   qcol.shape[1] * 8, group_size, int(gated), 0)
-        return self.lib.ag_quant_gemv_columns(ctypes.byref(p), shape) == 0
 
     def quant_gemm_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, warps=4, splits=1,
                         workspace=None, counters=None, wgmma=False, stream_blocks=0):

@@ -186,60 +186,6 @@ def check_gated(copies: int = 8) -> None:
         torch.cuda.empty_cache()
 
 
-def check_columns() -> None:
-    """The one-row column-layout kernel (csrc/gemv_columns.cuh), plain and gated, against
-    dequantize-then-matmul (gated: ``silu_and_mul`` of that product rounded to fp16), at
-    the 7B shapes, group 64, a Llama-3-8B down_proj (K = 14336), and a small shape with a
-    bias and a column count no block shape divides; eagerly and in a CUDA graph replayed
-    with new x."""
-    from asyncgen._ops import cuda_backend, reference
-    from asyncgen._ops import quant_reference as qref
-
-    if not cuda_backend.is_available():
-        ROWS.append(Row("cols", "csrc extension not built", float("nan"), False, float("nan"), float("nan"), 0))
-        print("  columns: the csrc extension does not load: FAIL")
-        return
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    cases = ((4096, 12288, 128), (4096, 4096, 128), (4096, 22016, 128), (11008, 4096, 128), (4096, 22016, 64),
-             (14336, 4096, 128), (2048, 3140, 64))
-    for k, n, group in cases:
-        qweight, scales, zeros, _ = make_weights(k, n, 4, group, False, gen)
-        qcol, zs = qref.columns_layout(qref.unpack_rows(qweight, 4), scales, zeros)
-        bias = torch.randn(n, generator=gen, device="cuda").half() if n == 3140 else None
-        dense = qref.dequantize(qweight, scales, zeros, 4, group).float()
-        x = torch.randn(1, k, generator=gen, device="cuda").half()
-        for gated in (False, True):
-            def call(gated=gated):
-                return cuda_backend.launch_quant_gemv_columns(x, qcol, zs, group, bias, gated=gated)
-
-            def want(gated=gated):
-                y = x.float() @ dense + (bias.float() if bias is not None else 0.0)
-                return reference.silu_and_mul(y.half()).float() if gated else y
-
-            def rel(got, ref):
-                return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-
-            err = rel(call(), want())
-            out = call()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = call()
-            worst = 0.0
-            for _ in range(3):
-                x.normal_()
-                graph.replay()
-                torch.cuda.synchronize()
-                worst = max(worst, rel(out, want()))
-            ok = bool(torch.isfinite(out).all()) and err < 2e-3 and worst < 2e-3
-            name = f"{k}x{n} g{group}{' bias' if bias is not None else ''}{' gated' if gated else ''} M=1"
-            ROWS.append(Row("cols", name, max(err, worst), ok, float("nan"), float("nan"), qweight.numel() * 4))
-            print(f"  columns {name}: {'ok ' if ok else 'FAIL'} rel_err {err:.1e}, after graph replays {worst:.1e}",
-                  flush=True)
-        del qweight, scales, zeros, qcol, zs, dense
-        torch.cuda.empty_cache()
-
-
 def check_graph_capture() -> None:
     """The decode-shaped calls never synchronise: they capture in a CUDA graph and replay."""
     from asyncgen._ops import quant_reference as qref
@@ -629,7 +575,6 @@ def main() -> int:
     ap.add_argument("--dependent-only", action="store_true", help="only the dependent-launch chain check")
     ap.add_argument("--tiled-only", action="store_true", help="only the tiled csrc GEMM's checks and timings")
     ap.add_argument("--gated-only", action="store_true", help="only the one-row kernel's gated form: checks, timing")
-    ap.add_argument("--columns-only", action="store_true", help="only the column-layout one-row kernel's checks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device; this script checks the compiled kernels on a GPU", file=sys.stderr)
@@ -649,8 +594,8 @@ def main() -> int:
     if args.sweep_graph:
         sweep_graph()
         return 0
-    if args.gated_only or args.tiled_only or args.columns_only:
-        check_gated() if args.gated_only else check_tiled() if args.tiled_only else check_columns()
+    if args.gated_only or args.tiled_only:
+        check_gated() if args.gated_only else check_tiled()
         failed = [r for r in ROWS if not r.ok]
         print(f"\n{len(ROWS) - len(failed)} / {len(ROWS)} checks passed")
         return 1 if failed else 0
@@ -660,7 +605,6 @@ def main() -> int:
         check_kernels(shapes, batches)
         check_graph_capture()
         check_gated()
-        check_columns()
     check_dependent_launch()
     if args.sweep:
         sweep()
