@@ -23,14 +23,27 @@ from .errors import (
     UnsupportedModelError,
     WeightsError,
 )
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamChunk, TokenLogprob, Usage
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    StreamChunk,
+    TokenLogprob,
+    Usage,
+)
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncEngine",
     "AsyncGenError",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "DuplicateRequestError",
     "EngineConfig",

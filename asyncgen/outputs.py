@@ -6,7 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 __all__ = [
-    "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
+    "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -134,6 +134,45 @@ class RequestOutput:
     @property
     def metrics(self) -> Optional[RequestMetrics]:
         return self.outputs[0].metrics
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamSearchSequence:
+    """One sequence of a beam search, best first by ``score``: its generated tokens (the
+    end-of-sequence token included when it ended with one, finish reason "stop"; else
+    "length"), their text (special tokens skipped), each token's logprob, their sum, and
+    ``cumulative_logprob / len(token_ids) ** length_penalty``."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    cumulative_logprob: float
+    score: float
+    finish_reason: FinishReason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamSearchOutput:
+    """The result of ``engine.beam_search()``: ``beam_width`` sequences, best first;
+    ``text`` and ``token_ids`` are the best one's. ``usage`` counts the prompt once and
+    the returned sequences' tokens."""
+
+    prompt: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+    sequences: tuple[BeamSearchSequence, ...]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.sequences[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.sequences[0].token_ids
 
     def __str__(self) -> str:
         return self.text

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import json as _json
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-__all__ = ["SamplingParams", "StructuredOutputsParams"]
+__all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 _MAX_LOGPROBS = 20
 _GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (as vLLM does)
@@ -224,3 +224,29 @@ class SamplingParams(BaseModel):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_BELOW
+
+
+class BeamSearchParams(BaseModel):
+    """Settings of :meth:`asyncgen.AsyncEngine.beam_search` (vLLM's ``BeamSearchParams``
+    fields, with transformers' ``early_stopping``).
+
+    ``beam_width`` (at most 10) sequences are kept at each step: the most likely continuations of the
+    current ones by cumulative logprob. A continuation ending in the end-of-sequence token
+    (unless ``ignore_eos``) is finished with the score ``cumulative_logprob /
+    length ** length_penalty`` (length: its generated tokens, that token included); after
+    ``max_tokens`` steps the running sequences are scored the same way and the
+    ``beam_width`` best of all are returned. ``early_stopping`` (transformers' meaning):
+    True stops once ``beam_width`` sequences are finished; False (the default) also stops
+    when none running can score better than the worst of them at its current length;
+    "never" judges that at ``max_tokens`` when ``length_penalty > 0``. ``max_tokens=None``
+    means as many as fit, as in :class:`SamplingParams`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    beam_width: Annotated[int, Field(ge=1, le=_MAX_LOGPROBS // 2)]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    ignore_eos: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
+

@@ -35,8 +35,8 @@ from ..errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from ..outputs import CompletionOutput, EngineStats, RequestOutput, StreamChunk
-from ..sampling_params import SamplingParams
+from ..outputs import BeamSearchOutput, CompletionOutput, EngineStats, RequestOutput, StreamChunk
+from ..sampling_params import BeamSearchParams, SamplingParams
 from . import heap
 from .core import EngineCore, RequestGroup, seq_ids
 from .device_thread import DeviceThread, current_async_library, threadsafe_caller
@@ -543,6 +543,36 @@ class AsyncEngine:
         )
         g = stream.group
         return RequestOutput(g.request_id, g.prompt, tuple(g.prompt_token_ids), outputs, usage, prompt_lps)
+
+    async def beam_search(
+        self,
+        prompt: Optional[Prompt] = None,
+        params: Union[BeamSearchParams, dict[str, Any], None] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: Optional[bool] = None,
+    ) -> BeamSearchOutput:
+        """Beam search (vLLM's ``beam_search``): the ``params.beam_width`` most likely
+        sequences found by keeping that many at each step (:class:`BeamSearchParams`),
+        best first. The prompt arguments are :meth:`stream`'s. Each step is a batch of
+        one-token requests, one per sequence kept, served beside all other requests.
+        """
+        self._check_running()
+        if params is None:
+            raise InvalidRequestError("beam_search needs params with a beam_width", param="beam_width")
+        if not isinstance(params, BeamSearchParams):
+            params = BeamSearchParams.model_validate(params)
+        prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools, continue_final_message,
+                                                add_generation_prompt)
+        self._check_fits(token_ids, SamplingParams(max_tokens=params.max_tokens))
+        if params.max_tokens is None:
+            params = params.model_copy(update={"max_tokens": self._max_tokens(token_ids, SamplingParams(max_tokens=None))})
+        from .beam_search import beam_search
+
+        return await beam_search(self, prompt_text, token_ids, params)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request now (its stream ends with finish_reason "abort"); False if no

@@ -98,9 +98,9 @@ from pydantic import ValidationError
 from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.tokenizer import TokenBytes, apply_chat_template
 from ..errors import AsyncGenError
-from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
+from ..outputs import BeamSearchOutput, CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..reasoning import ReasoningParser, opens_reasoning, template_reasons
-from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..structured import json_schema_grammar
 from ..tools import (
     NamedToolCallParser,
@@ -534,6 +534,8 @@ class OpenAIAdapter:
             params = params.model_copy(update={"skip_special_tokens": False})  # [TOOL_CALLS] is a special token
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fields = {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens else None
+        if req.use_beam_search:
+            return await self._beam_chat(req, params, messages, rid, fields)
         stream = self._open(None, messages, params, rid, "messages", fields, req.chat_template_kwargs,
                             tools, bool(req.continue_final_message), req.add_generation_prompt, req.priority or 0)
         reasoning = None
@@ -739,6 +741,8 @@ class OpenAIAdapter:
         if not prompts:
             raise BadRequestError("'prompt' must not be empty.", param="prompt", code="invalid_value")
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.use_beam_search:
+            return await self._beam_completion(req, params, prompts, rid)
         if params.num_sequences > params.n:  # best_of: whole results only (streaming refused)
             return await self._best_of_completion(req, params, prompts, rid)
         streams = []
@@ -807,6 +811,95 @@ class OpenAIAdapter:
                                                 logprobs=logprobs, finish_reason=out.finish_reason, **ids))
         return Completion(id=rid, created=created, model=req.model, choices=choices,
                           usage=_usage([r.usage for r in results]))
+
+    # --- beam search (vLLM's use_beam_search) ---------------------------------------------------
+    def _beam_params(self, req, params: SamplingParams, fields=None) -> BeamSearchParams:
+        """The request's BeamSearchParams: width n; BadRequestError naming a field that
+        beam search cannot honour."""
+        fields = fields or {}
+        structured = req.structured_spec()
+        refused = {
+            "stream": bool(req.stream), "logprobs": params.logprobs is not None, "best_of": params.num_sequences > params.n,
+            "max_tokens": getattr(req, "max_tokens", None) == 0, "stop": bool(params.stop),
+            "stop_token_ids": bool(params.stop_token_ids), "min_tokens": params.min_tokens > 0,
+            "presence_penalty": params.presence_penalty != 0, "frequency_penalty": params.frequency_penalty != 0,
+            "repetition_penalty": params.repetition_penalty != 1, "logit_bias": bool(params.logit_bias),
+            "allowed_token_ids": params.allowed_token_ids is not None, "bad_words": bool(params.bad_words),
+            "skip_special_tokens": not params.skip_special_tokens,
+            "truncate_prompt_tokens": params.truncate_prompt_tokens is not None,
+            "tools": bool(getattr(req, "tools", None)),
+            structured[0].split(".")[0] if structured else "structured_outputs": params.structured_outputs is not None,
+        }
+        for name, bad in refused.items():
+            if bad:
+                name = fields.get(name, name)
+                raise BadRequestError(f"Invalid value for '{name}': not supported with use_beam_search.", param=name,
+                                      code="invalid_value")
+        try:
+            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                    length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
+        except ValidationError as e:
+            raise from_validation_error(e, {"beam_width": "n", **fields}) from e
+
+    async def _beam_searches(self, calls: list, prompt_param: str, fields=None) -> list[BeamSearchOutput]:
+        """Runs ``engine.beam_search(**kwargs)`` for each kwargs in ``calls`` at once."""
+        results: list[Any] = [None] * len(calls)
+        errors: list[BaseException] = []
+
+        async def one(k: int, kwargs) -> None:
+            try:
+                results[k] = await self.engine.beam_search(**kwargs)
+            except (AsyncGenError, ValidationError) as e:
+                errors.append(e)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for k, kwargs in enumerate(calls):
+                tg.start_soon(one, k, kwargs)
+        if errors:
+            raise from_exception(errors[0], prompt_param=prompt_param, fields=fields) from errors[0]
+        return results
+
+    async def _beam_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
+        beam = self._beam_params(req, params)
+        results = await self._beam_searches([{"prompt": p, "params": beam} for p in prompts], "prompt")
+        choices = []
+        for k, res in enumerate(results):
+            echo = self._echo(prompts[k]) if req.echo else ""
+            for seq in res.sequences:
+                ids = {"prompt_token_ids": list(res.prompt_token_ids), "token_ids": list(seq.token_ids)} \
+                    if req.return_token_ids else {}
+                choices.append(CompletionChoice(index=k * params.n + seq.index, text=echo + seq.text,
+                                                finish_reason=seq.finish_reason, **ids))
+        return Completion(id=rid, created=int(time.time()), model=req.model, choices=choices,
+                          usage=_usage([r.usage for r in results]))
+
+    async def _beam_chat(self, req: ChatCompletionRequest, params: SamplingParams, messages, rid: str,
+                         fields) -> ChatCompletion:
+        beam = self._beam_params(req, params, fields)
+        (res,) = await self._beam_searches([{
+            "messages": messages, "params": beam, "chat_template_kwargs": req.chat_template_kwargs,
+            "continue_final_message": bool(req.continue_final_message),
+            "add_generation_prompt": req.add_generation_prompt,
+        }], "messages", fields)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = functools.partial(ReasoningParser, opens_reasoning(res.prompt))
+        choices = []
+        for seq in res.sequences:
+            text, thought = seq.text, None
+            if reasoning is not None:
+                parser = reasoning()
+                (r1, text1), (r2, text2) = parser.feed(text), parser.finish()
+                thought, text = (r1 + r2) or None, text1 + text2
+            message = ChatCompletionMessage(content=text)
+            message.reasoning_content = thought
+            ids = {"token_ids": list(seq.token_ids)} if req.return_token_ids else {}
+            choices.append(ChatCompletionChoice(index=seq.index, message=message, finish_reason=seq.finish_reason,
+                                                **ids))
+        ids = {"prompt_token_ids": list(res.prompt_token_ids)} if req.return_token_ids else {}
+        return ChatCompletion(id=rid, created=int(time.time()), model=req.model, choices=choices,
+                              usage=_usage([res.usage]), **ids)
 
     async def _completion_chunks(self, streams, req: CompletionRequest, n: int, echoes, rid: str, created: int):
         scoring = req.max_tokens == 0

@@ -22,7 +22,11 @@ and so are chat's ``chat_template_kwargs`` (variables for the chat template, suc
 Qwen3's ``enable_thinking``), ``continue_final_message`` (the model goes on with the last
 message, an assistant reply begun for it; the reply holds what it adds, or with ``echo``
 the whole message) and ``add_generation_prompt``; the official client sends them through
-``extra_body``.
+``extra_body``. vLLM's ``use_beam_search`` (with ``length_penalty``) makes the ``n``
+choices the ``n`` best sequences of a beam search of width ``n``; whole responses only,
+without logprobs, stop sequences, penalties, tools or structured outputs (each refused
+naming the field); the sampling fields (``temperature``, ``top_p``, ``seed``, ...) do not
+apply to it.
 
 Responses (``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``, ``ModelList``,
 ``ErrorResponse``) serialise to the JSON OpenAI sends. ``finish_reason`` is "stop" or
@@ -340,6 +344,10 @@ class _SamplingExtensions(VLLMSamplingFields):
     # vLLM's: the response holds the prompt's token ids and each choice's generated ones
     # (streamed: the prompt's in the first chunk, each chunk's own tokens in it)
     return_token_ids: Optional[bool] = None
+    # vLLM's: the n choices are the n best sequences of a beam search of width n
+    # (asyncgen.BeamSearchParams); length_penalty divides each score by length ** it
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
 
     @property
     def include_usage(self) -> bool:
