@@ -115,6 +115,10 @@ async def test_beam_search_through_the_openai_layer(smollm2_path):
             await client.chat.completions.create(model=client.model, messages=CHAT, max_completion_tokens=4,
                                                  logprobs=True, extra_body={"use_beam_search": True})
         assert e.value.param == "logprobs"
+        with pytest.raises(BadRequestError) as e:
+            await client.completions.create(model=client.model, prompt="Hi", max_tokens=4,
+                                            extra_body={"length_penalty": 0.5})
+        assert e.value.param == "length_penalty"
         assert_idle(engine)
 
 

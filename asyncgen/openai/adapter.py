@@ -155,6 +155,9 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
     """The engine's SamplingParams for a validated request (BadRequestError naming the
     request's field if the combination is invalid)."""
     chat = isinstance(request, ChatCompletionRequest)
+    if request.length_penalty is not None and not request.use_beam_search:
+        raise BadRequestError("Invalid value for 'length_penalty': it applies to use_beam_search only.",
+                              param="length_penalty", code="invalid_value")
     if chat:
         max_tokens = request.max_completion_tokens or request.max_tokens
         max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
