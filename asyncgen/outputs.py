@@ -6,7 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 __all__ = [
-    "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
+    "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -176,6 +176,20 @@ class BeamSearchOutput:
 
     def __str__(self) -> str:
         return self.text
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    """The result of ``engine.embed()``: the model's final hidden state (after its last
+    norm) at the prompt's last token, as floats; L2-normalised unless asked otherwise,
+    cut to its first ``dimensions`` values before that where asked. ``usage`` counts the
+    prompt's tokens."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+    embedding: tuple[float, ...]
+    usage: Usage
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -255,6 +255,21 @@ async def test_n_choices_and_logprobs(client):
     assert lp.text_offset[0] == 0 and all(len(t) <= 2 for t in lp.top_logprobs)
 
 
+async def test_embeddings_through_the_sdk(client):
+    texts = ["The capital of France is Paris.", "Dogs are loyal."]
+    packed = await client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64 and decodes it
+    floats = await client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert [d.index for d in packed.data] == [0, 1]
+    for a, b in zip(packed.data, floats.data):
+        assert len(a.embedding) == 576 and a.embedding == pytest.approx(b.embedding, abs=1e-6)
+        assert sum(v * v for v in a.embedding) == pytest.approx(1.0, abs=1e-4)
+    assert packed.usage.prompt_tokens == packed.usage.total_tokens > 0
+    short = await client.embeddings.create(model=MODEL, input="Hi", dimensions=64, encoding_format="float")
+    assert len(short.data[0].embedding) == 64
+    with pytest.raises(openai.BadRequestError):
+        await client.embeddings.create(model=MODEL, input="")
+
+
 async def test_several_clients_at_once_one_leaving(server):
     results: dict[int, str] = {}
 

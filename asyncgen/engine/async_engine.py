@@ -35,7 +35,7 @@ from ..errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from ..outputs import BeamSearchOutput, CompletionOutput, EngineStats, RequestOutput, StreamChunk
+from ..outputs import BeamSearchOutput, CompletionOutput, EmbeddingOutput, EngineStats, RequestOutput, StreamChunk, Usage
 from ..sampling_params import BeamSearchParams, SamplingParams
 from . import heap
 from .core import EngineCore, RequestGroup, seq_ids
@@ -92,6 +92,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self._max_seq_tokens = 0  # the longest sequence: max_model_len, or what the KV pool holds
         self.vocab_size = 0
+        self.hidden_size = 0  # the model's, once loaded: the length of embed()'s vectors
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -195,6 +196,7 @@ class AsyncEngine:
                 num_blocks * self.config.block_size, num_blocks, max_len, self._max_seq_tokens,
             )
         self.vocab_size = model_cfg.vocab_size
+        self.hidden_size = model_cfg.hidden_size
         self.model_name = _display_name(self._model, path)
         self._core = EngineCore(
             tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
@@ -302,7 +304,7 @@ class AsyncEngine:
                     continue
                 out, launched = inflight.popleft()
                 result = await self._device.run(self._runner.collect, launched)
-                reqs = core.update(out, result.sampled, result.logprobs, result.prompt_logprobs)
+                reqs = core.update(out, result.sampled, result.logprobs, result.prompt_logprobs, result.pooled)
                 self._drain_pending_aborts()
                 if inflight and len(reqs) <= _EMIT_FIRST_MAX:
                     # The next step is already queued on the device, and a few sequences'
@@ -573,6 +575,49 @@ class AsyncEngine:
         from .beam_search import beam_search
 
         return await beam_search(self, prompt_text, token_ids, params)
+
+    async def embed(
+        self,
+        prompt: Optional[Prompt] = None,
+        *,
+        messages: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        normalize: bool = True,
+        dimensions: Optional[int] = None,
+        truncate_prompt_tokens: Optional[int] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+    ) -> EmbeddingOutput:
+        """An embedding of the prompt (vLLM's ``embed`` with last-token pooling): the
+        model's final hidden state, after its last norm, at the prompt's last token, the
+        way decoder embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) are read.
+        ``normalize`` scales it to unit length; ``dimensions`` keeps its first values
+        (Matryoshka models), before normalising. The prompt arguments are
+        :meth:`stream`'s; ``truncate_prompt_tokens`` is :class:`SamplingParams`'. The
+        request is scheduled with generation requests and shares the prefix cache."""
+        self._check_running()
+        hidden = self.hidden_size
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
+                                       or not 1 <= dimensions <= hidden):
+            raise InvalidRequestError(f"dimensions must be an int in [1, {hidden}] (the model's hidden size), got "
+                                      f"{dimensions!r}", param="dimensions")
+        params = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=truncate_prompt_tokens)
+        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, priority=priority)
+        group = stream.group
+        group.pooling = True
+        group.wake_each_chunk = False
+        finish = None
+        async with stream:
+            async for chunk in stream:
+                finish = chunk.finish_reason or finish
+        if group.embedding is None:  # aborted before its prompt was computed
+            raise EngineStateError(f"embedding request {group.request_id!r} ended ({finish}) before its prompt was "
+                                   "computed")
+        vector = group.embedding[:dimensions] if dimensions is not None else group.embedding
+        if normalize:
+            vector = vector / vector.norm().clamp_min(1e-12)
+        return EmbeddingOutput(group.request_id, group.prompt, tuple(group.prompt_token_ids), tuple(vector.tolist()),
+                               Usage(len(group.prompt_token_ids), 0))
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request now (its stream ends with finish_reason "abort"); False if no

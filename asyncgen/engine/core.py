@@ -76,6 +76,10 @@ class RequestGroup:
         self.arrival_time = time.monotonic()
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
         self.priority = 0  # (the "priority" scheduling policy's)
+        # An embedding request (AsyncEngine.embed): the final hidden state at the prompt's
+        # last token, fp32 on the host, once its prompt step is collected.
+        self.pooling = False
+        self.embedding = None
 
     @property
     def finished(self) -> bool:
@@ -140,6 +144,7 @@ class EngineCore:
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
             req.bad_word_ids = group.bad_word_ids
             req.priority = group.priority
+            req.pooling = group.pooling
             if self.block_manager.enable_prefix_caching:
                 req.prefix_leader = leader
                 leader = leader or req
@@ -207,14 +212,14 @@ class EngineCore:
 
     def process(
         self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None,
-        prompt_logprobs: Optional[dict] = None,
+        prompt_logprobs: Optional[dict] = None, pooled: Optional[dict] = None,
     ) -> None:
         """``update`` then ``emit``: a whole step's results applied at once."""
-        self.emit(self.update(out, sampled, logprobs, prompt_logprobs))
+        self.emit(self.update(out, sampled, logprobs, prompt_logprobs, pooled))
 
     def update(
         self, out: SchedulerOutput, sampled: dict[str, int], logprobs: Optional[dict] = None,
-        prompt_logprobs: Optional[dict] = None,
+        prompt_logprobs: Optional[dict] = None, pooled: Optional[dict] = None,
     ) -> list[Request]:
         """The part of applying a step that the next ``schedule()`` depends on: counters,
         appended tokens, stop tokens and length limits. Returns the requests that got a
@@ -241,6 +246,8 @@ class EngineCore:
             seq.undecoded += 1
             if logprobs and req.request_id in logprobs:
                 seq.pending_logprobs.append(logprobs[req.request_id])
+            if pooled and req.request_id in pooled:
+                self._group_of[req.request_id].embedding = pooled[req.request_id]
         self.num_generation_tokens += len(reqs)
         return reqs
 

@@ -45,7 +45,7 @@ class Request:
         "request_id", "index", "params", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_confirmed_tokens",
         "status", "stop_reason", "eos_token_ids", "max_tokens", "arrival_time", "num_preemptions",
         "num_cached_tokens", "prefix_leader", "first_scheduled_time", "first_token_time", "epoch", "bad_word_ids",
-        "priority", "arrival_order",
+        "priority", "arrival_order", "pooling",
     )
 
     def __init__(
@@ -78,6 +78,7 @@ class Request:
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences
         self.priority = 0  # lower is served first under the "priority" policy
         self.arrival_order = 0  # set by the scheduler when added: ties of priority go by it
+        self.pooling = False  # an embedding request: its prompt's last hidden state is returned
 
     @property
     def prompt_done(self) -> bool:

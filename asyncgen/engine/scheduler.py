@@ -47,6 +47,7 @@ class NewRequestData:
     seed: Optional[int]
     stop_token_ids: frozenset[int]  # masked while fewer than min_tokens were generated
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # bad_words as token sequences
+    pooling: bool = False  # return the final hidden state at the prompt's last token
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ class Scheduler:
             self.waiting.append(req)
         stop_ids = frozenset(req.params.stop_token_ids or ()) | (frozenset() if req.params.ignore_eos else req.eos_token_ids)
         self._unseen[req.request_id] = NewRequestData(req.request_id, req.prompt_token_ids, req.params, seed, stop_ids,
-                                                      req.bad_word_ids)
+                                                      req.bad_word_ids, req.pooling)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Ends ``req`` now: it leaves the queues and its blocks return to the pool."""

@@ -84,6 +84,7 @@ Mapping notes:
 
 from __future__ import annotations
 
+import base64
 import codecs
 import dataclasses
 import functools
@@ -93,6 +94,7 @@ import uuid
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Generic, Mapping, Optional, Sequence, TypeVar, Union
 
 import anyio
+import numpy as np
 from pydantic import ValidationError
 
 from ..engine.detokenizer import IncrementalDetokenizer
@@ -132,7 +134,11 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionUsage,
+    CreateEmbeddingResponse,
     DeveloperMessage,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingUsage,
     Function,
     Model,
     ModelList,
@@ -814,6 +820,43 @@ class OpenAIAdapter:
                                                 logprobs=logprobs, finish_reason=out.finish_reason, **ids))
         return Completion(id=rid, created=created, model=req.model, choices=choices,
                           usage=_usage([r.usage for r in results]))
+
+    # --- embeddings -------------------------------------------------------------------------
+    async def create_embedding(self, request: Union[EmbeddingRequest, Mapping[str, Any]]) -> CreateEmbeddingResponse:
+        """``POST /v1/embeddings``: one :meth:`AsyncEngine.embed` per input, all at once."""
+        req = _parse(EmbeddingRequest, request)
+        self._check_model(req.model)
+        inputs = req.inputs
+        if not inputs or any(not x for x in inputs):
+            raise BadRequestError("Invalid value for 'input': it must not be empty, nor hold an empty input.",
+                                  param="input", code="invalid_value")
+        results: list[Any] = [None] * len(inputs)
+        errors: list[BaseException] = []
+
+        async def one(k: int, x) -> None:
+            try:
+                results[k] = await self.engine.embed(
+                    x, normalize=req.normalize is not False, dimensions=req.dimensions,
+                    truncate_prompt_tokens=req.truncate_prompt_tokens, priority=req.priority or 0,
+                )
+            except (AsyncGenError, ValidationError) as e:
+                errors.append(e)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for k, x in enumerate(inputs):
+                tg.start_soon(one, k, x)
+        if errors:
+            raise from_exception(errors[0], prompt_param="input") from errors[0]
+        data = []
+        for k, res in enumerate(results):
+            vector: Any = list(res.embedding)
+            if req.encoding_format == "base64":
+                vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+            data.append(Embedding(index=k, embedding=vector))
+        tokens = sum(r.usage.prompt_tokens for r in results)
+        return CreateEmbeddingResponse(data=data, model=req.model,
+                                       usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     # --- beam search (vLLM's use_beam_search) ---------------------------------------------------
     def _beam_params(self, req, params: SamplingParams, fields=None) -> BeamSearchParams:

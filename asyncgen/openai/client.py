@@ -82,6 +82,13 @@ class _Responses(_Endpoint):
     _method = "create_response"
 
 
+class _Embeddings(_Endpoint):
+    """``create``: a CreateEmbeddingResponse (``encoding_format`` "float" unless asked:
+    the SDK's default base64 is its own transport, which it decodes)."""
+
+    _method = "create_embedding"
+
+
 class _ModelPage:
     """What ``models.list()`` returns: await it for the ModelList (``.data``), or iterate
     it with ``async for`` for the models, as with the SDK's paginator."""
@@ -112,8 +119,8 @@ class _Models:
 
 
 class InProcessOpenAI:
-    """``openai.AsyncOpenAI``'s ``chat.completions``, ``completions``, ``responses`` and
-    ``models``, answered by ``engine`` in the caller's event loop.
+    """``openai.AsyncOpenAI``'s ``chat.completions``, ``completions``, ``responses``,
+    ``embeddings`` and ``models``, answered by ``engine`` in the caller's event loop.
 
     The client does not own the engine: closing the client leaves the engine running.
     ``model_names`` are the names accepted in ``model`` (default: the engine's
@@ -128,6 +135,7 @@ class InProcessOpenAI:
         self.chat = _Chat(self.adapter)
         self.completions = _Completions(self.adapter)
         self.responses = _Responses(self.adapter)
+        self.embeddings = _Embeddings(self.adapter)
         self.models = _Models(self.adapter)
 
     @property

@@ -1,5 +1,5 @@
-"""OpenAI's wire format for chat completions, (legacy) completions and models, as pydantic
-models with OpenAI's field names and defaults.
+"""OpenAI's wire format for chat completions, (legacy) completions, embeddings and models,
+as pydantic models with OpenAI's field names and defaults.
 
 Requests (``ChatCompletionRequest``, ``CompletionRequest``) are what a client sends;
 they reject unknown fields the way OpenAI does ("Unrecognized request argument
@@ -64,7 +64,11 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionUsage",
+    "CreateEmbeddingResponse",
     "DeveloperMessage",
+    "Embedding",
+    "EmbeddingRequest",
+    "EmbeddingUsage",
     "ErrorObject",
     "ErrorResponse",
     "FinishReason",
@@ -588,6 +592,37 @@ class CompletionRequest(_SamplingExtensions):
         return list(p)
 
 
+class EmbeddingRequest(_Strict):
+    """The body of ``POST /v1/embeddings``. ``input``: a string, a list of token ids, or a
+    list of either (one embedding each, in order). ``encoding_format`` "base64" sends each
+    vector as the base64 of its float32 little-endian bytes (what the official SDK asks
+    for by default, and decodes). ``dimensions`` keeps each vector's first values, then
+    normalises. Beyond OpenAI's fields, vLLM's ``truncate_prompt_tokens``, ``normalize``
+    (default true) and ``priority``."""
+
+    model: str
+    input: PromptType
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Annotated[int, Field(ge=1)]] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    normalize: Optional[bool] = None
+    priority: Optional[int] = None
+
+    def check_supported(self) -> None:
+        """Every field is honoured."""
+
+    @property
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """``input`` as a list of inputs (a string or a list of token ids each)."""
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
 def _check_stream_options(stream: Optional[bool], options: Optional[StreamOptions]) -> None:
     if options is not None and not stream:
         raise BadRequestError(
@@ -617,6 +652,24 @@ class CompletionUsage(OpenAIObject):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class Embedding(OpenAIObject):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]  # str: base64 of float32 little-endian bytes
+
+
+class EmbeddingUsage(OpenAIObject):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class CreateEmbeddingResponse(OpenAIObject):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TopLogprob(OpenAIObject):

@@ -120,6 +120,9 @@ class ModelOutput:
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprob]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = dataclasses.field(default_factory=dict)
+    # Embedding requests whose prompt ended in this step: the final hidden state at its
+    # last token (fp32, on the host).
+    pooled: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -137,6 +140,8 @@ class LaunchedStep:
     states: tuple = ()
     # (logits, sample ends) while the sampling waits for the previous step's tokens
     deferred: Optional[tuple] = None
+    # (req_ids, [R, hidden] fp32 on the device): embedding requests' pooled rows, or None
+    pooled: Optional[tuple] = None
     output: Optional[ModelOutput] = None  # once collected
 
 
@@ -155,6 +160,7 @@ class _SeqState:
     token_filter: Optional[TokenFilter] = None  # allowed_token_ids, bad_words
     # The output positions of the launched steps' rows not yet collected, in launch order.
     in_flight: deque = dataclasses.field(default_factory=deque)
+    pooling: bool = False  # an embedding request (NewRequestData.pooling)
 
 
 # Output positions behind the newest whose generator states are kept: tokens a
@@ -630,6 +636,7 @@ class ModelRunner:
                 st.guide = self._guides()(new.params.structured_outputs, new.stop_token_ids)
             if new.params.allowed_token_ids or new.bad_word_ids:
                 st.token_filter = TokenFilter(new.params.allowed_token_ids, new.bad_word_ids, self.model_cfg.vocab_size)
+            st.pooling = new.pooling
             self.states[new.req_id] = st
         if not out.seqs:
             return LaunchedStep([], None)
@@ -637,11 +644,15 @@ class ModelRunner:
             self._sample_deferred()
 
         host = self._host_inputs(out)
-        graph_bs = self._graph_for(len(out.seqs)) if host.is_decode and self._graphs else None
+        # Rows that end an embedding request's prompt: their hidden states are kept, which
+        # only the eager forward pass exposes (graphs compute the sampled rows' logits).
+        pool = [i for i, (req_id, end) in enumerate(zip(host.sampling_ids, host.sample_ends))
+                if self.states[req_id].pooling and end == len(self.states[req_id].prompt_token_ids)]
+        graph_bs = self._graph_for(len(out.seqs)) if host.is_decode and self._graphs and not pool else None
         prompt_t = None
-        if not host.is_decode and host.plp is None:  # (graphs compute only the sampled rows' logits)
+        if not host.is_decode and host.plp is None and not pool:
             prompt_t = self._prompt_graph_for(host.input_ids.size, len(out.seqs))
-        plp = None
+        plp = pooled = None
         if prompt_t is not None:
             logits = self._replay_prompt(prompt_t, host)
         else:
@@ -654,13 +665,16 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[inputs.logits_idx])
                 if inputs.plp is not None:
                     plp = self._prompt_logprobs(hidden, inputs.plp)
+                if pool:
+                    rows = inputs.logits_idx[torch.tensor(pool, device=inputs.logits_idx.device)]
+                    pooled = ([host.sampling_ids[i] for i in pool], hidden[rows].float())
         states = tuple(self.states[req_id] for req_id in host.sampling_ids)
         waits = False
         for st, end in zip(states, host.sample_ends):
             position = end - len(st.prompt_token_ids)
             st.in_flight.append(position)
             waits = waits or _waits_for_history(st, position)
-        step = LaunchedStep(host.sampling_ids, None, plp, states)
+        step = LaunchedStep(host.sampling_ids, None, plp, states, pooled=pooled)
         self._unabsorbed.append(step)
         if waits:
             # A penalty or a grammar reads the token the previous step is still sampling:
@@ -737,6 +751,10 @@ class ModelRunner:
         tokens, logprobs = step.pending.result()
         if step.prompt_logprobs is not None:
             result.prompt_logprobs = _prompt_logprobs_to_host(step.prompt_logprobs)
+        if step.pooled is not None:
+            ids, rows = step.pooled
+            rows = rows.cpu()
+            result.pooled = {req_id: rows[i] for i, req_id in enumerate(ids)}
         for req_id, st, tok, lp in zip(step.sampling_ids, step.states, tokens, logprobs):
             # (If the request ended while the step ran, the scheduler drops the token; its
             # state is no longer in self.states, and a new request with its id has another.)
