@@ -44,7 +44,7 @@ def _runner(keys):
     runner = mr.ModelRunner.__new__(mr.ModelRunner)  # only the inputs are under test: no model
     runner.block_size = BS
     runner.device = torch.device("cpu")
-    runner.states = {}
+    runner.states, runner._pooling = {}, set()
     runner._graphs, runner._graph_sizes = {}, []
     runner._last_rows = {"b": 3, "c": 0}
     runner._last_tokens = torch.tensor([70, 71, 72, 73])  # the previous launch's samples, by row

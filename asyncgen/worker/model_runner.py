@@ -203,6 +203,7 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.linear_method = linear_method
         self.states: dict[str, _SeqState] = {}
+        self._pooling: set[str] = set()  # ids of the embedding requests among the states
         self.model: Optional[LlamaForCausalLM] = None
         self.num_blocks = 0
         self.ops_backend = self._pick_backend()
@@ -626,6 +627,7 @@ class ModelRunner:
         device. Steps must be launched in the order they were scheduled."""
         for req_id in out.finished_req_ids:
             self.states.pop(req_id, None)
+            self._pooling.discard(req_id)
         for new in out.new_requests:
             gen = None
             if new.seed is not None:
@@ -637,6 +639,8 @@ class ModelRunner:
             if new.params.allowed_token_ids or new.bad_word_ids:
                 st.token_filter = TokenFilter(new.params.allowed_token_ids, new.bad_word_ids, self.model_cfg.vocab_size)
             st.pooling = new.pooling
+            if new.pooling:
+                self._pooling.add(new.req_id)
             self.states[new.req_id] = st
         if not out.seqs:
             return LaunchedStep([], None)
@@ -647,7 +651,7 @@ class ModelRunner:
         # Rows that end an embedding request's prompt: their hidden states are kept, which
         # only the eager forward pass exposes (graphs compute the sampled rows' logits).
         pool = [i for i, (req_id, end) in enumerate(zip(host.sampling_ids, host.sample_ends))
-                if self.states[req_id].pooling and end == len(self.states[req_id].prompt_token_ids)]
+                if req_id in self._pooling and end == len(self.states[req_id].prompt_token_ids)] if self._pooling else []
         graph_bs = self._graph_for(len(out.seqs)) if host.is_decode and self._graphs and not pool else None
         prompt_t = None
         if not host.is_decode and host.plp is None and not pool:
