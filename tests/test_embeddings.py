@@ -65,6 +65,7 @@ async def test_embeddings_equal_transformers_hidden_states(smollm2_path, hf_base
             for text in TEXTS:
                 tg.start_soon(embed, text)
         assert got["gen"] == alone.token_ids
+        assert engine.stats().num_generation_tokens == 48  # the two generations': an embedding outputs no token
         for text in TEXTS:
             assert torch.allclose(torch.tensor(got[text]), want[text] / want[text].norm(), atol=1e-5)
         # chat messages and truncation

@@ -248,7 +248,8 @@ class EngineCore:
                 seq.pending_logprobs.append(logprobs[req.request_id])
             if pooled and req.request_id in pooled:
                 self._group_of[req.request_id].embedding = pooled[req.request_id]
-        self.num_generation_tokens += len(reqs)
+        # (an embedding request's one token is not output: it is not counted)
+        self.num_generation_tokens += len(reqs) - (sum(1 for r in reqs if r.pooling) if pooled else 0)
         return reqs
 
     def emit(self, reqs: list[Request]) -> None:
