@@ -5,7 +5,8 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``
 (OpenAI's Responses API), each JSON or, with ``"stream": true``, server-sent events (the
 Responses API's as ``event: <type>`` and ``data: {json}`` lines, with no ``[DONE]``);
-``POST /v1/embeddings`` (the final hidden state at each input's last token, JSON);
+``POST /v1/embeddings`` (the final hidden state at each input's last token, JSON); vLLM's
+``POST /tokenize`` and ``POST /detokenize``;
 ``GET /v1/models``, ``GET /v1/models/{id}``, plus ``GET /health`` (200 while the engine
 serves, 503 once it is down, for a load balancer's or orchestrator's probe), ``GET /stats``
 (the engine's load and KV-cache figures) and, where ``prometheus-client`` is installed,
@@ -105,6 +106,16 @@ def create_app(model: Optional[str] = None, tool_call_parser: Optional[str] = "a
     async def embeddings(request: Request) -> Response:
         adapter: OpenAIAdapter = request.app.state.openai
         return await _respond(request, adapter.create_embedding)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        adapter: OpenAIAdapter = request.app.state.openai
+        return await _respond(request, adapter.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        adapter: OpenAIAdapter = request.app.state.openai
+        return await _respond(request, adapter.detokenize)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:

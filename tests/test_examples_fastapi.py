@@ -371,6 +371,16 @@ async def test_errors_are_openai_error_objects(client, server):
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+async def test_tokenize_and_detokenize_routes(server):
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{server}/tokenize", json={"model": MODEL, "messages": MESSAGES})
+        assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+        back = await http.post(f"{server}/detokenize", json={"model": MODEL, "tokens": r.json()["tokens"]})
+        assert back.status_code == 200 and "<|im_start|>" in back.json()["prompt"]
+        bad = await http.post(f"{server}/tokenize", json={"model": MODEL})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
 async def test_metrics_count_every_request_and_health_answers(client, server):
     async with httpx.AsyncClient() as http:
         before = await http.get(f"{server}/metrics")

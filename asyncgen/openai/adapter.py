@@ -135,6 +135,8 @@ from .protocol import (
     CompletionRequest,
     CompletionUsage,
     CreateEmbeddingResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     DeveloperMessage,
     Embedding,
     EmbeddingRequest,
@@ -142,6 +144,8 @@ from .protocol import (
     Function,
     Model,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolMessage,
     TopLogprob,
 )
@@ -820,6 +824,38 @@ class OpenAIAdapter:
                                                 logprobs=logprobs, finish_reason=out.finish_reason, **ids))
         return Completion(id=rid, created=created, model=req.model, choices=choices,
                           usage=_usage([r.usage for r in results]))
+
+    # --- tokens (vLLM's /tokenize and /detokenize) -------------------------------------------
+    async def tokenize(self, request: Union[TokenizeRequest, Mapping[str, Any]]) -> TokenizeResponse:
+        """A prompt, or chat messages through the template, as the model's token ids."""
+        req = _parse(TokenizeRequest, request)
+        if req.model is not None:
+            self._check_model(req.model)
+        tok = self.engine.tokenizer
+        if req.messages is None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            try:
+                text = apply_chat_template(tok, _template_messages(req), req.chat_template_kwargs, tools,
+                                           req.add_generation_prompt, bool(req.continue_final_message))
+            except AsyncGenError as e:
+                raise from_exception(e, prompt_param="messages") from e
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, request: Union[DetokenizeRequest, Mapping[str, Any]]) -> DetokenizeResponse:
+        """Token ids back to text, special tokens kept."""
+        req = _parse(DetokenizeRequest, request)
+        if req.model is not None:
+            self._check_model(req.model)
+        vocab = self.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"Invalid value for 'tokens': ids must be in [0, {vocab}), got {bad[:5]}.",
+                                  param="tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens))
 
     # --- embeddings -------------------------------------------------------------------------
     async def create_embedding(self, request: Union[EmbeddingRequest, Mapping[str, Any]]) -> CreateEmbeddingResponse:

@@ -65,6 +65,8 @@ __all__ = [
     "CompletionRequest",
     "CompletionUsage",
     "CreateEmbeddingResponse",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "DeveloperMessage",
     "Embedding",
     "EmbeddingRequest",
@@ -84,6 +86,8 @@ __all__ = [
     "StreamOptions",
     "SystemMessage",
     "ToolMessage",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "TopLogprob",
     "UserMessage",
     "VLLMSamplingFields",
@@ -623,6 +627,47 @@ class EmbeddingRequest(_Strict):
         return list(p)
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` formatted by the chat
+    template (with ``tools``, ``chat_template_kwargs``, ``add_generation_prompt`` and
+    ``continue_final_message`` as in a chat request), as the model's token ids, as a
+    request would see them. ``add_special_tokens`` defaults to true for a prompt and false
+    for messages (the template writes its own)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    tools: Optional[list[FunctionTool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
+    add_special_tokens: Optional[bool] = None
+    return_token_strs: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise BadRequestError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
+        if self.messages is None:
+            for name in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+                if getattr(self, name) is not None:
+                    raise BadRequestError(f"Invalid value for '{name}': it applies to 'messages' only.", param=name)
+        return self
+
+    def check_supported(self) -> None:
+        """Every field is honoured."""
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``: token ids back to text (special tokens kept)."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        """Every field is honoured."""
+
+
 def _check_stream_options(stream: Optional[bool], options: Optional[StreamOptions]) -> None:
     if options is not None and not stream:
         raise BadRequestError(
@@ -670,6 +715,17 @@ class CreateEmbeddingResponse(OpenAIObject):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+class TokenizeResponse(OpenAIObject):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None  # with return_token_strs
+
+
+class DetokenizeResponse(OpenAIObject):
+    prompt: str
 
 
 class TopLogprob(OpenAIObject):
