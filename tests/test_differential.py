@@ -13,7 +13,8 @@ to 16 (chunked prefill); ``max_num_seqs`` down to 1; ``n`` > 1 and ``best_of`` (
 greedy sample equals the one greedy output); arrivals while others decode; requests
 aborted, broken off or cancelled midway (what they received is a prefix of their
 reference, and they change nobody else's output), some retried at once under the same
-request_id; random priorities under the priority policy; logprobs and prompt logprobs; stop strings and stop token ids taken from the
+request_id; random priorities under the priority policy; embedding requests (their vector
+must equal the prompt's alone, to fp32 rounding); logprobs and prompt logprobs; stop strings and stop token ids taken from the
 reference's own output so that they end it midway; ``max_tokens=1``; a repetition
 penalty and structured outputs (a JSON Schema, JSON mode, choices, a structural tag; both
 stop the engine planning steps ahead while they run). Afterwards every
@@ -77,7 +78,7 @@ class Planned:
     prompt: list[int]
     params: SamplingParams
     arrive_step: int  # submitted once the engine has run this many steps (or gone idle)
-    consumer: str  # "stream", "generate", "abort", "break" or "cancel"
+    consumer: str  # "stream", "generate", "abort", "break", "cancel" or "embed" (engine.embed, params unused)
     after_chunks: int  # chunks read before "abort" / "break"
     delay: float  # seconds before "cancel"
     then: Optional["Planned"] = None  # submitted with the same request_id as soon as this one ended
@@ -232,6 +233,12 @@ async def _plan_case(seed: int, reference: "Reference", num_requests: int) -> Ca
         settings["scheduling_policy"] = "priority"
         for r in requests:
             r.priority = by_priority.choice((-1, 0, 0, 1, 2))
+    # Some requests are embeddings instead (drawn apart too): no output may change, and
+    # each vector must be the prompt's alone.
+    by_embed = random.Random(f"{seed}-embed")
+    for r in requests:
+        if r.consumer in ("stream", "generate") and not r.is_retry and by_embed.random() < 0.15:
+            r.consumer = "embed"
     return Case(seed, settings, requests)
 
 
@@ -243,6 +250,12 @@ class Reference:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self._outputs: dict[tuple, Any] = {}
+
+    async def embed(self, prompt: list[int]):
+        key = (tuple(prompt), "embed")
+        if key not in self._outputs:
+            self._outputs[key] = await self.engine.embed(prompt, normalize=False)
+        return self._outputs[key]
 
     async def run(self, prompt: list[int], params: SamplingParams):
         ref = params.model_copy(update={"n": 1, "best_of": None, "logprobs": max(TOP, params.logprobs or 0)})
@@ -268,6 +281,7 @@ class Received:
     usage: Any = None
     prompt_logprobs: Any = None
     num_prompt_logprobs_chunks: int = 0
+    embedding: Any = None  # an "embed" request's vector
 
 
 @dataclasses.dataclass
@@ -297,6 +311,10 @@ async def _consume(engine: AsyncEngine, r: Planned, got: dict[str, Received]) ->
 
 
 async def _consume_one(engine: AsyncEngine, r: Planned, got: Received) -> None:
+    if r.consumer == "embed":
+        got.embedding = (await engine.embed(r.prompt, request_id=r.request_id, priority=r.priority,
+                                            normalize=False)).embedding
+        return
     if r.consumer == "generate":
         out = await engine.generate(r.prompt, r.params, request_id=r.request_id, priority=r.priority)
         for o in out.outputs:
@@ -535,6 +553,13 @@ async def fuzz(model: Path, seeds, num_requests: int) -> collections.Counter:
                 continue
             problems = [f"left behind: {seen.leaks}"] if seen.leaks else []
             for r in case.requests:
+                if r.consumer == "embed":
+                    want = (await reference.embed(r.prompt)).embedding
+                    vec = got[r.name].embedding
+                    if vec is None or len(vec) != len(want) or max(abs(a - b) for a, b in zip(vec, want)) > 1e-4:
+                        problems.append(f"{r.name}: embedding {vec and vec[:4]}..., reference {want[:4]}...")
+                    tally["embeddings"] += 1
+                    continue
                 problems += compare(r, got[r.name], await reference.run(r.prompt, r.params), tally)
                 tally["interrupted"] += any(f not in ("stop", "length") for f in got[r.name].finish.values())
                 tally["retries"] += r.is_retry
@@ -564,7 +589,7 @@ def assert_covered(tally: collections.Counter) -> None:
     """The workload really did what it claims, and near-ties excused little of it."""
     for what in ("preempting_cases", "chunking_cases", "prefix_hit_cases", "batching_cases", "interrupted", "retries",
                  "prefixes_compared", "prompt_logprobs_compared", "n>1", "best_of", "max_tokens=1", "stop_string",
-                 "stop_token", "structured", "priority_cases"):
+                 "stop_token", "structured", "priority_cases", "embeddings"):
         assert tally[what] > 0, (what, dict(tally))
     assert tally["ties"] <= max(2, tally["outputs_compared"] // 50), dict(tally)
 
