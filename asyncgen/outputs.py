@@ -6,7 +6,8 @@ import dataclasses
 from typing import Literal, Optional
 
 __all__ = [
-    "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EngineStats", "RequestMetrics", "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
+    "BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput", "EngineStats", "RequestMetrics",
+    "RequestOutput", "StreamChunk", "TokenLogprob", "Usage",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -35,7 +35,9 @@ from ..errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from ..outputs import BeamSearchOutput, CompletionOutput, EmbeddingOutput, EngineStats, RequestOutput, StreamChunk, Usage
+from ..outputs import (
+    BeamSearchOutput, CompletionOutput, EmbeddingOutput, EngineStats, RequestOutput, StreamChunk, Usage,
+)
 from ..sampling_params import BeamSearchParams, SamplingParams
 from . import heap
 from .core import EngineCore, RequestGroup, seq_ids
@@ -571,7 +573,8 @@ class AsyncEngine:
                                                 add_generation_prompt)
         self._check_fits(token_ids, SamplingParams(max_tokens=params.max_tokens))
         if params.max_tokens is None:
-            params = params.model_copy(update={"max_tokens": self._max_tokens(token_ids, SamplingParams(max_tokens=None))})
+            most = self._max_tokens(token_ids, SamplingParams(max_tokens=None))
+            params = params.model_copy(update={"max_tokens": most})
         from .beam_search import beam_search
 
         return await beam_search(self, prompt_text, token_ids, params)

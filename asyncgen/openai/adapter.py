@@ -901,7 +901,8 @@ class OpenAIAdapter:
         fields = fields or {}
         structured = req.structured_spec()
         refused = {
-            "stream": bool(req.stream), "logprobs": params.logprobs is not None, "best_of": params.num_sequences > params.n,
+            "stream": bool(req.stream), "logprobs": params.logprobs is not None,
+            "best_of": params.num_sequences > params.n,
             "max_tokens": getattr(req, "max_tokens", None) == 0, "stop": bool(params.stop),
             "stop_token_ids": bool(params.stop_token_ids), "min_tokens": params.min_tokens > 0,
             "presence_penalty": params.presence_penalty != 0, "frequency_penalty": params.frequency_penalty != 0,

@@ -650,8 +650,10 @@ class ModelRunner:
         host = self._host_inputs(out)
         # Rows that end an embedding request's prompt: their hidden states are kept, which
         # only the eager forward pass exposes (graphs compute the sampled rows' logits).
-        pool = [i for i, (req_id, end) in enumerate(zip(host.sampling_ids, host.sample_ends))
-                if req_id in self._pooling and end == len(self.states[req_id].prompt_token_ids)] if self._pooling else []
+        pool = []
+        if self._pooling:
+            pool = [i for i, (req_id, end) in enumerate(zip(host.sampling_ids, host.sample_ends))
+                    if req_id in self._pooling and end == len(self.states[req_id].prompt_token_ids)]
         graph_bs = self._graph_for(len(out.seqs)) if host.is_decode and self._graphs and not pool else None
         prompt_t = None
         if not host.is_decode and host.plp is None and not pool:
