@@ -597,7 +597,9 @@ class AsyncEngine:
         ``normalize`` scales it to unit length; ``dimensions`` keeps its first values
         (Matryoshka models), before normalising. The prompt arguments are
         :meth:`stream`'s; ``truncate_prompt_tokens`` is :class:`SamplingParams`'. The
-        request is scheduled with generation requests and shares the prefix cache."""
+        request is scheduled with generation requests and shares the prefix cache. The
+        prompt may hold up to ``max_model_len - 1`` tokens (it is served as a request for
+        one token, which is not returned)."""
         self._check_running()
         hidden = self.hidden_size
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
