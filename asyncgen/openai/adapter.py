@@ -100,7 +100,7 @@ from pydantic import ValidationError
 from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.tokenizer import TokenBytes, apply_chat_template
 from ..errors import AsyncGenError
-from ..outputs import BeamSearchOutput, CompletionOutput, StreamChunk, TokenLogprob, Usage
+from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
 from ..reasoning import ReasoningParser, opens_reasoning, template_reasons
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..structured import json_schema_grammar
@@ -791,22 +791,11 @@ class OpenAIAdapter:
     async def _best_of_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
         """``best_of > n``: each prompt through ``engine.generate``, which samples
         ``best_of`` completions and keeps the ``n`` with the highest cumulative logprob."""
-        results: list[Any] = [None] * len(prompts)
-        errors: list[BaseException] = []
-
-        async def one(k: int, prompt) -> None:
-            request_id = rid if len(prompts) == 1 else f"{rid}-{k}"
-            try:
-                results[k] = await self.engine.generate(prompt, params, request_id=request_id, priority=req.priority or 0)
-            except (AsyncGenError, ValidationError) as e:
-                errors.append(e)
-                tg.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for k, prompt in enumerate(prompts):
-                tg.start_soon(one, k, prompt)
-        if errors:
-            raise from_exception(errors[0], prompt_param="prompt") from errors[0]
+        results = await self._gather([
+            functools.partial(self.engine.generate, prompt, params, request_id=rid if len(prompts) == 1 else f"{rid}-{k}",
+                              priority=req.priority or 0)
+            for k, prompt in enumerate(prompts)
+        ], "prompt")
         created = int(time.time())
         choices = []
         for k, (prompt, res) in enumerate(zip(prompts, results)):
@@ -866,24 +855,11 @@ class OpenAIAdapter:
         if not inputs or any(not x for x in inputs):
             raise BadRequestError("Invalid value for 'input': it must not be empty, nor hold an empty input.",
                                   param="input", code="invalid_value")
-        results: list[Any] = [None] * len(inputs)
-        errors: list[BaseException] = []
-
-        async def one(k: int, x) -> None:
-            try:
-                results[k] = await self.engine.embed(
-                    x, normalize=req.normalize is not False, dimensions=req.dimensions,
-                    truncate_prompt_tokens=req.truncate_prompt_tokens, priority=req.priority or 0,
-                )
-            except (AsyncGenError, ValidationError) as e:
-                errors.append(e)
-                tg.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for k, x in enumerate(inputs):
-                tg.start_soon(one, k, x)
-        if errors:
-            raise from_exception(errors[0], prompt_param="input") from errors[0]
+        results = await self._gather([
+            functools.partial(self.engine.embed, x, normalize=req.normalize is not False, dimensions=req.dimensions,
+                              truncate_prompt_tokens=req.truncate_prompt_tokens, priority=req.priority or 0)
+            for x in inputs
+        ], "input")
         data = []
         for k, res in enumerate(results):
             vector: Any = list(res.embedding)
@@ -924,28 +900,29 @@ class OpenAIAdapter:
         except ValidationError as e:
             raise from_validation_error(e, {"beam_width": "n", **fields}) from e
 
-    async def _beam_searches(self, calls: list, prompt_param: str, fields=None) -> list[BeamSearchOutput]:
-        """Runs ``engine.beam_search(**kwargs)`` for each kwargs in ``calls`` at once."""
+    async def _gather(self, calls: list[Callable[[], Any]], prompt_param: str, fields=None) -> list:
+        """Awaits every call at once, in order; the first engine error cancels the others
+        and becomes the response's (``prompt_param`` and ``fields`` as in from_exception)."""
         results: list[Any] = [None] * len(calls)
         errors: list[BaseException] = []
 
-        async def one(k: int, kwargs) -> None:
+        async def one(k: int, call) -> None:
             try:
-                results[k] = await self.engine.beam_search(**kwargs)
+                results[k] = await call()
             except (AsyncGenError, ValidationError) as e:
                 errors.append(e)
                 tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            for k, kwargs in enumerate(calls):
-                tg.start_soon(one, k, kwargs)
+            for k, call in enumerate(calls):
+                tg.start_soon(one, k, call)
         if errors:
             raise from_exception(errors[0], prompt_param=prompt_param, fields=fields) from errors[0]
         return results
 
     async def _beam_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
         beam = self._beam_params(req, params)
-        results = await self._beam_searches([{"prompt": p, "params": beam} for p in prompts], "prompt")
+        results = await self._gather([functools.partial(self.engine.beam_search, p, beam) for p in prompts], "prompt")
         choices = []
         for k, res in enumerate(results):
             echo = self._echo(prompts[k]) if req.echo else ""
@@ -960,11 +937,10 @@ class OpenAIAdapter:
     async def _beam_chat(self, req: ChatCompletionRequest, params: SamplingParams, messages, rid: str,
                          fields) -> ChatCompletion:
         beam = self._beam_params(req, params, fields)
-        (res,) = await self._beam_searches([{
-            "messages": messages, "params": beam, "chat_template_kwargs": req.chat_template_kwargs,
-            "continue_final_message": bool(req.continue_final_message),
-            "add_generation_prompt": req.add_generation_prompt,
-        }], "messages", fields)
+        (res,) = await self._gather([functools.partial(
+            self.engine.beam_search, messages=messages, params=beam, chat_template_kwargs=req.chat_template_kwargs,
+            continue_final_message=bool(req.continue_final_message), add_generation_prompt=req.add_generation_prompt,
+        )], "messages", fields)
         reasoning = None
         if self.reasoning_parser is not None:
             reasoning = functools.partial(ReasoningParser, opens_reasoning(res.prompt))

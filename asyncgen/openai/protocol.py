@@ -588,12 +588,15 @@ class CompletionRequest(_SamplingExtensions):
     @property
     def prompts(self) -> list[Union[str, list[int]]]:
         """``prompt`` as a list of prompts (a string or a list of token ids each)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return _prompt_list(self.prompt)
+
+
+def _prompt_list(p: PromptType) -> list[Union[str, list[int]]]:
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
 
 
 class EmbeddingRequest(_Strict):
@@ -619,12 +622,7 @@ class EmbeddingRequest(_Strict):
     @property
     def inputs(self) -> list[Union[str, list[int]]]:
         """``input`` as a list of inputs (a string or a list of token ids each)."""
-        p = self.input
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return _prompt_list(self.input)
 
 
 class TokenizeRequest(_Strict):
