@@ -66,6 +66,11 @@ async def test_embeddings_equal_transformers_hidden_states(smollm2_path, hf_base
                 tg.start_soon(embed, text)
         assert got["gen"] == alone.token_ids
         assert engine.stats().num_generation_tokens == 48  # the two generations': an embedding outputs no token
+        finals = []
+        remove = engine.add_finish_listener(finals.append)
+        await engine.embed(TEXTS[0])
+        remove()
+        assert [c.metrics.num_generation_tokens for c in finals] == [0]
         for text in TEXTS:
             assert torch.allclose(torch.tensor(got[text]), want[text] / want[text].norm(), atol=1e-5)
         # chat messages and truncation

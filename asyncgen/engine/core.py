@@ -367,7 +367,7 @@ def seq_ids(request_id: str, count: int) -> list[str]:
 
 def _metrics(req) -> RequestMetrics:
     now = time.monotonic()
-    n = req.num_output_tokens
+    n = 0 if req.pooling else req.num_output_tokens  # (an embedding's one token is not output)
     first = req.first_token_time
     return RequestMetrics(
         arrival_time=req.arrival_time,
