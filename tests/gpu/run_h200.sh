@@ -27,6 +27,7 @@ if [ "$phase" = checks ] || [ "$phase" = all ]; then
   run csrc_ops python3 tests/gpu/check_csrc_ops.py
   run dense_algos python3 tests/gpu/check_dense_algos.py
   run engine python3 tests/gpu/check_engine_cuda.py --tokenizer .gpu-assets/tokenizer
+  run pooling_beams python3 tests/gpu/check_pooling_beams_cuda.py --tokenizer .gpu-assets/tokenizer
 fi
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   [ -f asyncgen/_C*.so ] || ls asyncgen/_C*.so >/dev/null 2>&1 || run build python3 setup.py build_ext --inplace
