@@ -135,6 +135,8 @@ async def test_beam_search_refusals_and_cancellation(smollm2_path):
             await engine.beam_search("Hi", {"beam_width": 2, "max_tokens": 600})
         with pytest.raises(ValidationError, match="length_penalty"):
             await engine.beam_search("Hi", {"beam_width": 2, "length_penalty": float("nan")})
+        with pytest.raises(InvalidRequestError, match="priority"):  # raised as it is, not in a group
+            await engine.beam_search("Hi", {"beam_width": 2}, priority=1)
         # cancelled mid-search: its requests are aborted and every block comes back
         with anyio.move_on_after(0.3):
             await engine.beam_search("Write a long story about a dragon.", BeamSearchParams(beam_width=4, max_tokens=200))

@@ -558,11 +558,13 @@ class AsyncEngine:
         tools: Optional[list[dict[str, Any]]] = None,
         continue_final_message: bool = False,
         add_generation_prompt: Optional[bool] = None,
+        priority: int = 0,
     ) -> BeamSearchOutput:
         """Beam search (vLLM's ``beam_search``): the ``params.beam_width`` most likely
         sequences found by keeping that many at each step (:class:`BeamSearchParams`),
-        best first. The prompt arguments are :meth:`stream`'s. Each step is a batch of
-        one-token requests, one per sequence kept, served beside all other requests.
+        best first. The prompt arguments and ``priority`` are :meth:`stream`'s. Each step
+        is a batch of one-token requests, one per sequence kept, served beside all other
+        requests.
         """
         self._check_running()
         if params is None:
@@ -577,7 +579,7 @@ class AsyncEngine:
             params = params.model_copy(update={"max_tokens": most})
         from .beam_search import beam_search
 
-        return await beam_search(self, prompt_text, token_ids, params)
+        return await beam_search(self, prompt_text, token_ids, params, priority)
 
     async def embed(
         self,

@@ -38,29 +38,39 @@ def _score(beam: _Beam, length_penalty: float) -> float:
 
 
 async def _next_tokens(engine: "AsyncEngine", prompt_ids: list[int], beams: list[_Beam],
-                       params: SamplingParams) -> list[tuple[tuple[int, float], ...]]:
-    """The most likely next tokens of each beam, with their logprobs, most likely first."""
+                       params: SamplingParams, priority: int) -> list[tuple[tuple[int, float], ...]]:
+    """The most likely next tokens of each beam, with their logprobs, most likely first.
+    The first request that fails cancels the others, and its error is raised as it is
+    (not inside an exception group)."""
     tops: list[Optional[tuple[tuple[int, float], ...]]] = [None] * len(beams)
+    errors: list[Exception] = []
 
     async def one(i: int, beam: _Beam) -> None:
-        out = await engine.generate(prompt_ids + list(beam.token_ids), params)
+        try:
+            out = await engine.generate(prompt_ids + list(beam.token_ids), params, priority=priority)
+        except Exception as e:
+            errors.append(e)
+            tg.cancel_scope.cancel()
+            return
         tops[i] = out.outputs[0].logprobs[0].top
 
     async with anyio.create_task_group() as tg:
         for i, beam in enumerate(beams):
             tg.start_soon(one, i, beam)
+    if errors:
+        raise errors[0]
     return tops  # type: ignore[return-value]
 
 
 async def beam_search(engine: "AsyncEngine", prompt: Optional[str], prompt_ids: list[int],
-                      params: BeamSearchParams) -> BeamSearchOutput:
+                      params: BeamSearchParams, priority: int = 0) -> BeamSearchOutput:
     width, penalty = params.beam_width, params.length_penalty
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
     eos = frozenset() if params.ignore_eos else engine.eos_token_ids
     running = [_Beam((), (), 0.0)]
     finished: list[tuple[float, _Beam]] = []  # (score, beam), best first, at most `width`
     for step in range(1, params.max_tokens + 1):
-        tops = await _next_tokens(engine, prompt_ids, running, step_params)
+        tops = await _next_tokens(engine, prompt_ids, running, step_params, priority)
         candidates = sorted(
             ((beam.cumulative + lp, i, tok, lp) for i, (beam, top) in enumerate(zip(running, tops)) for tok, lp in top),
             key=lambda c: c[0], reverse=True,

@@ -922,7 +922,8 @@ class OpenAIAdapter:
 
     async def _beam_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
         beam = self._beam_params(req, params)
-        results = await self._gather([functools.partial(self.engine.beam_search, p, beam) for p in prompts], "prompt")
+        results = await self._gather([functools.partial(self.engine.beam_search, p, beam, priority=req.priority or 0)
+                                      for p in prompts], "prompt")
         choices = []
         for k, res in enumerate(results):
             echo = self._echo(prompts[k]) if req.echo else ""
@@ -940,6 +941,7 @@ class OpenAIAdapter:
         (res,) = await self._gather([functools.partial(
             self.engine.beam_search, messages=messages, params=beam, chat_template_kwargs=req.chat_template_kwargs,
             continue_final_message=bool(req.continue_final_message), add_generation_prompt=req.add_generation_prompt,
+            priority=req.priority or 0,
         )], "messages", fields)
         reasoning = None
         if self.reasoning_parser is not None:
