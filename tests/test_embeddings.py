@@ -104,6 +104,32 @@ async def test_embeddings_of_a_qwen3_model(tmp_path_factory, smollm2_path):
 
 
 @pytest.mark.anyio
+async def test_embeddings_follow_the_declared_pooling(tmp_path_factory, smollm2_path):
+    """A sentence-transformers directory that declares last-token pooling is served; one
+    that declares mean pooling is refused, naming it, and the engine serves on."""
+    import json
+
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-st-pooling"), "llama", smollm2_path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))
+    (path / "1_Pooling").mkdir()
+    flags = {f"pooling_mode_{m}": False for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+                                                  "weightedmean_tokens", "lasttoken")}
+    for mode, served in (("pooling_mode_lasttoken", True), ("pooling_mode_mean_tokens", False)):
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **flags,
+                                                                     mode: True}))
+        async with AsyncEngine.from_pretrained(path, num_kv_blocks=32) as engine:
+            if served:
+                assert len((await engine.embed("Hi")).embedding) == 64
+            else:
+                with pytest.raises(InvalidRequestError, match="'mean'"):
+                    await engine.embed("Hi")
+                assert (await engine.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))).finish_reason == "length"
+
+
+@pytest.mark.anyio
 async def test_embeddings_through_the_openai_layer(smollm2_path):
     from asyncgen.openai import BadRequestError
 

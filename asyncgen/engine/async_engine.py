@@ -95,6 +95,7 @@ class AsyncEngine:
         self._max_seq_tokens = 0  # the longest sequence: max_model_len, or what the KV pool holds
         self.vocab_size = 0
         self.hidden_size = 0  # the model's, once loaded: the length of embed()'s vectors
+        self._pooling_mode: Optional[str] = None  # what the model's sentence-transformers config declares
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -199,6 +200,7 @@ class AsyncEngine:
             )
         self.vocab_size = model_cfg.vocab_size
         self.hidden_size = model_cfg.hidden_size
+        self._pooling_mode = _declared_pooling(path)
         self.model_name = _display_name(self._model, path)
         self._core = EngineCore(
             tokenizer, num_blocks, self.config.block_size, self.config.max_num_seqs,
@@ -601,8 +603,14 @@ class AsyncEngine:
         :meth:`stream`'s; ``truncate_prompt_tokens`` is :class:`SamplingParams`'. The
         request is scheduled with generation requests and shares the prefix cache. The
         prompt may hold up to ``max_model_len - 1`` tokens (it is served as a request for
-        one token, which is not returned)."""
+        one token, which is not returned). A model whose sentence-transformers
+        configuration declares another pooling (mean, CLS, ...) is refused."""
         self._check_running()
+        if self._pooling_mode not in (None, "lasttoken"):
+            raise InvalidRequestError(
+                f"this model's sentence-transformers configuration pools by {self._pooling_mode!r}; embed() reads the "
+                "last token's hidden state only, which would not be this model's embedding"
+            )
         hidden = self.hidden_size
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
                                        or not 1 <= dimensions <= hidden):
@@ -829,6 +837,28 @@ class RequestStream(AsyncIterator[StreamChunk]):
                 self.engine._abort_from_any_thread(self.group.request_id)
             except Exception:
                 pass
+
+
+def _declared_pooling(path: Path) -> Optional[str]:
+    """The pooling a sentence-transformers model directory declares (its Pooling module's
+    ``config.json``: "lasttoken", "mean", "cls", ...), or None where it declares none."""
+    import json
+
+    folder = "1_Pooling"
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+        folder = next(m["path"] for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        pass
+    try:
+        cfg = json.loads((path / folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    modes = [k.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+             for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
+    return modes[0] if len(modes) == 1 else (",".join(sorted(modes)) or None)
 
 
 def _all_ids_in_range(ids: Sequence[Any], vocab_size: int) -> bool:
