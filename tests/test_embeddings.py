@@ -126,7 +126,8 @@ async def test_embeddings_follow_the_declared_pooling(tmp_path_factory, smollm2_
             else:
                 with pytest.raises(InvalidRequestError, match="'mean'"):
                     await engine.embed("Hi")
-                assert (await engine.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))).finish_reason == "length"
+                out = await engine.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))
+                assert out.finish_reason == "length"
 
 
 @pytest.mark.anyio
