@@ -12,12 +12,12 @@ the first ``beam_width`` others run on. Cancelling the caller cancels the step's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Optional
-
-import anyio
 
 from ..outputs import BeamSearchOutput, BeamSearchSequence, Usage
 from ..sampling_params import BeamSearchParams, SamplingParams
+from .gather import gather
 
 if TYPE_CHECKING:
     from .async_engine import AsyncEngine
@@ -40,26 +40,12 @@ def _score(beam: _Beam, length_penalty: float) -> float:
 async def _next_tokens(engine: "AsyncEngine", prompt_ids: list[int], beams: list[_Beam],
                        params: SamplingParams, priority: int) -> list[tuple[tuple[int, float], ...]]:
     """The most likely next tokens of each beam, with their logprobs, most likely first.
-    The first request that fails cancels the others, and its error is raised as it is
-    (not inside an exception group)."""
-    tops: list[Optional[tuple[tuple[int, float], ...]]] = [None] * len(beams)
-    errors: list[Exception] = []
-
-    async def one(i: int, beam: _Beam) -> None:
-        try:
-            out = await engine.generate(prompt_ids + list(beam.token_ids), params, priority=priority)
-        except Exception as e:
-            errors.append(e)
-            tg.cancel_scope.cancel()
-            return
-        tops[i] = out.outputs[0].logprobs[0].top
-
-    async with anyio.create_task_group() as tg:
-        for i, beam in enumerate(beams):
-            tg.start_soon(one, i, beam)
-    if errors:
-        raise errors[0]
-    return tops  # type: ignore[return-value]
+    The first request that fails cancels the others, and its error is raised as it is."""
+    outs = await gather([
+        functools.partial(engine.generate, prompt_ids + list(beam.token_ids), params, priority=priority)
+        for beam in beams
+    ])
+    return [out.outputs[0].logprobs[0].top for out in outs]
 
 
 async def beam_search(engine: "AsyncEngine", prompt: Optional[str], prompt_ids: list[int],

@@ -246,10 +246,12 @@ class EngineCore:
             seq.undecoded += 1
             if logprobs and req.request_id in logprobs:
                 seq.pending_logprobs.append(logprobs[req.request_id])
-            if pooled and req.request_id in pooled:
-                self._group_of[req.request_id].embedding = pooled[req.request_id]
-        # (an embedding request's one token is not output: it is not counted)
-        self.num_generation_tokens += len(reqs) - (sum(1 for r in reqs if r.pooling) if pooled else 0)
+        self.num_generation_tokens += len(reqs)
+        if pooled:  # embedding requests: their vector; their one token is not output, nor counted
+            for req in reqs:
+                if req.request_id in pooled:
+                    self._group_of[req.request_id].embedding = pooled[req.request_id]
+                    self.num_generation_tokens -= 1
         return reqs
 
     def emit(self, reqs: list[Request]) -> None:

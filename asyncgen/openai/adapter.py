@@ -98,6 +98,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.gather import gather
 from ..engine.tokenizer import TokenBytes, apply_chat_template
 from ..errors import AsyncGenError
 from ..outputs import CompletionOutput, StreamChunk, TokenLogprob, Usage
@@ -301,6 +302,15 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def _split_reasoning(reasoning: Optional[Callable[[], ReasoningParser]], text: str) -> tuple[Optional[str], str]:
+    """(the reasoning, the rest) of a whole reply's text; (None, text) without a parser."""
+    if reasoning is None:
+        return None, text
+    parser = reasoning()
+    (r1, text1), (r2, text2) = parser.feed(text), parser.finish()
+    return (r1 + r2) or None, text1 + text2
+
+
 def _parse(model_cls, request: Any, to_error=from_validation_error):
     """The validated, supported request (``to_error`` turns a ValidationError into the 400)."""
     if isinstance(request, model_cls):
@@ -312,7 +322,9 @@ def _parse(model_cls, request: Any, to_error=from_validation_error):
             raise to_error(e) from e
     else:
         raise BadRequestError("The request body must be a JSON object.", code="invalid_type")
-    parsed.check_supported()
+    check = getattr(parsed, "check_supported", None)  # (requests with fields they cannot honour)
+    if check is not None:
+        check()
     return parsed
 
 
@@ -575,11 +587,7 @@ class OpenAIAdapter:
                 logprobs = ChoiceLogprobs(content=self._chat_logprobs(lp for _, lp in out.logprobs))
             text = "".join(out.texts)
             finish_reason = out.finish_reason
-            thought = None
-            if reasoning is not None:
-                parser = reasoning()
-                (r1, text1), (r2, text2) = parser.feed(text), parser.finish()
-                thought, text = (r1 + r2) or None, text1 + text2
+            thought, text = _split_reasoning(reasoning, text)
             if tool_parser is None:
                 message = ChatCompletionMessage(content=text)
             else:
@@ -903,22 +911,10 @@ class OpenAIAdapter:
     async def _gather(self, calls: list[Callable[[], Any]], prompt_param: str, fields=None) -> list:
         """Awaits every call at once, in order; the first engine error cancels the others
         and becomes the response's (``prompt_param`` and ``fields`` as in from_exception)."""
-        results: list[Any] = [None] * len(calls)
-        errors: list[BaseException] = []
-
-        async def one(k: int, call) -> None:
-            try:
-                results[k] = await call()
-            except (AsyncGenError, ValidationError) as e:
-                errors.append(e)
-                tg.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for k, call in enumerate(calls):
-                tg.start_soon(one, k, call)
-        if errors:
-            raise from_exception(errors[0], prompt_param=prompt_param, fields=fields) from errors[0]
-        return results
+        try:
+            return await gather(calls, (AsyncGenError, ValidationError))
+        except (AsyncGenError, ValidationError) as e:
+            raise from_exception(e, prompt_param=prompt_param, fields=fields) from e
 
     async def _beam_completion(self, req: CompletionRequest, params: SamplingParams, prompts, rid: str) -> Completion:
         beam = self._beam_params(req, params)
@@ -948,11 +944,7 @@ class OpenAIAdapter:
             reasoning = functools.partial(ReasoningParser, opens_reasoning(res.prompt))
         choices = []
         for seq in res.sequences:
-            text, thought = seq.text, None
-            if reasoning is not None:
-                parser = reasoning()
-                (r1, text1), (r2, text2) = parser.feed(text), parser.finish()
-                thought, text = (r1 + r2) or None, text1 + text2
+            thought, text = _split_reasoning(reasoning, seq.text)
             message = ChatCompletionMessage(content=text)
             message.reasoning_content = thought
             ids = {"token_ids": list(seq.token_ids)} if req.return_token_ids else {}

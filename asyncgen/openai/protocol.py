@@ -616,9 +616,6 @@ class EmbeddingRequest(_Strict):
     normalize: Optional[bool] = None
     priority: Optional[int] = None
 
-    def check_supported(self) -> None:
-        """Every field is honoured."""
-
     @property
     def inputs(self) -> list[Union[str, list[int]]]:
         """``input`` as a list of inputs (a string or a list of token ids each)."""
@@ -652,18 +649,12 @@ class TokenizeRequest(_Strict):
                     raise BadRequestError(f"Invalid value for '{name}': it applies to 'messages' only.", param=name)
         return self
 
-    def check_supported(self) -> None:
-        """Every field is honoured."""
-
 
 class DetokenizeRequest(_Strict):
     """vLLM's ``POST /detokenize``: token ids back to text (special tokens kept)."""
 
     model: Optional[str] = None
     tokens: list[int]
-
-    def check_supported(self) -> None:
-        """Every field is honoured."""
 
 
 def _check_stream_options(stream: Optional[bool], options: Optional[StreamOptions]) -> None:

@@ -160,7 +160,6 @@ class _SeqState:
     token_filter: Optional[TokenFilter] = None  # allowed_token_ids, bad_words
     # The output positions of the launched steps' rows not yet collected, in launch order.
     in_flight: deque = dataclasses.field(default_factory=deque)
-    pooling: bool = False  # an embedding request (NewRequestData.pooling)
 
 
 # Output positions behind the newest whose generator states are kept: tokens a
@@ -638,7 +637,6 @@ class ModelRunner:
                 st.guide = self._guides()(new.params.structured_outputs, new.stop_token_ids)
             if new.params.allowed_token_ids or new.bad_word_ids:
                 st.token_filter = TokenFilter(new.params.allowed_token_ids, new.bad_word_ids, self.model_cfg.vocab_size)
-            st.pooling = new.pooling
             if new.pooling:
                 self._pooling.add(new.req_id)
             self.states[new.req_id] = st
