@@ -91,6 +91,33 @@ async def test_embeddings_equal_transformers_hidden_states(smollm2_path, hf_base
 
 
 @pytest.mark.anyio
+async def test_embedding_prompts_may_fill_max_model_len(smollm2_path, hf_base):
+    """An embedding request's sampled token is never stored, so its prompt may hold all of
+    ``max_model_len`` (generation needs one position more); ``truncate_prompt_tokens=-1``
+    keeps that many. One token more is refused, naming both figures."""
+    from asyncgen import PromptTooLongError
+
+    text = TEXTS[1] * 2
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=64, num_kv_blocks=16,
+                                           max_num_batched_tokens=24) as engine:
+        ids = engine.tokenizer.encode(text)
+        assert len(ids) > 65
+        full = await engine.embed(ids[:64], normalize=False)
+        raw = _hf_last_hidden(hf_base, ids[:64])
+        assert torch.allclose(torch.tensor(full.embedding), raw, atol=1e-4, rtol=1e-4)
+        cut = await engine.embed(text, truncate_prompt_tokens=-1)
+        assert list(cut.prompt_token_ids) == ids[-64:]
+        raw = _hf_last_hidden(hf_base, ids[-64:])
+        assert torch.allclose(torch.tensor(cut.embedding), raw / raw.norm(), atol=1e-5)
+        with pytest.raises(PromptTooLongError, match="65 tokens; max_model_len is 64"):
+            await engine.embed(ids[:65])
+        with pytest.raises(PromptTooLongError, match="leaves no room"):  # generation: 64 leaves none
+            await engine.generate(ids[:64], SamplingParams(max_tokens=1))
+        assert engine.stats().num_generation_tokens == 0
+        assert_idle(engine)
+
+
+@pytest.mark.anyio
 async def test_embeddings_of_a_qwen3_model(tmp_path_factory, smollm2_path):
     from transformers import AutoModel
 

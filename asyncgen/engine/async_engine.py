@@ -423,7 +423,8 @@ class AsyncEngine:
                                  continue_final_message, add_generation_prompt, priority)
 
     def _open_stream(self, prompt, params, messages, request_id, chat_template_kwargs=None, tools=None,
-                     continue_final_message=False, add_generation_prompt=None, priority=0) -> "RequestStream":
+                     continue_final_message=False, add_generation_prompt=None, priority=0,
+                     pooling=False) -> "RequestStream":
         self._check_running()
         params = _coerce_params(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -437,7 +438,10 @@ class AsyncEngine:
                                                 add_generation_prompt)
         if params.truncate_prompt_tokens is not None:
             prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
-        self._check_fits(token_ids, params)
+        if pooling:
+            self._check_pooled_fits(token_ids)
+        else:
+            self._check_fits(token_ids, params)
         own_id = request_id is not None
         if not own_id:
             request_id = uuid.uuid4().hex
@@ -602,8 +606,9 @@ class AsyncEngine:
         (Matryoshka models), before normalising. The prompt arguments are
         :meth:`stream`'s; ``truncate_prompt_tokens`` is :class:`SamplingParams`'. The
         request is scheduled with generation requests and shares the prefix cache. The
-        prompt may hold up to ``max_model_len - 1`` tokens (it is served as a request for
-        one token, which is not returned). A model whose sentence-transformers
+        prompt may hold up to ``max_model_len`` tokens (``truncate_prompt_tokens=-1``
+        keeps that many); it is served as a request for one token, which is neither
+        stored nor returned. A model whose sentence-transformers
         configuration declares another pooling (mean, CLS, ...) is refused."""
         self._check_running()
         if self._pooling_mode not in (None, "lasttoken"):
@@ -617,7 +622,8 @@ class AsyncEngine:
             raise InvalidRequestError(f"dimensions must be an int in [1, {hidden}] (the model's hidden size), got "
                                       f"{dimensions!r}", param="dimensions")
         params = SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=truncate_prompt_tokens)
-        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, priority=priority)
+        stream = self._open_stream(prompt, params, messages, request_id, chat_template_kwargs, priority=priority,
+                                   pooling=True)
         group = stream.group
         group.pooling = True
         group.wake_each_chunk = False
@@ -746,6 +752,17 @@ class AsyncEngine:
                 raise InvalidRequestError(
                     f"{field} holds token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}", param=field
                 )
+
+    def _check_pooled_fits(self, token_ids: list[int]) -> None:
+        """An embedding's prompt: all of ``max_model_len`` may be used, as the token its
+        request samples is never stored in the KV cache."""
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise PromptTooLongError(f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                                     "(truncate_prompt_tokens=-1 keeps its last max_model_len tokens)")
+        if n > self._max_seq_tokens:
+            raise PromptTooLongError(f"prompt has {n} tokens; the KV pool holds {self._max_seq_tokens} tokens for "
+                                     "one sequence. Give the engine more KV memory")
 
     def _register(self, stream: "RequestStream") -> None:
         self._check_running()
