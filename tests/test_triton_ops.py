@@ -316,20 +316,22 @@ def _attention_written_out(batch: dict, scale: float, sliding_window) -> torch.T
 REFERENCE_SCENARIOS = {**SCENARIOS, "decode, equal lengths": ([1, 1, 1], [33, 33, 33])}
 
 
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("sliding_window", [None, 24])
 @pytest.mark.parametrize("scenario", sorted(REFERENCE_SCENARIOS))
-def test_reference_paged_attention_matches_attention_written_out(scenario, sliding_window, group, dtype):
-    """The reference (the CPU backend, and the oracle of the kernel tests) batches decode
-    queries and masks slots outside each window; written out row by row it must agree,
-    and leave the cache (NaN slots included) as it was."""
+def test_reference_paged_attention_matches_attention_written_out(scenario, sliding_window, group, dtype, exact):
+    """The reference (the oracle of the kernel tests, ``exact``) batches decode queries
+    and masks slots outside each window; the CPU engine's form (``exact=False``) reads
+    each decode query's window alone. Written out row by row both must agree, and leave
+    the cache (NaN slots included) as it was."""
     q_lens, seq_lens = REFERENCE_SCENARIOS[scenario]
     batch = make_attention_batch(q_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=16,
                                  block_size=8, dtype=dtype, seed=3)
     k_before, v_before = batch["k_cache"].clone(), batch["v_cache"].clone()
     scale = 16 ** -0.5
-    actual = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window)
+    actual = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window, exact=exact)
     expected = _attention_written_out(batch, scale, sliding_window)
     assert actual.dtype == dtype and not actual.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -343,8 +345,8 @@ def test_reference_paged_attention_matches_attention_written_out(scenario, slidi
 @pytest.mark.parametrize("scenario", ["prefill", "mixed", "chunked"])
 def test_reference_runs_bf16_prompts_in_bf16_when_not_exact(scenario, sliding_window, monkeypatch):
     """``exact=False``, the CPU engine's ops: a bf16 prompt's attention runs torch's fused
-    kernel in bf16 and still agrees with the attention written out, to bf16's precision;
-    ``exact=True``, the kernels' oracle, stays in fp32."""
+    kernel in bf16 (decode queries in fp32) and still agrees with the attention written
+    out, to bf16's precision; ``exact=True``, the kernels' oracle, stays in fp32."""
     q_lens, seq_lens = SCENARIOS[scenario]
     batch = make_attention_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=16,
                                  block_size=8, dtype=torch.bfloat16, seed=3)
@@ -352,22 +354,21 @@ def test_reference_runs_bf16_prompts_in_bf16_when_not_exact(scenario, sliding_wi
     fused = ref.F.scaled_dot_product_attention
 
     def recording(q, *args, **kwargs):
-        seen.append(q.dtype)
+        seen.append((q.shape[2], q.dtype))  # (query rows, dtype)
         return fused(q, *args, **kwargs)
 
     monkeypatch.setattr(ref.F, "scaled_dot_product_attention", recording)
     scale = 16 ** -0.5
     fast = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window, exact=False)
-    assert seen and set(seen) == {torch.bfloat16}
+    prompts = sum(n > 1 for n in q_lens)
+    assert sorted(seen) == sorted([(1, torch.float32)] * q_lens.count(1) + [(n, torch.bfloat16) for n in q_lens
+                                                                            if n > 1])
     seen.clear()
-    exact = ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window)
-    assert seen and set(seen) == {torch.float32}
+    ref.paged_attention(**batch, scale=scale, sliding_window=sliding_window)
+    assert len(seen) == prompts and {dt for _, dt in seen} == {torch.float32}  # (decode: batched products)
     expected = _attention_written_out(batch, scale, sliding_window)
     assert fast.dtype == torch.bfloat16 and not fast.isnan().any()
     torch.testing.assert_close(fast.double(), expected, atol=2e-2, rtol=2e-2)
-    starts = batch["query_start_loc"].tolist()
-    decode_rows = [starts[i] for i, n in enumerate(q_lens) if n == 1]  # the same path either way
-    assert torch.equal(fast[decode_rows], exact[decode_rows])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,8 +2,9 @@
 
 These are the definitions: each Triton kernel and each csrc kernel is tested against the
 function of the same name here, and the CPU backend runs them directly. They favour
-clarity over speed, except where the CPU engine spends most of its time (attention over
-decode batches is gathered and computed in one batched call).
+clarity over speed, except where the CPU engine spends most of its time: attention, where
+``exact=False`` (the CPU engine's choice) takes torch's fused attention for bf16 prompts
+and for each decode query.
 
 Shapes, for a step that computes ``T`` tokens of ``B`` sequences::
 
@@ -128,6 +129,14 @@ def _gather_kv(
     return blocks.flatten(0, 1)[:length]
 
 
+def _window_kv(cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Cached positions ``first .. end - 1`` of one sequence: [end - first, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    b0 = first // block_size
+    blocks = cache.index_select(0, block_table[b0:(end + block_size - 1) // block_size])
+    return blocks.flatten(0, 1)[first - b0 * block_size:end - b0 * block_size]
+
+
 def _causal_mask(
     q_positions: torch.Tensor, k_len: int, sliding_window: int | None
 ) -> torch.Tensor:
@@ -162,7 +171,9 @@ def paged_attention(
     for the GPU kernels (the maxima over the batch); the reference ignores them.
     ``exact=False`` (the CPU engine's choice) lets bf16 prompts on the CPU run torch's
     fused attention in bf16, as transformers does: 2-2.5x faster at 1,000 tokens there,
-    its products still summed in fp32. The kernels' tests keep the fp32 oracle.
+    its products still summed in fp32; and runs decode queries one sequence at a time
+    through that fused attention (in fp32), reading only the positions each may see. The
+    kernels' tests keep the fp32 oracle.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -176,6 +187,20 @@ def paged_attention(
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     prefill = [i for i, n in enumerate(q_lens) if n > 1]
     native_prompt = not exact and q.dtype == torch.bfloat16 and q.device.type == "cpu" and k_cache.dtype == q.dtype
+
+    if decode and not exact:
+        # One query a sequence, each against exactly the cached positions it may see
+        # (its window's), through torch's fused CPU attention: 1.2-3x faster on the CPU
+        # than the batched products below, which pad every sequence to the longest.
+        for i in decode:
+            row, n = starts[i], lens[i]
+            first = 0 if sliding_window is None else max(0, n - sliding_window)
+            keys = _window_kv(k_cache, block_tables[i], first, n).float().transpose(0, 1)[None]
+            values = _window_kv(v_cache, block_tables[i], first, n).float().transpose(0, 1)[None]
+            res = F.scaled_dot_product_attention(q[row:row + 1].float().transpose(0, 1)[None], keys, values,
+                                                 scale=scale, enable_gqa=group > 1)
+            out[row] = res[0, :, 0].to(out.dtype)
+        decode = []
 
     if decode:
         # All single-token queries at once, a query head group's queries as rows against
