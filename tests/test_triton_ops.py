@@ -313,7 +313,8 @@ def _attention_written_out(batch: dict, scale: float, sliding_window) -> torch.T
     return out
 
 
-REFERENCE_SCENARIOS = {**SCENARIOS, "decode, equal lengths": ([1, 1, 1], [33, 33, 33])}
+REFERENCE_SCENARIOS = {**SCENARIOS, "decode, equal lengths": ([1, 1, 1], [33, 33, 33]),
+                       "decode, many": ([1] * 6, [3, 40, 17, 90, 8, 33])}  # (past the CPU engine's one-by-one)
 
 
 @pytest.mark.parametrize("exact", [True, False])

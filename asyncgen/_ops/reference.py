@@ -4,7 +4,7 @@ These are the definitions: each Triton kernel and each csrc kernel is tested aga
 function of the same name here, and the CPU backend runs them directly. They favour
 clarity over speed, except where the CPU engine spends most of its time: attention, where
 ``exact=False`` (the CPU engine's choice) takes torch's fused attention for bf16 prompts
-and for each decode query.
+and for the decode queries of a step with a few sequences.
 
 Shapes, for a step that computes ``T`` tokens of ``B`` sequences::
 
@@ -129,6 +129,10 @@ def _gather_kv(
     return blocks.flatten(0, 1)[:length]
 
 
+# The most decode queries the CPU engine's attention (exact=False) takes one by one.
+_DECODE_ONE_BY_ONE = 4
+
+
 def _window_kv(cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int) -> torch.Tensor:
     """Cached positions ``first .. end - 1`` of one sequence: [end - first, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
@@ -171,9 +175,9 @@ def paged_attention(
     for the GPU kernels (the maxima over the batch); the reference ignores them.
     ``exact=False`` (the CPU engine's choice) lets bf16 prompts on the CPU run torch's
     fused attention in bf16, as transformers does: 2-2.5x faster at 1,000 tokens there,
-    its products still summed in fp32; and runs decode queries one sequence at a time
-    through that fused attention (in fp32), reading only the positions each may see. The
-    kernels' tests keep the fp32 oracle.
+    its products still summed in fp32; and, in a step of at most four decode queries, runs
+    them one sequence at a time through that fused attention (in fp32), reading only the
+    positions each may see. The kernels' tests keep the fp32 oracle.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -188,10 +192,10 @@ def paged_attention(
     prefill = [i for i, n in enumerate(q_lens) if n > 1]
     native_prompt = not exact and q.dtype == torch.bfloat16 and q.device.type == "cpu" and k_cache.dtype == q.dtype
 
-    if decode and not exact:
+    if decode and not exact and len(decode) <= _DECODE_ONE_BY_ONE:
         # One query a sequence, each against exactly the cached positions it may see
-        # (its window's), through torch's fused CPU attention: 1.2-3x faster on the CPU
-        # than the batched products below, which pad every sequence to the longest.
+        # (its window's), through torch's fused CPU attention: faster on the CPU than the
+        # batched products below for a few sequences, slower for many (docs/BENCHMARKS.md).
         for i in decode:
             row, n = starts[i], lens[i]
             first = 0 if sliding_window is None else max(0, n - sliding_window)
