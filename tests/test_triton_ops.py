@@ -317,6 +317,45 @@ REFERENCE_SCENARIOS = {**SCENARIOS, "decode, equal lengths": ([1, 1, 1], [33, 33
                        "decode, many": ([1] * 6, [3, 40, 17, 90, 8, 33])}  # (past the CPU engine's one-by-one)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU engine's form")
+@pytest.mark.parametrize("layout", ["qkv buffer", "separate", "bf16", "padding slot"])
+def test_cpu_engine_rotary_store_kv_gives_the_references_bits(layout, monkeypatch):
+    """The CPU engine's rotary + cache write (fewer ops; q and k rotated as one tensor
+    where k follows q in the qkv projection's output) writes exactly what the reference
+    writes, into q, k and both caches; other dtypes and padding slots take the reference."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, heads, kv_heads, d = 5, 6, 2, 16
+    dtype = torch.bfloat16 if layout == "bf16" else torch.float32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    if layout == "separate":  # (Qwen3: q and k normed into their own tensors)
+        q, k = q.contiguous(), k.contiguous()
+    cos_sin = torch.randn(64, d, generator=gen)
+    positions = torch.randperm(64, generator=gen)[:tokens]
+    slots = torch.randperm(40, generator=gen)[:tokens]
+    if layout == "padding slot":
+        slots[2] = -1
+    reference, fallbacks = ref.rotary_store_kv, []
+    monkeypatch.setattr(ref, "rotary_store_kv", lambda *args: fallbacks.append(1) or reference(*args))
+    results = []
+    for fn in (reference, ref._rotary_store_kv_fp32):
+        qq, kk, vv = (t.clone() for t in (q, k, v))
+        if layout == "qkv buffer":  # keep k right after q in one buffer, as the model's views are
+            buf = qkv.clone()
+            qq = buf[:, :heads * d].view(tokens, heads, d)
+            kk = buf[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+        k_cache = torch.full((5, 8, kv_heads, d), float("nan"), dtype=dtype)
+        v_cache = k_cache.clone()
+        fn(positions, qq, kk, vv, cos_sin, k_cache, v_cache, slots)
+        results.append((qq, kk, k_cache.nan_to_num(7.0), v_cache.nan_to_num(7.0)))
+    for want, got in zip(*results):
+        assert torch.equal(want, got)
+    assert not torch.equal(results[0][0], q)  # (it did rotate)
+    assert len(fallbacks) == (layout in ("bf16", "padding slot"))
+
+
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 3])

@@ -119,6 +119,41 @@ def rotary_store_kv(
     store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def _rotary_store_kv_fp32(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`rotary_store_kv` in fewer torch ops, for the CPU engine's fp32 steps, where
+    each op's own cost is most of a decode step's rotary: the same products, sums and
+    roundings (so the same bits), q and k rotated as one tensor where k follows q in one
+    buffer (the qkv projection's output), the cache rows written with ``index_copy_``."""
+    if not (q.dtype == k.dtype == k_cache.dtype == cos_sin_cache.dtype == torch.float32
+            and q.stride(-1) == k.stride(-1) == 1 and bool((slot_mapping >= 0).all())):
+        return rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    cos, sin = cos_sin_cache.index_select(0, positions).view(num_tokens, 1, 2, head_dim // 2).unbind(2)
+    row = q.stride(0)
+    if (k.stride(0) == row and q.stride(1) == k.stride(1) == head_dim
+            and k.data_ptr() == q.data_ptr() + num_heads * head_dim * q.element_size()):
+        parts = (q.as_strided((num_tokens, num_heads + k.shape[1], head_dim), (row, head_dim, 1)),)
+    else:
+        parts = (q, k)
+    for x in parts:
+        x1, x2 = x.unflatten(-1, (2, head_dim // 2)).unbind(-2)
+        first = x1 * cos - x2 * sin
+        x2.mul_(cos).add_(x1 * sin)
+        x1.copy_(first)
+    num_kv_heads = k_cache.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
 def _gather_kv(
     cache: torch.Tensor, block_table: torch.Tensor, length: int
 ) -> torch.Tensor:
@@ -279,11 +314,13 @@ def rotary_attention(
 ) -> torch.Tensor:
     """The attention layer's whole step between the qkv projection and o_proj:
     :func:`rotary_store_kv`, then :func:`paged_attention` (returned, with ``exact``). ``q``
-    and ``k`` may be left rotated or not (a fused kernel only reads them).
+    and ``k`` may be left rotated or not (a fused kernel only reads them). ``exact=False``
+    does the first step in fewer torch ops where it can (the same bits).
     ``split_counters``: an int32 buffer of zeros a GPU kernel may use for its split-K
     combine and leaves at zero (one per launch that can run concurrently); the reference
     ignores it, as it does the hints."""
-    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    (rotary_store_kv if exact else _rotary_store_kv_fp32)(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                                          slot_mapping)
     return paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
         max_query_len=max_query_len, max_seq_len=max_seq_len, exact=exact,
