@@ -119,16 +119,7 @@ def rotary_store_kv(
     store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def _rotary_store_kv_fp32(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def _rotary_store_kv_fp32(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
     """:func:`rotary_store_kv` in fewer torch ops, for the CPU engine's fp32 steps, where
     each op's own cost is most of a decode step's rotary: the same products, sums and
     roundings (so the same bits), q and k rotated as one tensor where k follows q in one
