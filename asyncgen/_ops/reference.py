@@ -145,16 +145,6 @@ def _rotary_store_kv_fp32(positions, q, k, v, cos_sin_cache, k_cache, v_cache, s
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The first ``length`` cached tokens of one sequence: [length, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, kvh, d]
-    return blocks.flatten(0, 1)[:length]
-
-
 # The most decode queries the CPU engine's attention (exact=False) takes one by one.
 _DECODE_ONE_BY_ONE = 4
 
@@ -230,9 +220,8 @@ def paged_attention(
             res = F.scaled_dot_product_attention(q[row:row + 1].float().transpose(0, 1)[None], keys, values,
                                                  scale=scale, enable_gqa=group > 1)
             out[row] = res[0, :, 0].to(out.dtype)
-        decode = []
 
-    if decode:
+    elif decode:
         # All single-token queries at once, a query head group's queries as rows against
         # their kv head's keys: [kv head, sequence, position, d] for the batched products.
         idx = torch.tensor(decode, device=q.device)
@@ -272,8 +261,8 @@ def paged_attention(
         # its fused kernel, 3-5x faster than for 3-D inputs at a 1,000-token prompt.
         dtype = q.dtype if native_prompt else torch.float32
         qs = q[start:end].to(dtype).transpose(0, 1)[None]
-        keys = _gather_kv(k_cache, block_tables[i], n).to(dtype).transpose(0, 1)[None]
-        values = _gather_kv(v_cache, block_tables[i], n).to(dtype).transpose(0, 1)[None]
+        keys = _window_kv(k_cache, block_tables[i], 0, n).to(dtype).transpose(0, 1)[None]
+        values = _window_kv(v_cache, block_tables[i], 0, n).to(dtype).transpose(0, 1)[None]
         mask = None  # the whole sequence: plain causal; else queries after cached context
         if end - start < n or sliding_window is not None:  # (causal from the bottom right) or a window
             mask = _causal_mask(torch.arange(n - (end - start), n, device=q.device), n, sliding_window)
