@@ -176,6 +176,7 @@ class QuantGemvParams(ctypes.Structure):
         ("k", ctypes.c_int),
         ("group_size", ctypes.c_int),
         ("gated", ctypes.c_int),
+        ("prefetch_pairs", ctypes.c_int),
     ]
 
 
