@@ -204,14 +204,12 @@ async def measure(path: str, device: str, prompt_len: int, single_tokens: int, b
 
         # The tokens after the first chunk over the time from it to the last (a chunk may
         # carry more than one token).
-        times, counts, ids = [], [], []
+        times, counts = [], []
         async for chunk in engine.stream(prompts[0], SamplingParams(max_tokens=single_tokens, temperature=0,
                                                                     ignore_eos=True)):
             times.append(time.perf_counter())
             counts.append(len(chunk.token_ids))
-            ids.extend(chunk.token_ids)
         res["single_stream_tokens_per_s"] = sum(counts[1:]) / (times[-1] - times[0])
-        res["single_stream_token_ids"] = ids  # greedy: equal across runs of one checkpoint and kernel set
         # Three runs, the median reported: one run is ~1 s and varied by up to 1.4x
         # between otherwise equal processes.
         for size in batches:
@@ -293,7 +291,7 @@ def main() -> int:
                     if not line.startswith(RESULT):
                         print(f"{name}: {line}", flush=True)
             results[name] = {**res, "linear_bytes": linear_bytes}
-            summary = {k: v for k, v in results[name].items() if k not in ("profile", "single_stream_token_ids")}
+            summary = {k: v for k, v in results[name].items() if k != "profile"}
             print(f"{name}: {summary}", flush=True)
             shutil.rmtree(work / name, ignore_errors=True)
     finally:

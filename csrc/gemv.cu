@@ -157,9 +157,7 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
               kernel);
   TORCH_CHECK(!gated || kernel != 2, "gated runs on the one-row CUDA-core kernel, not the tensor-core one");
-  QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias, gated);
-  const bool dependent = dependent_launch(x.get_device());
-  p.prefetch_pairs = dependent ? qgemv1_prefetch_pairs(kQgemv1Prefetch) : 0;
+  const QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias, gated);
   const int64_t k = p.k;
   if (p.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -173,7 +171,7 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
               "16, 8-byte aligned scales and zeros and K within its shared memory; got K=", k, ", group_size=",
               group_size);
   TORCH_CHECK(launch_quant_gemv_4bit(p, c10::cuda::getCurrentCUDAStream(), tensor_cores && kernel != 1,
-                                     dependent), "x has ",
+                                     dependent_launch(x.get_device())), "x has ",
               p.m, " rows; more than ", kGemvMaxRows, " need the tensor-core kernel, which needs an sm_80+ GPU, K "
               "and group_size multiples of 32, 8-byte aligned scales and zeros, and at most ", kMmaMaxSmem / 128,
               " groups");

@@ -78,9 +78,6 @@ struct QuantGemvParams {
   // Gate | up of an MLP (columns gate | up, N / 2 each): out [M, N / 2] = silu(y[:, j]) *
   // y[:, N / 2 + j], rounded as the separate ops round it. One row, the one-row kernel only.
   int gated;
-  // The one-row kernel, launched as a dependent: how many of each thread's weight-row pairs
-  // past its ring it asks L2 for before it waits for x (-1: all of them; 0: none).
-  int prefetch_pairs;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -500,8 +497,6 @@ constexpr int kQgemv1MaxSmem = 48 * 1024;  // the ring and x stay within the def
 // The block for K too long for the default shapes: 128 threads, 2 pairs deep (the least
 // shared memory; quant_gemv1_ok takes what it fits).
 constexpr int kQgemv1LongKThreads = 128, kQgemv1LongKDepth = 2;
-// The one-row kernel's L2 requests past its ring while it waits (see QuantGemvParams).
-constexpr int kQgemv1Prefetch = 0;
 
 struct QuantGroup {  // one group's dequantization constants for a thread's 4 columns (both kernels below)
   __half2 low[4];   // (1024 + z, 1024 + z): subtracted from codes read as 1024 + code
@@ -621,16 +616,6 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   };
 #pragma unroll
   for (int u = 0; u < DEPTH; ++u) request(u, u);
-  // Launched as a dependent, the block may wait below while the kernel ahead runs, with HBM
-  // mostly idle: the rows after the ring's are asked of L2 meanwhile. The column threads
-  // that share a 128-byte line of a packed row take its rows in turn, one request a line.
-  {
-    constexpr int kLineThreads = kHalfCols < 8 ? kHalfCols : 8;
-    const int ahead = p.prefetch_pairs < 0 ? pairs : imin(pairs, DEPTH + p.prefetch_pairs);
-    for (int r = 2 * DEPTH + col_thread % kLineThreads; r < 2 * ahead; r += kLineThreads) {
-      prefetch_l2(wp + static_cast<int64_t>(r) * p.qweight_stride);
-    }
-  }
 
   const int rows_per_group = p.group_size / 8;
   int group = begin / rows_per_group;

@@ -44,15 +44,4 @@ inline bool dependent_launch(int device) {
   return enabled && compute_major(device) >= 9;
 }
 
-// How far ahead of its ring the one-row 4-bit kernel, launched as a dependent, asks L2 for
-// its weight rows while it waits for the kernel ahead (QuantGemvParams::prefetch_pairs):
-// ASYNCGEN_QGEMV1_PREFETCH when the first such kernel was launched, else kQgemv1Prefetch.
-inline int qgemv1_prefetch_pairs(int fallback) {
-  static const int pairs = [fallback] {
-    const char* v = std::getenv("ASYNCGEN_QGEMV1_PREFETCH");
-    return v == nullptr ? fallback : std::atoi(v);
-  }();
-  return pairs;
-}
-
 }  // namespace asyncgen

@@ -176,7 +176,6 @@ class QuantGemvParams(ctypes.Structure):
         ("k", ctypes.c_int),
         ("group_size", ctypes.c_int),
         ("gated", ctypes.c_int),
-        ("prefetch_pairs", ctypes.c_int),
     ]
 
 
