@@ -35,9 +35,9 @@ BINDING = r"""
 
 void quant(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size,
            int64_t kernel) {
-  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel);
+  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, kernel, false);
 }
-void dense(at::Tensor out, at::Tensor x, at::Tensor weight) { asyncgen::dense_gemv(out, x, weight, std::nullopt); }
+void dense(at::Tensor out, at::Tensor x, at::Tensor weight) { asyncgen::dense_gemv(out, x, weight, std::nullopt, 0, false); }
 """
 
 

@@ -38,7 +38,7 @@ BINDING = r"""
 #include "ops.h"
 
 void run(at::Tensor out, at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros, int64_t group_size) {
-  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, 0);
+  asyncgen::quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, std::nullopt, 0, false);
 }
 """
 
