@@ -6,8 +6,7 @@ built side by side with ``torch.utils.cpp_extension``. ``CxUxL`` is the CUDA-cor
 packed rows per load batch; ``AG_QGEMV_LOAD``: 0 plain loads, 1 the read-only path, 2
 streaming loads; these build without the one-row streaming kernel); ``sCxTxD`` is the
 one-row streaming kernel (``AG_QGEMV1_COLS`` column threads, ``AG_QGEMV1_THREADS`` threads
-a block, ``AG_QGEMV1_DEPTH`` pairs of packed rows in flight a thread), ``s`` its default shapes,
-``S`` those shapes reading the codes as fp16 subnormals (``AG_QGEMV1_SUBNORMAL``);
+a block, ``AG_QGEMV1_DEPTH`` pairs of packed rows in flight a thread), ``s`` its default shapes;
 ``mmaWxD`` is the tensor-core kernel (``AG_QGEMV_MMA_WARPS`` warps per
 block, ``AG_QGEMV_MMA_DEPTH`` chunks in flight per lane), ``mma`` its default shapes.
 Every call is checked against dequantize-then-matmul, then timed at Llama-2-7B decode
@@ -51,8 +50,6 @@ def build(variant: str):
         macros = []
     elif variant == "s":  # the default: shapes by layer width
         macros = ["-DAG_QGEMV_MMA=0"]
-    elif variant == "S":  # the same, reading the codes as fp16 subnormals
-        macros = ["-DAG_QGEMV_MMA=0", "-DAG_QGEMV1_SUBNORMAL=1"]
     elif variant.startswith("s"):
         cols, threads, depth = (int(v) for v in variant[1:].split("x"))
         macros = ["-DAG_QGEMV_MMA=0", f"-DAG_QGEMV1_COLS={cols}", f"-DAG_QGEMV1_THREADS={threads}",

@@ -157,8 +157,7 @@ void quant_gemv_4bit(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (either), 1 (CUDA cores) or 2 (tensor cores), got ",
               kernel);
   TORCH_CHECK(!gated || kernel != 2, "gated runs on the one-row CUDA-core kernel, not the tensor-core one");
-  QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias, gated);
-  p.subnormal_codes = qgemv1_subnormal_codes() ? 1 : 0;
+  const QuantGemvParams p = quant_params(out, x, qweight, scales, zeros, group_size, bias, gated);
   const int64_t k = p.k;
   if (p.n == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());

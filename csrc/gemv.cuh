@@ -78,9 +78,6 @@ struct QuantGemvParams {
   // Gate | up of an MLP (columns gate | up, N / 2 each): out [M, N / 2] = silu(y[:, j]) *
   // y[:, N / 2 + j], rounded as the separate ops round it. One row, the one-row kernel only.
   int gated;
-  // The one-row kernel reads codes as fp16 subnormals (see quant_gemv1_4bit_kernel) where
-  // its shared memory allows; elsewhere, and for the other kernels, no effect.
-  int subnormal_codes;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -560,34 +557,9 @@ AG_DEVICE uint2 load8(const void* ptr) { return *reinterpret_cast<const uint2*>(
 AG_DEVICE int x_slot(int r) { return r + (r >> 3); }
 __host__ __device__ __forceinline__ int quant_gemv1_x_slots(int k) { return k / 8 + k / 64 + 1; }
 
-// The subnormal-code form's per-row sums of x and per-chunk scales (fp32) after x.
-constexpr int kQgemv1ChunkRows = 16;  // packed rows (128 values of x) that share one scale of x
-__host__ __device__ __forceinline__ int quant_gemv1_sum_slots(int k) {
-  return k / 8 + (k / 8 + kQgemv1ChunkRows - 1) / kQgemv1ChunkRows;
-}
-
-// Dynamic shared memory of a launch: the ring, then x (then, subnormal, x's sums and scales).
-__host__ __device__ __forceinline__ int quant_gemv1_smem(int k, int threads, int depth, bool subnormal = false) {
-  return depth * 2 * threads * 16 + 16 * quant_gemv1_x_slots(k) + (subnormal ? 4 * quant_gemv1_sum_slots(k) : 0);
-}
-
-// acc + the 8 products of one word's codes with x pairs xv, the codes read as fp16
-// subnormals: (word & 0x000F000F) is the bit pattern of (c0, c4) * 2^-24 exactly, and
-// (word & 0x00F000F0) of (c1, c5) * 16 * 2^-24; xv holds x scaled by 2^e (and by 1/16 for
-// the pairs of the high nibbles), so each product is c * x * 2^(e - 24), with no
-// conversion of the codes and no zero subtracted (see quant_gemv1_4bit_kernel).
-AG_DEVICE __half2 dot_word_subnormal(uint32_t word, const uint4& xv, __half2 acc) {
-  const uint32_t shifted = word >> 8;
-  acc = hfma2(bits_to_half2(word & 0x000F000Fu), bits_to_half2(xv.x), acc);
-  acc = hfma2(bits_to_half2(word & 0x00F000F0u), bits_to_half2(xv.y), acc);
-  acc = hfma2(bits_to_half2(shifted & 0x000F000Fu), bits_to_half2(xv.z), acc);
-  return hfma2(bits_to_half2(shifted & 0x00F000F0u), bits_to_half2(xv.w), acc);
-}
-
-// The fp16 2^e for e in [-14, 15], as a pair.
-AG_DEVICE __half2 pow2_half2(int e) {
-  const uint32_t h = static_cast<uint32_t>(e + 15) << 10;
-  return bits_to_half2(h | (h << 16));
+// Dynamic shared memory of a launch: the ring, then x.
+__host__ __device__ __forceinline__ int quant_gemv1_smem(int k, int threads, int depth) {
+  return depth * 2 * threads * 16 + 16 * quant_gemv1_x_slots(k);
 }
 
 // Whether the streaming kernel takes `p`.
@@ -601,20 +573,11 @@ inline bool quant_gemv1_ok(const QuantGemvParams& p) {
          aligned8(p.zeros, p.zeros_stride);
 }
 
-// SUB: the codes are read as fp16 subnormals. x is staged scaled by 2^e, e chosen per chunk
-// of 16 packed rows so that the chunk's largest |x| lands in [2^13, 2^14), and with the
-// high nibbles' pairs also scaled by 1/16; then c * 2^-24 * x * 2^e (* 1/16 * 16) is a
-// normal fp16 product for all but the chunk's tiny values, and a word's 8 products take an
-// AND each and no conversion. The zero point and the scales come after the sums:
-// sum_k (c_k - z) x_k s = s * (2^(24 - e) * sum_k c_k x_k 2^(e - 24) - z * sum_k x_k), with
-// each packed row's sum of x staged in fp32, and a K lane's sums flushed into its fp32
-// totals wherever its group or its chunk of x changes.
-template <int COL_THREADS, int THREADS, int DEPTH, bool GATED, bool SUB = false>
+template <int COL_THREADS, int THREADS, int DEPTH, bool GATED>
 __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGemvParams p) {
   static_assert(COL_THREADS >= 1 && COL_THREADS <= kWarpSize && kWarpSize % COL_THREADS == 0);
   static_assert(!GATED || COL_THREADS % 2 == 0, "a gated block's column threads pair gate and up");
   static_assert(THREADS % kWarpSize == 0 && DEPTH >= 1);
-  static_assert(kWarpSize % kQgemv1ChunkRows == 0, "a chunk of x is staged by lanes of one warp");
   constexpr int kCols = 4 * COL_THREADS;
   constexpr int kLanes = THREADS / COL_THREADS;  // K lanes
   constexpr int kWarps = THREADS / kWarpSize;
@@ -637,8 +600,6 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   const bool active = within < (GATED ? p.n / 2 : p.n);  // n % 4 == 0 (checked by the glue)
   const int rows = p.k / 8;        // packed rows, even
   const int per_lane = 2 * ceil_div(ceil_div(rows, kLanes), 2);
-  float* row_sums = reinterpret_cast<float*>(xs + quant_gemv1_x_slots(p.k));  // SUB only
-  float* chunk_unscale = row_sums + rows;
   const int begin = imin(k_lane * per_lane, rows);
   const int end = active ? imin(begin + per_lane, rows) : begin;
   const int pairs = (end - begin) / 2;
@@ -663,16 +624,9 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   const __half* zeros = static_cast<const __half*>(p.zeros) + col0;
   uint2 z_next = make_uint2(0, 0), s_next = make_uint2(0, 0);
   QuantGroup grp{};
-  float zero[4] = {0.f, 0.f, 0.f, 0.f};  // SUB: the group's zero points
-  const auto set_zero = [&](uint2 z) {
-    const __half* h = reinterpret_cast<const __half*>(&z);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) zero[j] = __half2float(h[j]);
-  };
   if (pairs > 0) {
-    const uint2 z0 = load8(zeros + static_cast<int64_t>(group) * p.zeros_stride);
-    grp = make_group(z0, load8(scales + static_cast<int64_t>(group) * p.scales_stride));
-    if constexpr (SUB) set_zero(z0);
+    grp = make_group(load8(zeros + static_cast<int64_t>(group) * p.zeros_stride),
+                     load8(scales + static_cast<int64_t>(group) * p.scales_stride));
     if (group_end < end) {
       z_next = load8(zeros + static_cast<int64_t>(group + 1) * p.zeros_stride);
       s_next = load8(scales + static_cast<int64_t>(group + 1) * p.scales_stride);
@@ -695,87 +649,26 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   // let in only once this block's weights are read (below).
   if constexpr (!GATED) launch_dependents();
   const __half* x = static_cast<const __half*>(p.x);
-  if constexpr (!SUB) {
-    for (int r = tid; r < rows; r += THREADS) {
-      const uint4 raw = load16(x + 8 * r);
-      const __half* h = reinterpret_cast<const __half*>(&raw);
-      __half2 pr[4];
+  for (int r = tid; r < rows; r += THREADS) {
+    const uint4 raw = load16(x + 8 * r);
+    const __half* h = reinterpret_cast<const __half*>(&raw);
+    __half2 pr[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
-      xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
-    }
-  } else {
-    // Every lane takes part in the shuffles, rows or not: r0 and THREADS are multiples of
-    // the warp, so the 16 lanes that share a chunk are one half of a warp.
-    for (int r0 = 0; r0 < rows; r0 += THREADS) {
-      const int r = r0 + tid;
-      const uint4 raw = r < rows ? load16(x + 8 * r) : make_uint4(0, 0, 0, 0);
-      const __half* h = reinterpret_cast<const __half*>(&raw);
-      __half2 big = __hmax2(__hmax2(__habs2(bits_to_half2(raw.x)), __habs2(bits_to_half2(raw.y))),
-                            __hmax2(__habs2(bits_to_half2(raw.z)), __habs2(bits_to_half2(raw.w))));
-#pragma unroll
-      for (int off = kQgemv1ChunkRows / 2; off >= 1; off >>= 1) {
-        big = __hmax2(big, bits_to_half2(__shfl_xor_sync(0xffffffffu, half2_to_bits(big), off)));
-      }
-      const uint32_t bits = half2_to_bits(big);
-      const uint32_t top = imax(static_cast<int>(bits & 0x7FFFu), static_cast<int>((bits >> 16) & 0x7FFFu));
-      const int field = static_cast<int>(top >> 10);  // the exponent field of the chunk's largest |x|
-      // |x| < 2^(field - 14): times 2^(28 - field) it is below 2^14 (and at least 2^13 for
-      // the largest). Zeros and fp16 subnormals take 2^28; inf and NaN stay as they are.
-      const int e = field == 31 ? 0 : 28 - field;
-      const int a = imin(e, 14), b = e - a;  // 2^e as two exact fp16 factors
-      if (r < rows) {
-        const __half2 lo = pow2_half2(a), hi = pow2_half2(a - 4), rest = pow2_half2(b);
-        __half2 pr[4];
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          pr[j] = __hmul2(__hmul2(__halves2half2(h[j], h[j + 4]), j % 2 == 0 ? lo : hi), rest);
-          sum += __half2float(h[j]) + __half2float(h[j + 4]);
-        }
-        xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
-        row_sums[r] = sum;
-        if (r % kQgemv1ChunkRows == 0) {
-          const uint32_t f = static_cast<uint32_t>(24 - e + 127) << 23;  // 2^(24 - e) in fp32
-          float unscale;
-          memcpy(&unscale, &f, sizeof(f));
-          chunk_unscale[r / kQgemv1ChunkRows] = unscale;
-        }
-      }
-    }
+    for (int j = 0; j < 4; ++j) pr[j] = __halves2half2(h[j], h[j + 4]);
+    xs[x_slot(r)] = make_uint4(half2_to_bits(pr[0]), half2_to_bits(pr[1]), half2_to_bits(pr[2]), half2_to_bits(pr[3]));
   }
   __syncthreads();
 
   const uint32_t m_lo = masks[0], m_hi = masks[1], magic = masks[2];
 
   float total[4] = {0.f, 0.f, 0.f, 0.f};
-  // SUB: the sums of the current group and chunk, flushed into total by flush().
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, x_sum = 0.f;
-  int chunk_end = (begin / kQgemv1ChunkRows + 1) * kQgemv1ChunkRows;
-  float unscale = SUB && pairs > 0 ? chunk_unscale[begin / kQgemv1ChunkRows] : 0.f;
-  const auto flush = [&] {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      total[c] = fmaf(grp.scale[c], fmaf(acc[c], unscale, -zero[c] * x_sum), total[c]);
-      acc[c] = 0.f;
-    }
-    x_sum = 0.f;
-  };
   for (int base = 0; base < pairs; base += DEPTH) {
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
       const int i = base + u;
       if (i < pairs) {
         const int r = begin + 2 * i;
-        if constexpr (SUB) {
-          if (r >= group_end || r >= chunk_end) flush();
-          if (r >= chunk_end) {
-            unscale = chunk_unscale[r / kQgemv1ChunkRows];
-            chunk_end += kQgemv1ChunkRows;
-          }
-        }
         if (r >= group_end) {  // a new group: its constants were loaded when the last one began
-          if constexpr (SUB) set_zero(z_next);
           grp = make_group(z_next, s_next);
           ++group;
           group_end += rows_per_group;
@@ -789,29 +682,16 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
         const uint4 xa = xs[x_slot(r)], xb = xs[x_slot(r + 1)];
         const uint32_t wa[4] = {wa4.x, wa4.y, wa4.z, wa4.w};
         const uint32_t wb[4] = {wb4.x, wb4.y, wb4.z, wb4.w};
-        if constexpr (SUB) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const __half2 sum = dot_word_subnormal(wb[c], xb, dot_word_subnormal(wa[c], xa, __float2half2_rn(0.f)));
-            const float2 f = __half22float2(sum);
-            acc[c] += f.x + f.y;
-          }
-          x_sum += row_sums[r] + row_sums[r + 1];
-        } else {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            __half2 sum = dot_word(wa[c], xa, grp.low[c], grp.high[c], __float2half2_rn(0.f), m_lo, m_hi, magic);
-            sum = dot_word(wb[c], xb, grp.low[c], grp.high[c], sum, m_lo, m_hi, magic);
-            const float2 f = __half22float2(sum);
-            total[c] = fmaf(grp.scale[c], f.x + f.y, total[c]);
-          }
+        for (int c = 0; c < 4; ++c) {
+          __half2 sum = dot_word(wa[c], xa, grp.low[c], grp.high[c], __float2half2_rn(0.f), m_lo, m_hi, magic);
+          sum = dot_word(wb[c], xb, grp.low[c], grp.high[c], sum, m_lo, m_hi, magic);
+          const float2 f = __half22float2(sum);
+          total[c] = fmaf(grp.scale[c], f.x + f.y, total[c]);
         }
         request(u, i + DEPTH);  // the stage's words are in registers and used: refill it
       }
     }
-  }
-  if constexpr (SUB) {
-    if (pairs > 0) flush();
   }
   cp_async_wait<0>();
   if constexpr (GATED) launch_dependents();
@@ -858,14 +738,11 @@ __global__ void __launch_bounds__(THREADS) quant_gemv1_4bit_kernel(const QuantGe
   }
 }
 
-// With p.subnormal_codes, the subnormal-code form where its shared memory fits.
 template <int COL_THREADS, int THREADS, int DEPTH, bool GATED = false>
 void launch_quant_gemv1_shaped(const QuantGemvParams& p, cudaStream_t stream, bool dependent) {
-  const bool sub = p.subnormal_codes && quant_gemv1_smem(p.k, THREADS, DEPTH, true) <= kQgemv1MaxSmem;
-  void (*kernel)(const QuantGemvParams) = sub ? quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, GATED, true>
-                                              : quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, GATED, false>;
+  void (*kernel)(const QuantGemvParams) = quant_gemv1_4bit_kernel<COL_THREADS, THREADS, DEPTH, GATED>;
   const dim3 grid(GATED ? ceil_div(p.n / 2, 2 * COL_THREADS) : ceil_div(p.n, 4 * COL_THREADS)), block(THREADS);
-  const int smem = quant_gemv1_smem(p.k, THREADS, DEPTH, sub);
+  const int smem = quant_gemv1_smem(p.k, THREADS, DEPTH);
   if (dependent) {
     AG_LAUNCH_KERNEL_DEPENDENT(kernel, grid, block, smem, stream, p);
   } else {

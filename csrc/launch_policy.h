@@ -44,18 +44,4 @@ inline bool dependent_launch(int device) {
   return enabled && compute_major(device) >= 9;
 }
 
-// Whether the one-row 4-bit kernel reads its codes as fp16 subnormals
-// (QuantGemvParams::subnormal_codes): ASYNCGEN_QGEMV1_SUBNORMAL=1 when the first such
-// kernel was launched (AG_QGEMV1_SUBNORMAL, defined at build time, overrides it).
-inline bool qgemv1_subnormal_codes() {
-#ifdef AG_QGEMV1_SUBNORMAL
-  return AG_QGEMV1_SUBNORMAL;
-#endif
-  static const bool enabled = [] {
-    const char* v = std::getenv("ASYNCGEN_QGEMV1_SUBNORMAL");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return enabled;
-}
-
 }  // namespace asyncgen

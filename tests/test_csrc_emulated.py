@@ -432,67 +432,6 @@ def test_quant_gemv_4bit_gated_gives_silu_and_mul(emu, n, k, group_size, bias):
     assert relative_error(out, wrong.float()) > 0.1
 
 
-@pytest.mark.parametrize(
-    "n, k, group_size, x_scale, gated",
-    [
-        (72, 2048, 32, 1.0, False),     # a lane per group: flushes at every group, two a chunk of x
-        (40, 11008, 128, 1.0, False),   # groups and chunks change inside lanes; the last lanes short or empty
-        (8196, 128, 64, 1.0, False),    # the wide block shape: one chunk, a flush at the group change
-        (36, 256, 256, 1.0, False),     # one group (per-channel): flushed at each chunk of 16 packed rows
-        (24, 6144, 48, 1.0, False),     # groups of 6 packed rows against chunks of 16
-        (64, 4096, 128, 300.0, False),  # large x: scaled down (2^e < 1) to stay below 2^14
-        (64, 4096, 128, 1e-3, False),   # small x: scaled up past 2^14 in two factors
-        (8208, 256, 128, 1.0, True),    # gated, wide
-        (200, 1024, 64, 1.0, True),     # gated, narrow
-    ],
-)
-def test_quant_gemv_4bit_one_row_subnormal_codes(emu, n, k, group_size, x_scale, gated):
-    """The one-row kernel reading codes as fp16 subnormals (x staged scaled per chunk of 16
-    packed rows, the zero points applied through x's sums) is another computation than the
-    plain one, and matches dequantize-then-matmul as closely."""
-    x, qweight, scales, zeros, _, _ = _quant_case(1, n, k, group_size, n + k + group_size)
-    x = (x.float() * x_scale).half()
-    if x_scale == 1.0 and not gated:  # (gated, such outputs would overflow silu(gate) * up)
-        x[0, 8:16] *= 1024  # one chunk holds values 2^10 times its others: their products go subnormal
-    exact = x.float() @ qref_dequantize(qweight, scales, zeros, group_size).float()
-    width = n // 2 if gated else n
-    plain = torch.full((1, width), float("nan"), dtype=torch.float16)
-    emu.quant_gemv_4bit(plain, x, qweight, scales, zeros, group_size, tensor_cores=False, gated=gated)
-    out = torch.full((1, width), float("nan"), dtype=torch.float16)
-    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, group_size, tensor_cores=False, gated=gated,
-                        subnormal_codes=True)
-    assert emu.last_quant_kernel == "stream"
-    assert not torch.equal(out, plain)  # the subnormal form ran
-    if gated:
-        assert relative_error(out, plain.float()) < TOLERANCE[torch.float16]
-    else:
-        assert relative_error(out, exact) < 2e-3
-        assert relative_error(plain, exact) < 2e-3
-
-
-def test_quant_gemv_4bit_subnormal_codes_keep_nan_and_fall_back_past_shared_memory(emu):
-    x, qweight, scales, zeros, _, exact = _quant_case(1, 20, 16384, 128, 7)
-    # x too long for the subnormal form's sums beside the 128-thread ring: the plain kernel
-    plain = torch.full((1, 20), float("nan"), dtype=torch.float16)
-    emu.quant_gemv_4bit(plain, x, qweight, scales, zeros, 128, tensor_cores=False)
-    out = torch.full((1, 20), float("nan"), dtype=torch.float16)
-    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, 128, tensor_cores=False, subnormal_codes=True)
-    assert emu.last_quant_kernel == "stream" and torch.equal(out, plain)
-    # a NaN in x reaches every output, as in the plain kernel; inf in its chunk does not
-    # change the other chunks' scale
-    x, qweight, scales, zeros, _, _ = _quant_case(1, 40, 1024, 128, 8)
-    x[0, 5] = float("nan")
-    out = torch.zeros((1, 40), dtype=torch.float16)
-    emu.quant_gemv_4bit(out, x, qweight, scales, zeros, 128, tensor_cores=False, subnormal_codes=True)
-    assert torch.isnan(out).all()
-
-
-def qref_dequantize(qweight, scales, zeros, group_size):
-    from asyncgen._ops import quant_reference as qref
-
-    return qref.dequantize(qweight, scales, zeros, 4, group_size)
-
-
 def test_quant_gemv_4bit_gated_refuses_what_the_one_row_kernel_does_not_take(emu):
     from asyncgen._ops import quant_reference as qref
 

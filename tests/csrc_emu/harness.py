@@ -176,7 +176,6 @@ class QuantGemvParams(ctypes.Structure):
         ("k", ctypes.c_int),
         ("group_size", ctypes.c_int),
         ("gated", ctypes.c_int),
-        ("subnormal_codes", ctypes.c_int),
     ]
 
 
@@ -364,17 +363,16 @@ class Emulator:
         assert self.lib.ag_dense_gemv(ctypes.byref(p), DTYPE_CODES[x.dtype]) == 0, "no kernel takes the launch"
 
     def quant_gemv_4bit(self, out, x, qweight, scales, zeros, group_size, bias=None, tensor_cores=True,
-                        gated=False, subnormal_codes=False):
+                        gated=False):
         """out = x @ dequant(qweight) (+ bias), fp16, 4-bit codes packed along K. With
         ``tensor_cores`` the launcher takes the mma kernel where it accepts the shape (as on
         sm_80+); returns whether it did. ``last_quant_kernel`` names the kernel that ran:
         "mma", "stream" (one row) or "cores". ``gated``: one row, out [1, N / 2] =
-        silu(y[:, :N / 2]) * y[:, N / 2:] from the one-row kernel. ``subnormal_codes``: the
-        one-row kernel's subnormal-code form, where its shared memory fits."""
+        silu(y[:, :N / 2]) * y[:, N / 2:] from the one-row kernel."""
         p = QuantGemvParams(
             _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
             out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
-            x.shape[0], qweight.shape[1], x.shape[1], group_size, int(gated), int(subnormal_codes),
+            x.shape[0], qweight.shape[1], x.shape[1], group_size, int(gated),
         )
         assert self.lib.ag_quant_gemv_4bit(ctypes.byref(p), int(tensor_cores)) == 0, "too many rows"
         used_mma = bool(tensor_cores and self.lib.ag_quant_gemv_4bit_mma_ok(ctypes.byref(p)))
@@ -393,7 +391,7 @@ class Emulator:
         q = QuantGemvParams(
             _ptr(out), _ptr(x), _ptr(qweight), _ptr(scales), _ptr(zeros), _ptr(bias),
             out.stride(0), x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0),
-            x.shape[0], qweight.shape[1], x.shape[1], group_size, 0, 0,
+            x.shape[0], qweight.shape[1], x.shape[1], group_size, 0,
         )
         p = QuantGemmParams(q, _ptr(workspace), _ptr(counters), splits, warps, int(wgmma), stream_blocks)
         return self.lib.ag_quant_gemm_4bit(ctypes.byref(p)) == 0
