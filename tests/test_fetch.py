@@ -101,9 +101,11 @@ class _Records(logging.Handler):
 @pytest.fixture
 def gguf_records():
     gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
-    records = _Records()
+    records, level = _Records(), gguf_logger.level
     gguf_logger.addHandler(records)
+    gguf_logger.setLevel(logging.WARNING)  # whatever verbosity transformers was given
     yield gguf_logger, records
+    gguf_logger.setLevel(level)
     gguf_logger.removeHandler(records)
 
 
