@@ -8,11 +8,20 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 __all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 _MAX_LOGPROBS = 20
 _GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (as vLLM does)
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
+
+
+def _conflict(field: str, message: str) -> PydanticCustomError:
+    """The error of a value that another field rules out: pydantic gives a whole-model
+    check no location, so the field it blames travels in the error's context
+    (``ctx["field"]``), where the OpenAI layer reads it."""
+    return PydanticCustomError("invalid_combination", message, {"field": field})
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -120,7 +129,11 @@ class SamplingParams(BaseModel):
     Both mask after the logprobs are taken, as structured outputs do.
     ``truncate_prompt_tokens=k`` (vLLM's) keeps only the prompt's last ``k`` tokens (-1:
     ``max_model_len``; more than that is refused); without it a prompt too long is refused.
-    Invalid values raise pydantic's ``ValidationError`` naming the field.
+    ``seed`` (a signed 64-bit integer) makes the request's sampling repeatable, whatever
+    else the engine runs beside it (on the CPU, torch's generator reads only a seed's low
+    32 bits).
+    Invalid values raise pydantic's ``ValidationError`` naming the field; where a value is
+    refused because of another field's, the error's ``ctx["field"]`` names the one refused.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
@@ -135,7 +148,7 @@ class SamplingParams(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: Optional[dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
-    seed: Optional[int] = None
+    seed: Optional[Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
     ignore_eos: bool = False
@@ -184,21 +197,21 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _best_of_ge_n(self):
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+            raise _conflict("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
         return self
 
     @model_validator(mode="after")
     def _structured_outputs_end(self):
         if self.structured_outputs is not None and self.allowed_token_ids is not None:
-            raise ValueError("structured_outputs decide which tokens may come next; allowed_token_ids cannot be "
-                             "combined with them")
+            raise _conflict("allowed_token_ids", "allowed_token_ids cannot be combined with structured_outputs: "
+                            "the constraint decides which tokens may come next")
         if self.structured_outputs is not None and not self.structured_outputs.free_text:
             if self.ignore_eos:
-                raise ValueError("structured_outputs end with the stop token once complete; ignore_eos=True "
-                                 "would never let them end")
+                raise _conflict("ignore_eos", "ignore_eos=True cannot be combined with structured_outputs: the "
+                                "constraint ends the output with the stop token once it is complete")
             if self.min_tokens:
-                raise ValueError("structured_outputs decide when the output is complete; min_tokens cannot "
-                                 "be combined with them")
+                raise _conflict("min_tokens", "min_tokens cannot be combined with structured_outputs: the "
+                                "constraint decides when the output is complete")
         return self
 
     @property
@@ -209,9 +222,7 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _min_le_max(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
+            raise _conflict("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
 
     @property

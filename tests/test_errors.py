@@ -160,6 +160,28 @@ BAD_REQUESTS = [
 ]
 
 
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=3, best_of=2), "best_of"),
+    (dict(max_tokens=2, min_tokens=5), "min_tokens"),
+    (dict(structured_outputs={"json_object": True}, min_tokens=1), "min_tokens"),
+    (dict(structured_outputs={"choice": ["a"]}, ignore_eos=True), "ignore_eos"),
+    (dict(structured_outputs={"regex": "a+"}, allowed_token_ids=[3]), "allowed_token_ids"),
+])
+def test_a_value_another_field_rules_out_names_itself(kwargs, field):
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**kwargs)
+    err = info.value.errors()[0]
+    assert err["ctx"]["field"] == field and err["msg"].startswith(field), err
+
+
+def test_seeds_are_signed_64_bit():
+    assert SamplingParams(seed=-2**63).seed == -2**63 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    for seed in (2**63, -2**63 - 1):
+        with pytest.raises(ValidationError) as info:
+            SamplingParams(seed=seed)
+        assert info.value.errors()[0]["loc"] == ("seed",)
+
 @pytest.mark.anyio
 async def test_bad_requests_raise_and_engine_keeps_serving(smollm2_path):
     async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=64) as engine:

@@ -106,7 +106,7 @@ def test_template_messages():
     ])
     assert _template_messages(req) == [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hello\nworld"},
+        {"role": "user", "content": "Hello\nworld", "name": "ann"},
         {"role": "assistant", "content": "No."},
         {"role": "assistant", "content": "Sure"},
     ]
@@ -217,9 +217,49 @@ def test_sampling_params_errors_name_the_request_field():
     with pytest.raises(BadRequestError) as e:
         to_sampling_params(chat(logit_bias={"-3": 1}))
     assert e.value.param == "logit_bias"
+    for stop in ([""], ""):  # the bare string as the list holding it
+        with pytest.raises(BadRequestError) as e:
+            to_sampling_params(chat(stop=stop))
+        assert e.value.param == "stop" and e.value.message == (
+            "Invalid value for 'stop': stop strings must not be empty.")
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "fields, param, names",
+    [
+        ({"max_tokens": 2, "min_tokens": 5}, "min_tokens", ("min_tokens (5)", "max_tokens (2)")),
+        ({"max_completion_tokens": 2, "min_tokens": 5}, "min_tokens", ("max_completion_tokens (2)",)),
+        ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", ("response_format",)),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", ("response_format",)),
+        ({"response_format": {"type": "json_object"}, "allowed_token_ids": [5]}, "allowed_token_ids",
+         ("response_format",)),
+        ({"tools": [TOOL], "tool_choice": "required", "min_tokens": 2}, "min_tokens", ("tools",)),
+    ],
+)
+def test_values_that_another_field_rules_out_name_both_as_the_request_does(fields, param, names):
     with pytest.raises(BadRequestError) as e:
-        to_sampling_params(chat(stop=[""]))
-    assert e.value.param == "stop"
+        to_sampling_params(chat(**fields))
+    err = e.value
+    assert (err.param, err.code) == (param, "invalid_value")
+    assert err.message.startswith(f"Invalid value for '{param}': ")
+    for name in names:
+        assert name in err.message
+    assert "structured_outputs" not in err.message and "Value error" not in err.message
+    if "max_completion_tokens" in fields:
+        assert "max_tokens" not in err.message
+
+
+@pytest.mark.parametrize("seed, ok", [(2**63 - 1, True), (-2**63, True), (2**63, False), (-2**63 - 1, False)])
+def test_seeds_are_signed_64_bit(seed, ok):
+    if ok:
+        assert to_sampling_params(chat(seed=seed)).seed == seed
+        return
+    with pytest.raises(BadRequestError) as e:
+        to_sampling_params(chat(seed=seed))
+    assert e.value.param == "seed"
 
 
 def test_engine_errors_map_to_openai_errors():
@@ -236,6 +276,7 @@ def test_engine_errors_map_to_openai_errors():
     assert (err.param, err.code) == ("max_tokens", "context_length_exceeded")
     err = from_exception(too_long, prompt_param="messages", fields={"max_tokens": "max_completion_tokens"})
     assert err.param == "max_completion_tokens"
+    assert err.message == "prompt (10 tokens) + max_completion_tokens (9000) = 9010 exceeds"
     err = from_exception(EngineDeadError("boom"))
     assert isinstance(err, InternalServerError) and err.status_code == 500 and err.type == "server_error"
     assert from_exception(EngineStateError("closed")).status_code == 503

@@ -453,6 +453,16 @@ async def test_errors_from_the_chat_layer_name_responses_fields(client):
         await client.responses.create(model=client.model, input="word " * 3000)
     assert e.value.param == "input" and e.value.code == "context_length_exceeded"
     with pytest.raises(BadRequestError) as e:
+        await client.responses.create(model=client.model, input="Hi", max_output_tokens=10**7)
+    assert e.value.param == "max_output_tokens" and e.value.code == "context_length_exceeded"
+    message = e.value.body["message"]
+    assert "max_output_tokens (10000000)" in message and "max_tokens" not in message, message
+    with pytest.raises(BadRequestError) as e:
+        await client.responses.create(model=client.model, input="Hi", text={"format": {"type": "json_object"}},
+                                      extra_body={"min_tokens": 2})
+    assert e.value.param == "min_tokens"
+    assert "text.format" in e.value.body["message"] and "structured_outputs" not in e.value.body["message"]
+    with pytest.raises(BadRequestError) as e:
         await client.responses.create(model=client.model, input="Hi", tools=[WEATHER])
     assert e.value.param == "tool_choice"  # auto needs a parser SmolLM2's template does not give
     with pytest.raises(BadRequestError) as e:

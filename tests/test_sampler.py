@@ -163,3 +163,15 @@ def test_sampling_takes_only_tokens_the_row_allows():
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] == max((7, 11, 40), key=lambda t: float(logits[1, t]))
         assert tokens[2] in (7, 11, 40)
+
+
+def test_sample_seeds_are_unsigned_and_keep_distinct_seeds_apart():
+    from asyncgen.engine.core import sample_seed
+
+    seeds = [0, 1, 5, -1, 5 - 2**63, 2**63 - 1, -2**63]
+    for index in range(3):
+        mapped = [sample_seed(s, index) for s in seeds]
+        assert len(set(mapped)) == len(seeds) and all(0 <= m < 2**64 for m in mapped)
+        for m in mapped:
+            torch.Generator().manual_seed(m)  # in the range torch takes
+    assert sample_seed(7, 0) == 7  # a non-negative seed's first sample uses it as it is

@@ -35,6 +35,12 @@ def _end_at_stop_string(req: Request, stop: Optional[str], over=(RequestStatus.F
         req.stop_reason = stop
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample ``index`` of a request seeded with ``seed`` (a signed
+    64-bit integer): an unsigned 64-bit value, distinct for distinct seeds at one index."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+
+
 class _Seq:
     __slots__ = ("req", "detok", "pending_ids", "pending_logprobs", "undecoded", "done")
 
@@ -140,7 +146,7 @@ class EngineCore:
             p = p.model_copy(update={"logprobs": 0})
         leader = None
         for i, seq_id in enumerate(seq_ids(group.request_id, count)):
-            seed = None if p.seed is None else (p.seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
+            seed = None if p.seed is None else sample_seed(p.seed, i)
             req = Request(seq_id, group.prompt_token_ids, p, self.eos_token_ids, max_tokens, index=i)
             req.bad_word_ids = group.bad_word_ids
             req.priority = group.priority

@@ -191,7 +191,7 @@ def to_sampling_params(request: Union[ChatCompletionRequest, CompletionRequest])
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=_logit_bias(request.logit_bias),
         seed=request.seed,
-        stop=request.stop or None,
+        stop=request.stop,  # (an empty string is refused as [""] is, not dropped)
         max_tokens=max_tokens,
         logprobs=logprobs,
     )
@@ -271,8 +271,9 @@ def _echoed(request: ChatCompletionRequest) -> str:
 
 
 def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: a role and a string, and the history's
-    tool calls (arguments as a dict where they are a JSON object, as templates expect)."""
+    """Messages as the chat template takes them: a role and a string, the participant's
+    ``name`` where the message has one, and the history's tool calls (arguments as a dict
+    where they are a JSON object, as templates expect)."""
     out = []
     for m in request.messages:
         role = "system" if isinstance(m, DeveloperMessage) else m.role
@@ -288,6 +289,8 @@ def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                     for c in m.tool_calls
                 ]
         message["content"] = content
+        if getattr(m, "name", None):  # a participant's name, for templates that render it
+            message["name"] = m.name
         if isinstance(m, ToolMessage):
             message["tool_call_id"] = m.tool_call_id
         out.append(message)

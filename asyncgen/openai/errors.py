@@ -15,6 +15,7 @@ SDK, so ``except openai.BadRequestError as e: e.param`` code reads the same here
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
@@ -112,7 +113,7 @@ def from_exception(
     if isinstance(exc, InvalidRequestError):
         param = prompt_param if exc.param is None else (fields or {}).get(exc.param, exc.param)
         code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
-        err = BadRequestError(str(exc), param=param, code=code)
+        err = BadRequestError(_client_names(str(exc), fields), param=param, code=code)
     elif isinstance(exc, EngineDeadError):
         err = InternalServerError(f"The engine stopped: {exc}")
     elif isinstance(exc, EngineStateError):
@@ -172,12 +173,27 @@ def _most_specific(errors: list[dict]) -> dict:
     return min(same, key=lambda e: (e["type"].endswith("_type"), -len(e["loc"])))
 
 
+def _client_names(text: str, field_names: Optional[Mapping[str, str]]) -> str:
+    """``text`` with each field named as the request spells it (``field_names``: the
+    engine's name -> the request's), whole words only."""
+    for name, client in (field_names or {}).items():
+        if client != name:
+            text = re.sub(rf"\b{re.escape(name)}\b", client, text)
+    return text
+
+
 def from_validation_error(exc: ValidationError, field_names: Optional[dict[str, str]] = None) -> BadRequestError:
     """A 400 naming the first invalid field; ``field_names`` renames top-level fields
-    (e.g. SamplingParams' ``logprobs`` to the chat request's ``top_logprobs``)."""
+    (e.g. SamplingParams' ``logprobs`` to the chat request's ``top_logprobs``), in the
+    parameter and in the message. A value refused because of another field's (a check of
+    the whole model, which pydantic gives no location) names the field in its
+    ``ctx["field"]``."""
     first = _most_specific(exc.errors())
     kind = first["type"]
-    param = _param(tuple(first["loc"]), field_names or {})
+    loc = tuple(first["loc"])
+    if not loc and "field" in first.get("ctx", {}):
+        loc = (first["ctx"]["field"],)
+    param = _param(loc, field_names or {})
     if kind.startswith("union_tag") and "discriminator" in first.get("ctx", {}):
         param = f"{param}.{first['ctx']['discriminator'].strip(chr(39))}"
     if kind == "extra_forbidden":
@@ -192,7 +208,11 @@ def from_validation_error(exc: ValidationError, field_names: Optional[dict[str, 
     else:
         code = "invalid_type" if kind.endswith(("_type", "_parsing")) or kind.startswith("union_tag") else "invalid_value"
         where = f"'{param}'" if param else "the request"
-        message = f"Invalid {'type' if code == 'invalid_type' else 'value'} for {where}: {first['msg']}."
+        text = first["msg"]
+        if kind == "value_error":  # a validator's own message, without pydantic's "Value error, "
+            text = text.removeprefix("Value error, ")
+        text = _client_names(text, field_names)
+        message = f"Invalid {'type' if code == 'invalid_type' else 'value'} for {where}: {text}."
     err = BadRequestError(message, param=param, code=code)
     err.__cause__ = exc
     return err

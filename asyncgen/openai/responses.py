@@ -758,7 +758,8 @@ def _set_param(err: APIStatusError, param: Optional[str]) -> None:
 
 
 _TEXT_RENAMES = (("'response_format'", "'text.format'"), ("response_format", "text.format"),
-                 ("'max_completion_tokens'", "'max_output_tokens'"), ("'messages'", "'input'"))
+                 ("'max_completion_tokens'", "'max_output_tokens'"), ("max_completion_tokens", "max_output_tokens"),
+                 ("'messages'", "'input'"))
 
 
 def _renamed(err: APIStatusError) -> APIStatusError:
