@@ -17,6 +17,16 @@ _GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (as vLLM does)
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 
 
+def unicode_problem(text: str) -> Optional[str]:
+    """None for text that has a UTF-8 form (and so tokens); else what is wrong with it (a
+    lone surrogate, which a tokenizer cannot encode nor a decoded output contain)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate (U+{ord(text[e.start]):04X}) at position {e.start} is not valid Unicode"
+    return None
+
+
 def _conflict(field: str, message: str) -> PydanticCustomError:
     """The error of a value that another field rules out: pydantic gives a whole-model
     check no location, so the field it blames travels in the error's context
@@ -171,6 +181,9 @@ class SamplingParams(BaseModel):
         strings = [v] if isinstance(v, str) else v
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        for s in strings:
+            if (problem := unicode_problem(s)) is not None:
+                raise ValueError(f"stop string {s!r}: {problem}")
         return v
 
     @field_validator("truncate_prompt_tokens")
@@ -185,6 +198,9 @@ class SamplingParams(BaseModel):
     def _bad_words_not_blank(cls, v):
         if v is not None and any(not w.strip() for w in v):
             raise ValueError("bad_words must not hold empty or blank strings")
+        for w in v or ():
+            if (problem := unicode_problem(w)) is not None:
+                raise ValueError(f"bad word {w!r}: {problem}")
         return v
 
     @field_validator("logit_bias")

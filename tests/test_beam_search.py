@@ -148,3 +148,17 @@ async def test_beam_search_refusals_and_cancellation(smollm2_path):
         assert_idle(engine)
         out = await engine.beam_search("Hi", {"beam_width": 2, "max_tokens": 3, "ignore_eos": True})
         assert len(out.sequences) == 2 and all(len(s.token_ids) == 3 for s in out.sequences)
+        # a length penalty whose power leaves a float's range scores through logs
+        for penalty, score in ((1e3, 0.0), (-1e3, float("-inf"))):
+            out = await engine.beam_search("Hi", {"beam_width": 2, "max_tokens": 3, "ignore_eos": True,
+                                                  "length_penalty": penalty})
+            assert [s.score for s in out.sequences] == [score, score] and all(
+                len(s.token_ids) == 3 for s in out.sequences)
+
+
+def test_length_penalised_scores():
+    from asyncgen.engine.beam_search import _penalized
+
+    assert _penalized(-3.0, 4, 1.0) == -0.75 and _penalized(-3.0, 4, -2.0) == -48.0
+    assert _penalized(-3.0, 1000, 200.0) == 0.0 and _penalized(-3.0, 1000, -200.0) == float("-inf")
+    assert _penalized(-3.0, 2, 1e308) == 0.0 and _penalized(0.0, 5, -1e308) == 0.0

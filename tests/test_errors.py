@@ -157,6 +157,12 @@ BAD_REQUESTS = [
     (dict(messages=[{"content": "x"}]), InvalidRequestError, "role"),
     (dict(messages="hello"), InvalidRequestError, "messages"),
     (dict(prompt="hi", request_id=""), InvalidRequestError, "request_id"),
+    (dict(prompt="abc \ud800 def"), InvalidRequestError, "lone surrogate (U+D800) at position 4"),
+    (dict(messages=[{"role": "user", "content": "hi \udc00"}]), InvalidRequestError, "lone surrogate (U+DC00)"),
+    (dict(prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[2])), InvalidRequestError,
+     "allowed_token_ids"),
+    (dict(prompt="hi", params=SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[29], stop_token_ids=[29],
+                                             ignore_eos=True)), InvalidRequestError, "allowed_token_ids"),
 ]
 
 
@@ -175,6 +181,14 @@ def test_a_value_another_field_rules_out_names_itself(kwargs, field):
     assert err["ctx"]["field"] == field and err["msg"].startswith(field), err
 
 
+@pytest.mark.parametrize("field", ["stop", "bad_words"])
+def test_strings_that_are_not_unicode_are_refused(field):
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**{field: ["ok", "x\ud83d"]})
+    err = info.value.errors()[0]
+    assert err["loc"] == (field,) and "lone surrogate (U+D83D) at position 1" in err["msg"], err
+
+
 def test_seeds_are_signed_64_bit():
     assert SamplingParams(seed=-2**63).seed == -2**63 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     for seed in (2**63, -2**63 - 1):
@@ -190,10 +204,15 @@ async def test_bad_requests_raise_and_engine_keeps_serving(smollm2_path):
                 engine.stream(**kwargs)
             assert words in str(info.value), (kwargs, str(info.value))
             if error is not ValidationError:  # the field an error is about, None for the prompt
-                want = words if words in ("max_tokens", "stop_token_ids", "logit_bias") else None
+                want = words if words in ("max_tokens", "stop_token_ids", "logit_bias", "allowed_token_ids") else None
                 assert info.value.param == want, kwargs
             out = await engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0))
             assert len(out.token_ids) == 2
+        assert 2 in engine.eos_token_ids  # (the cases above take <|im_end|>, 2, as SmolLM2's end token)
+        # Allowed tokens beside the stop tokens leave something to sample.
+        params = SamplingParams(max_tokens=3, min_tokens=2, allowed_token_ids=[2, 29], temperature=0)
+        out = await engine.generate("Hi", params)
+        assert set(out.token_ids) <= {2, 29} and out.token_ids[:2] == (29, 29), out.token_ids
         # A prompt that needs more blocks than the pool has.
         async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=2) as small:
             with pytest.raises(PromptTooLongError, match="blocks"):
@@ -354,3 +373,50 @@ async def test_aclose_while_streaming_ends_streams_with_abort(smollm2_path):
         await anyio.sleep(0.5)
         await engine.aclose()
     assert reasons == ["abort", "abort"]
+
+
+@pytest.mark.anyio
+async def test_requests_from_another_threads_loop_are_refused(smollm2_path):
+    import asyncio
+    import threading
+
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        seen = {}
+
+        def other_thread():
+            async def use():
+                try:
+                    engine.stream("Hello", SamplingParams(max_tokens=2))
+                except EngineStateError as e:
+                    seen["error"] = str(e)
+
+            asyncio.run(use())
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(10)
+        assert "another thread" in seen["error"]
+        out = await engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0))
+        assert len(out.token_ids) == 2
+
+
+@pytest.mark.anyio
+async def test_a_second_reader_of_a_stream_is_refused(smollm2_path):
+    import anyio
+
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        stream = engine.stream("Once upon a time", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        first: list = []
+
+        async def read():
+            async for chunk in stream:
+                first.extend(chunk.token_ids)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.wait_all_tasks_blocked()  # the first reader waits for a chunk
+                with pytest.raises(RuntimeError, match="one reader"):
+                    await stream.__anext__()
+        assert len(first) == 8  # the first reader got the whole output
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

@@ -38,7 +38,7 @@ from ..errors import (
 from ..outputs import (
     BeamSearchOutput, CompletionOutput, EmbeddingOutput, EngineStats, RequestOutput, StreamChunk, Usage,
 )
-from ..sampling_params import BeamSearchParams, SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams, unicode_problem
 from . import heap
 from .core import EngineCore, RequestGroup, seq_ids
 from .device_thread import DeviceThread, current_async_library, threadsafe_caller
@@ -376,10 +376,20 @@ class AsyncEngine:
     # --- requests ---------------------------------------------------------------------------
     def _check_running(self) -> None:
         if self._state is _State.RUNNING:
+            self._check_loop_thread()
             return
         if self._state is _State.DEAD:
             raise EngineDeadError("the engine stopped after a failed step; create a new one") from self._dead_error
         raise EngineStateError(f"the engine is {self._state.value}; use 'async with engine' or 'await engine.start()' first")
+
+    def _check_loop_thread(self) -> None:
+        """EngineStateError for a request made outside the thread of the event loop the
+        engine runs in (its state belongs to that loop; abort() may come from any thread)."""
+        if threading.get_ident() != self._loop_thread:
+            raise EngineStateError(
+                "the engine runs in the event loop of another thread; make requests from that loop (from another "
+                "thread, hand them to it, e.g. with anyio.from_thread.run or asyncio.run_coroutine_threadsafe)"
+            )
 
     def stream(
         self,
@@ -695,10 +705,12 @@ class AsyncEngine:
 
             text = apply_chat_template(tok, messages, chat_template_kwargs, tools, add_generation_prompt,
                                        continue_final_message)
+            _check_unicode(text, "messages (as the chat template renders them)")
             return text, tok.encode(text, add_special_tokens=False)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
+            _check_unicode(prompt, "prompt")
             return prompt, tok.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -752,6 +764,13 @@ class AsyncEngine:
                 raise InvalidRequestError(
                     f"{field} holds token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}", param=field
                 )
+        if params.allowed_token_ids and params.min_tokens:
+            stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= stops:
+                raise InvalidRequestError(
+                    f"allowed_token_ids holds stop tokens only, which min_tokens ({params.min_tokens}) keeps from "
+                    "being sampled: no token could come next", param="allowed_token_ids",
+                )
 
     def _check_pooled_fits(self, token_ids: list[int]) -> None:
         """An embedding's prompt: all of ``max_model_len`` may be used, as the token its
@@ -777,7 +796,9 @@ class RequestStream(AsyncIterator[StreamChunk]):
 
     Cancellation semantics: ``__anext__`` either returns a chunk or raises; if it is
     cancelled (or the stream is closed, or dropped before it finished), the request is
-    aborted and its blocks are freed before the next step.
+    aborted and its blocks are freed before the next step. A stream has one reader: a
+    task that asks for the next chunk while another waits for one gets a RuntimeError
+    (the waiting reader and the request go on).
     """
 
     def __init__(self, engine: AsyncEngine, group: RequestGroup, max_tokens: int):
@@ -815,6 +836,9 @@ class RequestStream(AsyncIterator[StreamChunk]):
             self.engine._register(self)
             self._registered = True
         queue = self.group.queue
+        if not queue and self._event is not None and not self._event.is_set():
+            raise RuntimeError(f"request {self.request_id!r}: another task is waiting for this stream's next chunk; "
+                               "a stream has one reader")
         try:
             while not queue:
                 if self.group.finished:
@@ -876,6 +900,13 @@ def _declared_pooling(path: Path) -> Optional[str]:
     modes = [k.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
              for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
     return modes[0] if len(modes) == 1 else (",".join(sorted(modes)) or None)
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """InvalidRequestError (about the prompt) for text a tokenizer cannot encode."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise InvalidRequestError(f"{what}: {problem}")
 
 
 def _all_ids_in_range(ids: Sequence[Any], vocab_size: int) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import TYPE_CHECKING, Optional
 
 from ..outputs import BeamSearchOutput, BeamSearchSequence, Usage
@@ -33,8 +34,25 @@ class _Beam:
         return _Beam(self.token_ids + (token,), self.logprobs + (logprob,), self.cumulative + logprob)
 
 
+def _penalized(cumulative: float, length: int, length_penalty: float) -> float:
+    """``cumulative / length ** length_penalty``; where the power leaves a float's range,
+    through logs, so that no length penalty overflows (a score past the range is -inf, one
+    too near 0 is 0)."""
+    try:
+        return cumulative / length ** length_penalty
+    except (OverflowError, ZeroDivisionError):
+        pass
+    if cumulative == 0.0:
+        return 0.0
+    try:
+        size = math.exp(math.log(abs(cumulative)) - length_penalty * math.log(length))
+    except OverflowError:
+        size = math.inf
+    return math.copysign(size, cumulative)
+
+
 def _score(beam: _Beam, length_penalty: float) -> float:
-    return beam.cumulative / (len(beam.token_ids) ** length_penalty)
+    return _penalized(beam.cumulative, len(beam.token_ids), length_penalty)
 
 
 async def _next_tokens(engine: "AsyncEngine", prompt_ids: list[int], beams: list[_Beam],
@@ -97,5 +115,5 @@ def _done(running: list[_Beam], finished: list[tuple[float, _Beam]], step: int, 
     if params.early_stopping is True:
         return True
     length = params.max_tokens if params.early_stopping == "never" and params.length_penalty > 0 else step
-    best_possible = running[0].cumulative / (length ** params.length_penalty)
+    best_possible = _penalized(running[0].cumulative, length, params.length_penalty)
     return best_possible <= finished[-1][0]
