@@ -326,7 +326,7 @@ async def test_failing_step_kills_every_stream_and_a_new_engine_starts(smollm2_p
         assert len(errors) == 4
         assert max(seen_at) - failed_at[0] < 1.0
         assert all(isinstance(e.__cause__, RuntimeError) and "injected" in str(e.__cause__) for e in errors)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match="stopped: a model step failed: RuntimeError: injected device failure"):
             engine.stream("again")
     async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as fresh:
         out = await fresh.generate("Hi", SamplingParams(max_tokens=2))

@@ -379,7 +379,7 @@ class AsyncEngine:
             self._check_loop_thread()
             return
         if self._state is _State.DEAD:
-            raise EngineDeadError("the engine stopped after a failed step; create a new one") from self._dead_error
+            raise EngineDeadError(f"the engine stopped: {self._dead_error}; create a new one") from self._dead_error
         raise EngineStateError(f"the engine is {self._state.value}; use 'async with engine' or 'await engine.start()' first")
 
     def _check_loop_thread(self) -> None:
