@@ -11,7 +11,8 @@
     ├── InvalidRequestError            a request the engine refuses (also a ValueError)
     │   ├── PromptTooLongError         prompt (+ max_tokens) over max_model_len or the pool
     │   └── DuplicateRequestError      a request_id already in use
-    ├── EngineStateError               used before start(), after aclose(), entered twice
+    ├── EngineStateError               used before start(), after aclose(), entered twice,
+    │                                  from another thread's loop; a stream read by two tasks
     └── EngineDeadError                a model step failed; every live stream gets this
 
 Invalid ``SamplingParams`` raise pydantic's ``ValidationError`` (itself a ValueError),
@@ -78,7 +79,9 @@ class DuplicateRequestError(InvalidRequestError):
 
 
 class EngineStateError(AsyncGenError, RuntimeError):
-    """The engine is not in a state that allows this call (not started, closed, entered twice)."""
+    """The engine is not in a state that allows this call (not started, closed, entered
+    twice, called from outside the event loop it runs in), or a stream that another task
+    is reading was asked for its next chunk."""
 
 
 class EngineDeadError(AsyncGenError, RuntimeError):

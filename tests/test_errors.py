@@ -416,7 +416,7 @@ async def test_a_second_reader_of_a_stream_is_refused(smollm2_path):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read)
                 await anyio.wait_all_tasks_blocked()  # the first reader waits for a chunk
-                with pytest.raises(RuntimeError, match="one reader"):
+                with pytest.raises(EngineStateError, match="one reader"):
                     await stream.__anext__()
         assert len(first) == 8  # the first reader got the whole output
         assert engine.stats().num_free_blocks == engine.stats().num_total_blocks

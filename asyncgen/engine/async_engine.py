@@ -797,8 +797,8 @@ class RequestStream(AsyncIterator[StreamChunk]):
     Cancellation semantics: ``__anext__`` either returns a chunk or raises; if it is
     cancelled (or the stream is closed, or dropped before it finished), the request is
     aborted and its blocks are freed before the next step. A stream has one reader: a
-    task that asks for the next chunk while another waits for one gets a RuntimeError
-    (the waiting reader and the request go on).
+    task that asks for the next chunk while another waits for one gets an
+    EngineStateError (the waiting reader and the request go on).
     """
 
     def __init__(self, engine: AsyncEngine, group: RequestGroup, max_tokens: int):
@@ -837,8 +837,8 @@ class RequestStream(AsyncIterator[StreamChunk]):
             self._registered = True
         queue = self.group.queue
         if not queue and self._event is not None and not self._event.is_set():
-            raise RuntimeError(f"request {self.request_id!r}: another task is waiting for this stream's next chunk; "
-                               "a stream has one reader")
+            raise EngineStateError(f"request {self.request_id!r}: another task is waiting for this stream's next "
+                                   "chunk; a stream has one reader")
         try:
             while not queue:
                 if self.group.finished:
