@@ -166,7 +166,6 @@ BAD_REQUESTS = [
 ]
 
 
-
 @pytest.mark.parametrize("kwargs, field", [
     (dict(n=3, best_of=2), "best_of"),
     (dict(max_tokens=2, min_tokens=5), "min_tokens"),
@@ -195,6 +194,7 @@ def test_seeds_are_signed_64_bit():
         with pytest.raises(ValidationError) as info:
             SamplingParams(seed=seed)
         assert info.value.errors()[0]["loc"] == ("seed",)
+
 
 @pytest.mark.anyio
 async def test_bad_requests_raise_and_engine_keeps_serving(smollm2_path):
