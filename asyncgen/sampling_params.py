@@ -10,21 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
 
+from .structured import unicode_problem
+
 __all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 _MAX_LOGPROBS = 20
 _GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (as vLLM does)
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
-
-
-def unicode_problem(text: str) -> Optional[str]:
-    """None for text that has a UTF-8 form (and so tokens); else what is wrong with it (a
-    lone surrogate, which a tokenizer cannot encode nor a decoded output contain)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"a lone surrogate (U+{ord(text[e.start]):04X}) at position {e.start} is not valid Unicode"
-    return None
 
 
 def _conflict(field: str, message: str) -> PydanticCustomError:

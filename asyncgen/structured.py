@@ -767,13 +767,20 @@ FORMATS: dict[str, Optional[str]] = {
 }
 
 
+def unicode_problem(text: str) -> Optional[str]:
+    """None for text that has a UTF-8 form (and so bytes to match and tokens); else what
+    is wrong with it: a lone surrogate, which a tokenizer cannot encode nor a decoded
+    output contain."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate (U+{ord(text[e.start]):04X}) at position {e.start} is not valid Unicode"
+    return None
+
+
 def _encodable(text: str) -> bool:
     """Whether a string's UTF-8 exists (no lone surrogates)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    return unicode_problem(text) is None
 
 
 def _error(message: str) -> InvalidRequestError:

@@ -38,7 +38,8 @@ from ..errors import (
 from ..outputs import (
     BeamSearchOutput, CompletionOutput, EmbeddingOutput, EngineStats, RequestOutput, StreamChunk, Usage,
 )
-from ..sampling_params import BeamSearchParams, SamplingParams, unicode_problem
+from ..sampling_params import BeamSearchParams, SamplingParams
+from ..structured import unicode_problem
 from . import heap
 from .core import EngineCore, RequestGroup, seq_ids
 from .device_thread import DeviceThread, current_async_library, threadsafe_caller
