@@ -385,7 +385,7 @@ class AsyncEngine:
 
     def _check_loop_thread(self) -> None:
         """EngineStateError for a request made outside the thread of the event loop the
-        engine runs in (its state belongs to that loop; abort() may come from any thread)."""
+        engine runs in (its state belongs to that loop)."""
         if threading.get_ident() != self._loop_thread:
             raise EngineStateError(
                 "the engine runs in the event loop of another thread; make requests from that loop (from another "
