@@ -179,6 +179,31 @@ async def test_roles_and_content_parts(client):
 
 
 @ASYNCIO_ONLY
+async def test_replies_go_back_into_the_history(client):
+    """As with the SDK, a reply's message object (or the Responses ``output`` items) is
+    put back into the next request, and tuples or generators count as lists."""
+    reply = (await client.chat.completions.create(model=client.model, messages=MESSAGES, max_tokens=6,
+                                                   temperature=0)).choices[0].message
+    follow = {"role": "user", "content": "And of Italy?"}
+    as_dict = {"role": "assistant", "content": reply.content}
+    expected = await client.chat.completions.create(model=client.model, messages=[*MESSAGES, as_dict, follow],
+                                                    max_tokens=6, temperature=0, stop=["x"])
+    got = await client.chat.completions.create(model=client.model, messages=(m for m in [*MESSAGES, reply, follow]),
+                                               max_tokens=6, temperature=0, stop=("x",))
+    assert got.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert got.choices[0].message.content == expected.choices[0].message.content
+
+    first = await client.responses.create(model=client.model, input=MESSAGES, max_output_tokens=6, temperature=0)
+    assert [item.type for item in first.output] == ["message"]
+    expected = await client.responses.create(
+        model=client.model, input=[*MESSAGES, {"role": "assistant", "content": first.output_text}, follow],
+        max_output_tokens=6, temperature=0)
+    got = await client.responses.create(model=client.model, input=[*MESSAGES, *first.output, follow],
+                                        max_output_tokens=6, temperature=0)
+    assert got.usage.input_tokens == expected.usage.input_tokens and got.output_text == expected.output_text
+
+
+@ASYNCIO_ONLY
 async def test_logprobs(client, engine):
     resp = await client.chat.completions.create(
         model=client.model, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3

@@ -103,12 +103,14 @@ def test_template_messages():
         {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}], "name": "ann"},
         {"role": "assistant", "content": None, "refusal": "No."},
         {"role": "assistant", "content": [{"type": "text", "text": "Sure"}]},
+        {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"},
     ])
     assert _template_messages(req) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello\nworld", "name": "ann"},
         {"role": "assistant", "content": "No."},
         {"role": "assistant", "content": "Sure"},
+        {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"},
     ]
 
 
@@ -133,6 +135,18 @@ def test_template_messages():
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text",
          "missing_required_parameter"),
         ({"messages": [{"role": "user", "content": "x", "mood": 1}]}, "messages[0].mood", "unknown_parameter"),
+        # JSON types are not coerced (as OpenAI refuses them): a boolean is not an integer,
+        # 4.0 not an integer, "0.5" not a number, "true" not a boolean
+        ({"n": True}, "n", "invalid_type"),
+        ({"max_tokens": 4.0}, "max_tokens", "invalid_type"),
+        ({"seed": 1.0}, "seed", "invalid_type"),
+        ({"temperature": "0.5"}, "temperature", "invalid_type"),
+        ({"stream": "true"}, "stream", "invalid_type"),
+        ({"logprobs": 1}, "logprobs", "invalid_type"),
+        ({"logit_bias": {"12": True}}, "logit_bias.12", "invalid_type"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "invalid_value"),
+        ({"messages": [{"role": "system", "content": []}, {"role": "user", "content": "x"}]}, "messages[0].content",
+         "invalid_value"),
         ({"stream_options": {"include_usage": True}}, "stream_options", None),
         ({"top_logprobs": 2}, "top_logprobs", None),
     ],

@@ -151,6 +151,12 @@ REFUSED = [
     ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "missing_required_parameter"),
     ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
     ({"colour": "red"}, "colour", "unknown_parameter"),
+    # JSON types are not coerced: 4.0 is not an integer, "1" not a number, 1 not a boolean
+    ({"max_output_tokens": 4.0}, "max_output_tokens", "invalid_type"),
+    ({"temperature": "1"}, "temperature", "invalid_type"),
+    ({"stream": 1}, "stream", "invalid_type"),
+    ({"tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict", "invalid_type"),
+    ({"input": [{"role": "user", "content": []}]}, "input[0].content", "invalid_value"),
 ]
 
 

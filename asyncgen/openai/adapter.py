@@ -288,6 +288,8 @@ def _template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                     for c in m.tool_calls
                 ]
+            if m.reasoning_content is not None:
+                message["reasoning_content"] = m.reasoning_content
         message["content"] = content
         if getattr(m, "name", None):  # a participant's name, for templates that render it
             message["name"] = m.name

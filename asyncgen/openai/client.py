@@ -16,13 +16,18 @@
 Arguments are the SDK's: request fields as keywords, plus ``extra_body`` (merged into
 the request, e.g. ``{"top_k": 20}``), ``extra_headers``, ``extra_query`` and ``timeout``
 (accepted and ignored: there is no HTTP). The SDK's ``NOT_GIVEN`` / ``omit`` sentinels
-count as absent. Errors are :mod:`asyncgen.openai.errors` classes with the SDK's names
-and attributes (``BadRequestError.status_code``, ``.param``, ``.body``).
+count as absent, and values are taken as the SDK sends them: a tuple or a generator as a
+list, a reply's ``message`` or ``output`` items put back into the history as their JSON.
+Errors are :mod:`asyncgen.openai.errors` classes with the SDK's names and attributes
+(``BadRequestError.status_code``, ``.param``, ``.body``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
+
+from pydantic import BaseModel
 
 from .adapter import OpenAIAdapter
 from .protocol import Model, ModelList
@@ -33,10 +38,25 @@ _SENTINELS = ("NotGiven", "Omit")
 
 
 def _request(params: dict[str, Any], extra_body: Optional[dict[str, Any]]) -> dict[str, Any]:
-    body = {k: v for k, v in params.items() if type(v).__name__ not in _SENTINELS}
+    body = {k: _as_sent(v) for k, v in params.items() if type(v).__name__ not in _SENTINELS}
     if extra_body:
-        body.update(extra_body)
+        body.update(_as_sent(extra_body))
     return body
+
+
+def _as_sent(value: Any) -> Any:
+    """``value`` as the SDK would send it in JSON: a response object (a reply's
+    ``message`` or a Responses ``output`` item put back into the history) as its fields,
+    a mapping as a dict, any other iterable (a tuple, a generator) as a list."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, Mapping):
+        return {k: _as_sent(v) for k, v in value.items()}
+    if isinstance(value, (str, bytes, bytearray)):
+        return value
+    if isinstance(value, Iterable):
+        return [_as_sent(v) for v in value]
+    return value
 
 
 class _Endpoint:

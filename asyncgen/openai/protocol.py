@@ -101,7 +101,7 @@ _MAX_N = 128
 
 # --- requests ---------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextContentPart(_Strict):
@@ -139,11 +139,14 @@ UserContentPart = Annotated[
     Field(discriminator="type"),
 ]
 AssistantContentPart = Annotated[Union[TextContentPart, RefusalContentPart], Field(discriminator="type")]
+# A message's parts: a list, when sent, holds at least one (OpenAI refuses an empty one too).
+TextParts = Annotated[list[TextContentPart], Field(min_length=1)]
+UserParts = Annotated[list[UserContentPart], Field(min_length=1)]
 
 
 class SystemMessage(_Strict):
     role: Literal["system"]
-    content: Union[str, list[TextContentPart]]
+    content: Union[str, TextParts]
     name: Optional[str] = None
 
 
@@ -151,13 +154,13 @@ class DeveloperMessage(_Strict):
     """OpenAI's newer name for system instructions; rendered as a system message."""
 
     role: Literal["developer"]
-    content: Union[str, list[TextContentPart]]
+    content: Union[str, TextParts]
     name: Optional[str] = None
 
 
 class UserMessage(_Strict):
     role: Literal["user"]
-    content: Union[str, list[UserContentPart]]
+    content: Union[str, UserParts]
     name: Optional[str] = None
 
 
@@ -191,11 +194,13 @@ class AssistantMessage(_Strict):
     audio: Optional[dict[str, Any]] = None
     tool_calls: Optional[list[MessageToolCallParam]] = None
     function_call: Optional[dict[str, Any]] = None
+    # a thinking model's earlier reasoning, as replies carry it; templates that keep it render it
+    reasoning_content: Optional[str] = None
 
 
 class ToolMessage(_Strict):
     role: Literal["tool"]
-    content: Union[str, list[TextContentPart]]
+    content: Union[str, TextParts]
     tool_call_id: str
 
 

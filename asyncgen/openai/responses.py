@@ -164,7 +164,7 @@ class MessageItem(_Strict):
 
     type: Optional[Literal["message"]] = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: Union[str, list[ContentPart]]
+    content: Union[str, Annotated[list[ContentPart], Field(min_length=1)]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
     phase: Optional[Literal["commentary", "final_answer"]] = None
@@ -173,7 +173,7 @@ class MessageItem(_Strict):
 class FunctionCallItem(_Strict):
     """A call the model made, sent back in the input."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     type: Literal["function_call"]
     call_id: str
@@ -219,7 +219,7 @@ InputItem = _tagged(
 class FunctionToolParam(_Strict):
     """A function tool as the Responses API spells it: ``{"type": "function", "name", ...}``."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     type: Literal["function"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -264,7 +264,7 @@ class TextFormatJSONObject(_Strict):
 
 
 class TextFormatJSONSchema(_Strict):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     type: Literal["json_schema"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
