@@ -138,6 +138,180 @@ async def test_corrupt_safetensors_file(tiny_llama, tmp_path):
             pass
 
 
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hidden_size="64"), "hidden_size must be an integer, got '64'"),
+    (dict(hidden_size=64.5), "hidden_size must be an integer"),
+    (dict(num_attention_heads=0), "num_attention_heads must be positive"),
+    (dict(max_position_embeddings=1), "max_position_embeddings must be at least 2"),
+    (dict(rms_norm_eps=None), "rms_norm_eps must be a number, got None"),
+    (dict(rms_norm_eps=-1e-5), "rms_norm_eps must be positive"),
+    (dict(rope_theta="big"), "rope_theta must be a number"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(rope_scaling="linear"), "rope_scaling must be a JSON object"),
+    (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling.factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": "1"}),
+     "rope_scaling.low_freq_factor must be a number"),
+    (dict(quantization_config="gptq"), "quantization_config must be a JSON object"),
+    (dict(architectures={"name": "LlamaForCausalLM"}), "architectures must be a list"),
+])
+def test_config_values_of_the_wrong_kind_name_the_field(tiny_llama, tmp_path, changes, message):
+    d = _with_config(tiny_llama, tmp_path / "m", **changes)
+    with pytest.raises(UnsupportedModelError) as info:
+        AsyncEngine.from_pretrained(d)
+    assert message in str(info.value)
+
+
+def test_config_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(UnsupportedModelError, match="must hold a JSON object, not list"):
+        AsyncEngine.from_pretrained(tmp_path)
+
+
+def test_null_means_the_default_where_transformers_reads_it_so(tiny_llama, tmp_path):
+    from asyncgen.model.config import ModelConfig
+
+    d = _with_config(tiny_llama, tmp_path / "m", num_key_value_heads=None, head_dim=None)
+    cfg = ModelConfig.from_dir(d)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (cfg.num_heads, cfg.hidden_size // cfg.num_heads)
+
+
+def test_max_model_len_over_the_models_positions(tiny_llama):
+    limit = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    AsyncEngine.from_pretrained(tiny_llama, max_model_len=limit)
+    with pytest.raises(ModelLoadError, match=f"max_model_len={limit + 1} is over the model's max_position_embeddings"):
+        AsyncEngine.from_pretrained(tiny_llama, max_model_len=limit + 1)
+
+
+def test_an_ops_backend_the_device_cannot_run(tiny_llama, monkeypatch):
+    with pytest.raises(ModelLoadError, match="ops_backend='cuda' cannot serve here: its csrc kernels run on a CUDA"):
+        AsyncEngine.from_pretrained(tiny_llama, device="cpu", ops_backend="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ModelLoadError, match="ops_backend='triton' cannot serve here: .*TRITON_INTERPRET=1"):
+        AsyncEngine.from_pretrained(tiny_llama, device="cpu", ops_backend="triton")
+
+
+def test_the_model_argument(tmp_path, monkeypatch):
+    with pytest.raises(TypeError, match="model must be a directory path or a hub id, not NoneType"):
+        AsyncEngine.from_pretrained(None)
+    monkeypatch.chdir(tmp_path)  # "" is not the current directory
+    with pytest.raises(ModelNotFoundError, match="empty string"):
+        AsyncEngine.from_pretrained("")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("dtype", ["int8", "bool", "float8_e4m3fn"])
+async def test_weights_that_are_not_floats_are_refused(tiny_llama, tmp_path, dtype):
+    import torch
+
+    def edit(t):
+        t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"].to(getattr(torch, dtype))
+
+    d = _rewrite_weights(tiny_llama, tmp_path / "m", edit)
+    with pytest.raises(WeightsError, match=f"'model.embed_tokens.weight' is {dtype}"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_tensor_in_two_files_is_refused(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    embed = load_file(d / "model.safetensors")["model.embed_tokens.weight"]
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")  # read by its glob, as a stray file is
+    save_file({"model.embed_tokens.weight": embed * 0}, d / "old-copy.safetensors")
+    with pytest.raises(WeightsError, match="'model.embed_tokens.weight' is in both .*model-00001-of-00001.safetensors "
+                                           "and .*old-copy.safetensors"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("index", [{"weight_map": ["model.safetensors"]}, {"weight_map": {"x": 5}}, ["x"]])
+async def test_a_malformed_index_is_a_weights_error(tiny_llama, tmp_path, index):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match="is not a valid safetensors index"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_tied_models_lm_head_must_fit_the_embedding(tiny_llama, tmp_path):
+    import torch
+
+    d = _with_config(tiny_llama, tmp_path / "m", tie_word_embeddings=True)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    tensors["lm_head.weight"] = torch.ones(5, 5, dtype=tensors["lm_head.weight"].dtype)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"'lm_head.weight' has shape \(5, 5\)"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_kv_pool_too_large_to_allocate(tiny_llama):
+    engine = AsyncEngine.from_pretrained(tiny_llama, max_model_len=256, num_kv_blocks=10**13)
+    with pytest.raises(ModelLoadError, match="the KV pool of 10000000000000 blocks .* cannot be allocated"):
+        await engine.start()
+    assert not engine.is_running
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("content", ["[2]", '{"eos_token_id": "2"}', '{"eos_token_id": [2, "a"]}'])
+async def test_a_malformed_generation_config(tiny_llama, tmp_path, content):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    (d / "generation_config.json").write_text(content)
+    with pytest.raises(ModelLoadError, match="generation_config.json"):
+        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_text_past_a_smaller_models_vocabulary_is_refused(tiny_llama, tmp_path):
+    """A tokenizer with more tokens than the model: the prompts that reach its last ids
+    are refused one by one, and the engine serves the rest."""
+    vocab = 1000
+    d = _with_config(tiny_llama, tmp_path / "m", vocab_size=vocab)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, d / "model.safetensors")
+    async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS) as engine:
+        text = "Hello world"
+        ids = engine.tokenizer.encode(text)
+        assert max(ids) >= vocab  # the check below is reached
+        with pytest.raises(InvalidRequestError, match=f"token ids .* of the prompt are past the model's vocabulary of "
+                                                      f"{vocab} tokens"):
+            await engine.generate(text, SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match="of the messages are past"):
+            await engine.generate(messages=[{"role": "user", "content": text}], params=SamplingParams(max_tokens=2))
+        out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out.token_ids) == 2 and engine.is_running
+
+
 # --- requests ----------------------------------------------------------------------------------
 BAD_REQUESTS = [
     (dict(), InvalidRequestError, "exactly one"),

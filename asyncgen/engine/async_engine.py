@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import re
 import threading
 import uuid
@@ -32,6 +33,7 @@ from ..errors import (
     EngineDeadError,
     EngineStateError,
     InvalidRequestError,
+    ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
 )
@@ -95,6 +97,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self._max_seq_tokens = 0  # the longest sequence: max_model_len, or what the KV pool holds
         self.vocab_size = 0
+        self._tokenizer_overflows = False  # the tokenizer has ids past the model's vocabulary
         self.hidden_size = 0  # the model's, once loaded: the length of embed()'s vectors
         self._pooling_mode: Optional[str] = None  # what the model's sentence-transformers config declares
 
@@ -126,15 +129,19 @@ class AsyncEngine:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, **kwargs,
         )
-        if config.device == "cuda":
-            from ..worker.model_runner import resolve_device
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a directory path or a hub id, not {type(model).__name__}")
+        if not str(model).strip():
+            raise ModelNotFoundError("model is an empty string; pass the model's directory")
+        from ..worker.model_runner import check_backend, resolve_device
 
-            resolve_device("cuda")  # raises ModelLoadError here, not at start(), without a GPU
+        # Raise here, not at start(): device="cuda" without a GPU, a backend the device cannot run.
+        check_backend(config.ops_backend, resolve_device(config.device))
         path = Path(model).expanduser()
         if path.is_dir():
             from ..model.config import ModelConfig
 
-            ModelConfig.from_dir(path)  # raises early on a missing or unsupported config
+            _check_model_len(config, ModelConfig.from_dir(path))  # a missing or unsupported config, early
         elif path.exists():
             raise ModelNotFoundError(f"{model} is a file; pass the model's directory")
         elif not _HUB_ID.match(str(model)):
@@ -179,6 +186,7 @@ class AsyncEngine:
 
         path = resolve_model_path(self._model)
         model_cfg = ModelConfig.from_dir(path)
+        _check_model_len(self.config, model_cfg)
         max_len = self.config.max_model_len or model_cfg.max_position_embeddings
         tokenizer, eos_ids = load_tokenizer(path, self.config.trust_remote_code)
         linear_method = None
@@ -200,6 +208,13 @@ class AsyncEngine:
                 num_blocks * self.config.block_size, num_blocks, max_len, self._max_seq_tokens,
             )
         self.vocab_size = model_cfg.vocab_size
+        self._tokenizer_overflows = len(tokenizer) > model_cfg.vocab_size
+        if self._tokenizer_overflows:
+            log.warning(
+                "the tokenizer has %d tokens, the model's vocabulary %d: prompts whose text encodes to the "
+                "tokenizer's last %d ids are refused", len(tokenizer), model_cfg.vocab_size,
+                len(tokenizer) - model_cfg.vocab_size,
+            )
         self.hidden_size = model_cfg.hidden_size
         self._pooling_mode = _declared_pooling(path)
         self.model_name = _display_name(self._model, path)
@@ -707,12 +722,12 @@ class AsyncEngine:
             text = apply_chat_template(tok, messages, chat_template_kwargs, tools, add_generation_prompt,
                                        continue_final_message)
             _check_unicode(text, "messages (as the chat template renders them)")
-            return text, tok.encode(text, add_special_tokens=False)
+            return text, self._check_text_ids(tok.encode(text, add_special_tokens=False), "messages")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
             _check_unicode(prompt, "prompt")
-            return prompt, tok.encode(prompt)
+            return prompt, self._check_text_ids(tok.encode(prompt), "prompt")
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequestError("prompt must not be an empty list of token ids")
@@ -725,6 +740,18 @@ class AsyncEngine:
                 )
             return None, list(prompt)
         raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
+
+    def _check_text_ids(self, ids: list[int], what: str) -> list[int]:
+        """``ids`` as they are, or InvalidRequestError where the tokenizer gave ids past the
+        model's vocabulary (a tokenizer with more tokens than the model, checked only then)."""
+        if self._tokenizer_overflows and ids and max(ids) >= self.vocab_size:
+            bad = sorted({t for t in ids if t >= self.vocab_size})
+            pieces = ", ".join(repr(self._tokenizer.convert_ids_to_tokens(t)) for t in bad[:5])
+            raise InvalidRequestError(
+                f"token ids {bad[:5]} ({pieces}) of the {what} are past the model's vocabulary of "
+                f"{self.vocab_size} tokens (its tokenizer has {len(self._tokenizer)})"
+            )
+        return ids
 
     def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         """``params.max_tokens``, or without it as many as fit: up to ``max_model_len``
@@ -901,6 +928,16 @@ def _declared_pooling(path: Path) -> Optional[str]:
     modes = [k.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
              for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
     return modes[0] if len(modes) == 1 else (",".join(sorted(modes)) or None)
+
+
+def _check_model_len(config: EngineConfig, model_cfg) -> None:
+    """ModelLoadError where ``max_model_len`` asks for more positions than the model has
+    (its ``max_position_embeddings``): the rotary table would go on past what it learned."""
+    if config.max_model_len is not None and config.max_model_len > model_cfg.max_position_embeddings:
+        raise ModelLoadError(
+            f"max_model_len={config.max_model_len} is over the model's max_position_embeddings "
+            f"({model_cfg.max_position_embeddings}); pass at most that"
+        )
 
 
 def _check_unicode(text: str, what: str) -> None:

@@ -51,13 +51,16 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     gen_cfg = path / "generation_config.json"
     if gen_cfg.is_file():
         try:
-            value = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            raw = json.loads(gen_cfg.read_text())
         except ValueError as e:
             raise ModelLoadError(f"{gen_cfg} is not valid JSON: {e}") from e
-        if isinstance(value, int):
-            eos.add(value)
-        elif isinstance(value, list):
-            eos.update(int(v) for v in value)
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{gen_cfg} must hold a JSON object, not {type(raw).__name__}")
+        value = raw.get("eos_token_id")
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ids):
+            raise ModelLoadError(f"{gen_cfg}: eos_token_id must be a token id or a list of them, got {value!r}")
+        eos.update(ids)
     return tokenizer, frozenset(eos)
 
 

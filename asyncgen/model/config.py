@@ -77,22 +77,25 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise UnsupportedModelError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         archs = raw.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
+        if not isinstance(archs, list):
+            raise UnsupportedModelError(f"config.json's architectures must be a list of class names, got {archs!r}")
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        try:
-            hidden = int(raw["hidden_size"])
-            num_heads = int(raw["num_attention_heads"])
-            num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-            head_dim = int(raw.get("head_dim") or hidden // num_heads)
-            vocab_size = int(raw["vocab_size"])
-            intermediate = int(raw["intermediate_size"])
-            num_layers = int(raw["num_hidden_layers"])
-        except KeyError as e:
-            raise UnsupportedModelError(f"config.json lacks the required field {e.args[0]!r}") from e
+        hidden = _number(raw, "hidden_size", int)
+        num_heads = _number(raw, "num_attention_heads", int)
+        num_kv_heads = _number(raw, "num_key_value_heads", int, default=num_heads, nullable=True)
+        head_dim = _number(raw, "head_dim", int, default=hidden // num_heads, nullable=True)
+        vocab_size = _number(raw, "vocab_size", int)
+        intermediate = _number(raw, "intermediate_size", int)
+        num_layers = _number(raw, "num_hidden_layers", int)
         if num_heads % num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
@@ -102,6 +105,8 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
         quant = raw.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise UnsupportedModelError(f"quantization_config must be a JSON object, got {quant!r}")
         return cls(
             architecture=arch,
             vocab_size=vocab_size,
@@ -111,11 +116,12 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            rms_norm_eps=_number(raw, "rms_norm_eps", float, default=1e-6),
+            # a sequence holds its prompt and at least one generated token
+            max_position_embeddings=_number(raw, "max_position_embeddings", int, default=2048, least=2),
+            tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
+            attention_bias=arch == "Qwen2ForCausalLM" or _flag(raw, "attention_bias"),
+            mlp_bias=_flag(raw, "mlp_bias"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             sliding_window=sliding_window,
@@ -146,6 +152,44 @@ class ModelConfig:
             medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
             return torch.where(medium, smoothed, scaled)
         return base
+
+
+_REQUIRED = object()
+
+
+def _number(raw: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED, least: float = 0,
+            prefix: str = "", nullable: bool = False) -> Any:
+    """``raw[key]`` as a finite ``kind`` (int or float) above 0 and at least ``least``
+    (4096.0 reads as the integer 4096, 4096.5 is refused); ``default`` where it is absent,
+    or null for a ``nullable`` field (as transformers reads ``num_key_value_heads: null``).
+    UnsupportedModelError naming the field (``prefix`` + ``key``) where it is required and
+    missing, or not such a number."""
+    name = prefix + key
+    value = raw.get(key)
+    if key not in raw or (value is None and nullable):
+        if default is _REQUIRED:
+            raise UnsupportedModelError(f"config.json lacks the required field {name!r}")
+        return default
+    what = "an integer" if kind is int else "a number"
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (kind is int and not float(value).is_integer())):
+        raise UnsupportedModelError(f"config.json's {name} must be {what}, got {value!r}")
+    value = kind(value)
+    if value <= 0 or value < least:
+        bound = f"at least {least:g}" if least > 0 else "positive"
+        raise UnsupportedModelError(f"config.json's {name} must be {bound}, got {value!r}")
+    return value
+
+
+def _flag(raw: dict[str, Any], key: str) -> bool:
+    """``raw[key]`` as a boolean, False where absent or null; UnsupportedModelError
+    naming the field for anything but true or false (the string "false" included)."""
+    value = raw.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise UnsupportedModelError(f"config.json's {key} must be true or false, got {value!r}")
+    return value
 
 
 def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], tuple]:
@@ -180,9 +224,13 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]
     the newer ``rope_parameters`` dict."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise UnsupportedModelError(f"config.json's {key} must be a JSON object, got {value!r}")
+    theta = _number(raw if "rope_theta" in raw else params, "rope_theta", float, 10000.0)
+    source = "rope_scaling"
     if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
-        scaling = params
+        scaling, source = params, "rope_parameters"
     if scaling is not None:
         scaling = dict(scaling)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -193,7 +241,11 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]
             )
         if kind == "default":
             scaling = None
-    return float(theta), scaling
+        else:  # both divide frequencies by a factor; llama3's other fields have defaults
+            _number(scaling, "factor", float, prefix=f"{source}.")
+            for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                _number(scaling, key, float, default=None, prefix=f"{source}.", nullable=True)
+    return theta, scaling
 
 
 # The settings that decide how a quantized checkpoint's tensors read, under each name the

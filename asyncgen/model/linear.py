@@ -52,6 +52,21 @@ def check_shape(full_name: str, expected: tuple[int, ...], got: tuple[int, ...])
         raise WeightsError(f"tensor {full_name!r} has shape {tuple(got)}, expected {tuple(expected)}")
 
 
+# What an unquantized weight may be stored as (converted to the model's dtype on load).
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float(full_name: str, tensor: torch.Tensor) -> None:
+    """WeightsError unless ``tensor`` holds plain floating-point values: an integer, boolean
+    or 8-bit float tensor copied as it is would give the model wrong weights silently."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise WeightsError(
+            f"tensor {full_name!r} is {str(tensor.dtype).removeprefix('torch.')}; unquantized weights must be "
+            "float16, bfloat16 or float32 (a quantized checkpoint names its method in config.json's "
+            "quantization_config)"
+        )
+
+
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, dtype, device):
         layer.weight = nn.Parameter(
@@ -65,6 +80,7 @@ class UnquantizedLinearMethod(LinearMethod):
         in_start, in_size = layer.shard_cols()
         expected = (layer.checkpoint_rows(shard), layer.checkpoint_cols())
         check_shape(f"{layer.checkpoint_name(shard)}.weight", expected, tensor.shape)
+        check_float(f"{layer.checkpoint_name(shard)}.weight", tensor)
         piece = layer.take_shard(tensor, shard)
         layer.weight.data[out_start : out_start + out_size].copy_(piece[:, in_start : in_start + in_size])
 
@@ -196,6 +212,7 @@ class LinearBase(nn.Module):
             if self.bias is None:
                 raise WeightsError(f"unexpected tensor {self.checkpoint_name(shard)}.bias (the config has no bias)")
             check_shape(f"{self.checkpoint_name(shard)}.bias", (self.checkpoint_rows(shard),), tensor.shape)
+            check_float(f"{self.checkpoint_name(shard)}.bias", tensor)
             start, size = self.shard_rows(shard)
             self.bias.data[start : start + size].copy_(self.take_shard(tensor, shard))
         else:

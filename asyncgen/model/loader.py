@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WeightsError
-from .linear import LinearBase, check_shape
+from .linear import LinearBase, check_float, check_shape
 from .llama import LlamaForCausalLM
 
 __all__ = ["checkpoint_files", "load_weights"]
@@ -41,8 +41,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise WeightsError(f"{index} is not a valid safetensors index: {e}") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index} is not a valid safetensors index: {type(e).__name__}: {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise WeightsError(f"{index} is not a valid safetensors index: its weight_map must map tensor names "
+                               "to file names")
         files = sorted({path / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -59,12 +62,18 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def _iter_tensors(files: list[Path]):
+    """(name, tensor) of every file's tensors; WeightsError for a name in two files (which
+    copy would be meant is unknowable: a stray backup next to the shards, say)."""
     from safetensors import safe_open
 
+    seen: dict[str, Path] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
+                    if name in seen:
+                        raise WeightsError(f"tensor {name!r} is in both {seen[name]} and {f}; keep one copy")
+                    seen[name] = f
                     yield name, sf.get_tensor(name)
         except WeightsError:
             raise
@@ -93,6 +102,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
         if name in simple:
             param = simple[name]
             check_shape(name, tuple(param.shape), tuple(tensor.shape))
+            check_float(name, tensor)
             param.data.copy_(tensor)
             loaded.add(name)
             continue
@@ -103,7 +113,10 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
             layer: LinearBase = getattr(getattr(model.layers[idx], block), fused)
             layer.load(tensor_name, tensor, shard)
             continue
-        if _IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
+        if name == "lm_head.weight" and model.lm_head is None:  # tied: the embedding serves; same shape
+            check_shape(name, tuple(model.embed_tokens.weight.shape), tuple(tensor.shape))
+            continue
+        if _IGNORED.search(name):
             continue
         unexpected.append(name)
 

@@ -97,6 +97,38 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_backend(backend: str, device: torch.device) -> None:
+    """ModelLoadError where ``ops_backend`` cannot run on ``device``: csrc kernels off a
+    CUDA device or unbuilt, Triton without the package or, on the CPU, without its
+    interpreter (``TRITON_INTERPRET=1``, set before asyncgen's Triton modules load)."""
+    from ..errors import ModelLoadError
+
+    problem = None
+    if backend == "cuda":
+        if device.type != "cuda":
+            problem = f"its csrc kernels run on a CUDA device, and the engine's device is {device.type}"
+        else:
+            from .._ops import cuda_backend_available
+
+            if not cuda_backend_available():
+                try:
+                    from .._ops.cuda_backend import BUILD_HINT as problem
+                except ImportError as e:
+                    problem = f"asyncgen._ops.cuda_backend does not import ({e})"
+    elif backend == "triton":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            problem = "the triton package is not installed"
+        elif device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            problem = "Triton kernels run on the CPU only under TRITON_INTERPRET=1"
+        elif device.type not in ("cpu", "cuda"):
+            problem = f"Triton kernels run on CUDA devices, not {device.type}"
+    if problem:
+        raise ModelLoadError(f"ops_backend={backend!r} cannot serve here: {problem}; ops_backend='auto' picks one "
+                             "that can")
+
+
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -231,6 +263,7 @@ class ModelRunner:
     def _pick_backend(self) -> str:
         wanted = self.cfg.ops_backend
         if wanted != "auto":
+            check_backend(wanted, self.device)
             return wanted
         if self.device.type != "cuda":
             return "torch"
@@ -371,7 +404,18 @@ class ModelRunner:
             self.path, self.dtype, self.device, self.ops_backend, time.perf_counter() - t0,
         )
         self.num_blocks = self._decide_num_blocks()
-        self._allocate_kv_cache(self.num_blocks)
+        try:
+            self._allocate_kv_cache(self.num_blocks)
+        except (RuntimeError, TypeError, OverflowError) as e:  # out of memory, or a size past int64
+            from ..errors import ModelLoadError
+
+            self._free_kv_cache()
+            size = self.num_blocks * kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ModelLoadError(
+                f"the KV pool of {self.num_blocks} blocks ({size / 2**30:.1f} GiB) cannot be allocated on "
+                f"{self.device}: {type(e).__name__}: {reason}; lower num_kv_blocks or kv_cache_memory"
+            ) from e
         per_seq = -(-self.max_model_len // self.block_size)
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); %.1f sequences of max_model_len=%d fit at once",
