@@ -14,8 +14,9 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 class EngineConfig(BaseModel):
     """Everything ``AsyncEngine.from_pretrained`` accepts besides the model path.
 
-    ``max_model_len`` defaults to the model's ``max_position_embeddings``. The KV pool is
-    ``num_kv_blocks`` blocks when given; else sized from ``kv_cache_memory`` bytes; else,
+    ``max_model_len`` defaults to the model's ``max_position_embeddings`` and may not
+    exceed it. The KV pool is ``num_kv_blocks`` blocks when given; else sized from
+    ``kv_cache_memory`` bytes; else,
     on the CPU, 1 GiB, and on CUDA the part of ``gpu_memory_utilization`` of the card
     left after the weights and a profiled forward pass at the largest batch.
     ``enable_prefix_caching`` shares the KV blocks of equal prompt prefixes between

@@ -4,7 +4,7 @@
 
     AsyncGenError
     ├── ModelLoadError                 the model cannot be served: its directory, or no
-    │   │                              device or KV-cache room for it as configured
+    │   │                              device, kernels or KV-cache room for it as configured
     │   ├── ModelNotFoundError         no such directory, no config.json, hub unreachable
     │   ├── UnsupportedModelError      architecture or option asyncgen does not implement
     │   └── WeightsError               missing, mis-shaped or unreadable tensors
@@ -42,7 +42,9 @@ class AsyncGenError(Exception):
 class ModelLoadError(AsyncGenError):
     """The model cannot be loaded and served as configured: a problem with its directory,
     or a device or KV-cache budget that cannot hold it (no CUDA device for
-    ``device="cuda"``, a budget without room for one KV block)."""
+    ``device="cuda"``, an ``ops_backend`` the device cannot run, a budget without room for
+    one KV block or a pool too large to allocate, ``max_model_len`` past the model's
+    ``max_position_embeddings``)."""
 
 
 class ModelNotFoundError(ModelLoadError, FileNotFoundError):
