@@ -16,9 +16,9 @@ class EngineConfig(BaseModel):
 
     ``max_model_len`` defaults to the model's ``max_position_embeddings`` and may not
     exceed it. The KV pool is ``num_kv_blocks`` blocks when given; else sized from
-    ``kv_cache_memory`` bytes; else,
-    on the CPU, 1 GiB, and on CUDA the part of ``gpu_memory_utilization`` of the card
-    left after the weights and a profiled forward pass at the largest batch.
+    ``kv_cache_memory`` bytes; else, on the CPU, 1 GiB, and on CUDA the part of
+    ``gpu_memory_utilization`` of the card left after the weights and a profiled forward
+    pass at the largest batch.
     ``enable_prefix_caching`` shares the KV blocks of equal prompt prefixes between
     requests (and between the ``n`` samples of one request). ``ops_backend`` forces a
     kernel backend ("torch", "triton" or "cuda"); "auto" picks the fastest available for
