@@ -321,7 +321,11 @@ BAD_REQUESTS = [
     (dict(prompt=[1, -5]), InvalidRequestError, "token ids"),
     (dict(prompt=[1, 10**9]), InvalidRequestError, "token ids"),
     (dict(prompt=3.5), InvalidRequestError, "str or a list"),
-    (dict(prompt="word " * 400), PromptTooLongError, "max_model_len"),
+    (dict(prompt="word " * 400), PromptTooLongError, "prompt has 401 tokens; max_model_len"),
+    # far too long to hold max_model_len tokens: refused before the tokenizer reads it
+    (dict(prompt="word " * 20_000), PromptTooLongError, "100000 characters of prompt: at least"),
+    (dict(messages=[{"role": "user", "content": "word " * 20_000}]), PromptTooLongError,
+     "characters of messages (as the chat template renders them): at least"),
     (dict(prompt="hi", params=SamplingParams(max_tokens=500)), PromptTooLongError, "max_tokens"),
     (dict(prompt="hi", params=SamplingParams(stop_token_ids=[10**7])), InvalidRequestError, "stop_token_ids"),
     (dict(prompt="hi", params=SamplingParams(logit_bias={10**7: 1.0})), InvalidRequestError, "logit_bias"),

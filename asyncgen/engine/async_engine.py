@@ -98,6 +98,7 @@ class AsyncEngine:
         self._max_seq_tokens = 0  # the longest sequence: max_model_len, or what the KV pool holds
         self.vocab_size = 0
         self._tokenizer_overflows = False  # the tokenizer has ids past the model's vocabulary
+        self._max_token_chars = 1  # the longest token's text, in characters (at most)
         self.hidden_size = 0  # the model's, once loaded: the length of embed()'s vectors
         self._pooling_mode: Optional[str] = None  # what the model's sentence-transformers config declares
 
@@ -209,6 +210,8 @@ class AsyncEngine:
             )
         self.vocab_size = model_cfg.vocab_size
         self._tokenizer_overflows = len(tokenizer) > model_cfg.vocab_size
+        # in the tokenizer's own spelling, never shorter than the text a token stands for
+        self._max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         if self._tokenizer_overflows:
             log.warning(
                 "the tokenizer has %d tokens, the model's vocabulary %d: prompts whose text encodes to the "
@@ -460,8 +463,10 @@ class AsyncEngine:
                 f"priority={priority} needs the engine's scheduling_policy=\"priority\" (it is "
                 f"{self.config.scheduling_policy!r})", param="priority",
             )
+        # the most tokens the prompt may have: past that, a text too long to hold them is refused untokenized
+        most = None if params.truncate_prompt_tokens is not None else self.max_model_len - (not pooling)
         prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools, continue_final_message,
-                                                add_generation_prompt)
+                                                add_generation_prompt, most)
         if params.truncate_prompt_tokens is not None:
             prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
         if pooling:
@@ -604,7 +609,7 @@ class AsyncEngine:
         if not isinstance(params, BeamSearchParams):
             params = BeamSearchParams.model_validate(params)
         prompt_text, token_ids = self._tokenize(prompt, messages, chat_template_kwargs, tools, continue_final_message,
-                                                add_generation_prompt)
+                                                add_generation_prompt, self.max_model_len - 1)
         self._check_fits(token_ids, SamplingParams(max_tokens=params.max_tokens))
         if params.max_tokens is None:
             most = self._max_tokens(token_ids, SamplingParams(max_tokens=None))
@@ -705,7 +710,11 @@ class AsyncEngine:
 
     # --- request checks ---------------------------------------------------------------------
     def _tokenize(self, prompt, messages, chat_template_kwargs=None, tools=None, continue_final_message=False,
-                  add_generation_prompt=None) -> tuple[Optional[str], list[int]]:
+                  add_generation_prompt=None, most: Optional[int] = None) -> tuple[Optional[str], list[int]]:
+        """(the prompt's text, its token ids). A text with more characters than ``most``
+        tokens of the longest kind hold is refused before it is tokenized: encoding a
+        prompt of megabytes would take seconds on the event loop and hundreds of bytes of
+        memory for each of its characters, only to refuse it."""
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' and 'messages'")
         for name, value in (("chat_template_kwargs", chat_template_kwargs), ("tools", tools),
@@ -721,11 +730,13 @@ class AsyncEngine:
 
             text = apply_chat_template(tok, messages, chat_template_kwargs, tools, add_generation_prompt,
                                        continue_final_message)
+            self._check_text_size(text, "messages (as the chat template renders them)", most)
             _check_unicode(text, "messages (as the chat template renders them)")
             return text, self._check_text_ids(tok.encode(text, add_special_tokens=False), "messages")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
+            self._check_text_size(prompt, "prompt", most)
             _check_unicode(prompt, "prompt")
             return prompt, self._check_text_ids(tok.encode(prompt), "prompt")
         if isinstance(prompt, (list, tuple)):
@@ -740,6 +751,14 @@ class AsyncEngine:
                 )
             return None, list(prompt)
         raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
+
+    def _check_text_size(self, text: str, what: str, most: Optional[int]) -> None:
+        if most is not None and len(text) > most * self._max_token_chars:
+            raise PromptTooLongError(
+                f"{len(text)} characters of {what}: at least {-(-len(text) // self._max_token_chars)} tokens, as "
+                f"no token of this tokenizer is longer than {self._max_token_chars} characters; max_model_len is "
+                f"{self.max_model_len}"
+            )
 
     def _check_text_ids(self, ids: list[int], what: str) -> list[int]:
         """``ids`` as they are, or InvalidRequestError where the tokenizer gave ids past the
