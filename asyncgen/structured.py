@@ -835,11 +835,17 @@ def _count(value: Any, keyword: str, pointer: str) -> int:
     return value
 
 
+# Schemas inside schemas (an array's items, a property's value, a branch) compile
+# recursively; deeper nesting than this is refused rather than left to Python's stack.
+_MAX_NESTING = 100
+
+
 class _Compiler:
     """Turns a schema into nodes (:meth:`compile`), then checks and links them (:meth:`finish`)."""
 
     def __init__(self, root: Any):
         self.root = root
+        self.depth = 0  # of the schemas being compiled, one inside the other
         self.nodes: list[_Node] = []
         self.by_pointer: dict[str, _Node] = {}  # $ref targets
         self.strings: dict[tuple[int, Optional[int]], _StringSpec] = {(0, None): _FREE_STRING}
@@ -885,6 +891,16 @@ class _Compiler:
         return target
 
     def compile(self, schema: Any, pointer: str) -> _Node:
+        if self.depth >= _MAX_NESTING:
+            raise _error(f"the schema at {pointer} is nested more than {_MAX_NESTING} levels deep, which is not "
+                         "supported")
+        self.depth += 1
+        try:
+            return self._compile(schema, pointer)
+        finally:
+            self.depth -= 1
+
+    def _compile(self, schema: Any, pointer: str) -> _Node:
         if schema is True:
             return self.any_node()
         if schema is False:
@@ -918,7 +934,10 @@ class _Compiler:
         else:
             values = [schema["const"]]
         for i, value in enumerate(values):
-            _serialize(value, f"{pointer}/enum/{i}")
+            try:
+                _serialize(value, f"{pointer}/enum/{i}")
+            except RecursionError:
+                raise _error(f"the value at {pointer}/enum/{i} is nested too deeply") from None
         node = self.new_node(pointer)
         node.enum = values
         node.shadow = self.compile({k: v for k, v in schema.items() if k not in ("enum", "const")}, pointer)

@@ -544,6 +544,29 @@ def test_invalid_schemas_are_refused(schema, fragment):
     assert str(info.value).startswith("structured_outputs: ") and fragment in str(info.value)
 
 
+def _nested(levels: int, wrap) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(levels - 1):
+        schema = wrap(schema)
+    return schema
+
+
+@pytest.mark.parametrize("wrap", [lambda s: {"type": "array", "items": s},
+                                  lambda s: {"type": "object", "properties": {"a": s}, "required": ["a"]},
+                                  lambda s: {"anyOf": [s, {"type": "null"}]}])
+def test_nesting_is_bounded_by_a_typed_error_not_the_stack(wrap):
+    grammar = json_schema_grammar(_nested(100, wrap))  # 100 levels, the root's included, compile
+    assert grammar is not None
+    for levels in (101, 2000):
+        with pytest.raises(InvalidRequestError, match="is nested more than 100 levels deep"):
+            json_schema_grammar(_nested(levels, wrap))
+    value: list = []
+    for _ in range(5000):
+        value = [value]
+    with pytest.raises(InvalidRequestError, match="the value at #/enum/0 is nested too deeply"):
+        json_schema_grammar({"enum": [value]})
+
+
 @pytest.mark.parametrize("options", [[], [""], ["a", ""], "abc", [1], None])
 def test_bad_choices_are_refused(options):
     with pytest.raises(InvalidRequestError) as info:
