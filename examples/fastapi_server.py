@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server in one file: FastAPI + asyncgen.
 
     python examples/fastapi_server.py --host 127.0.0.1 --port 8000 [--model DIR] [--tool-call-parser NAME]
+        [--max-request-mb 32] [--graceful-shutdown-s 10]
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``
 (OpenAI's Responses API), each JSON or, with ``"stream": true``, server-sent events (the
@@ -27,8 +28,11 @@ The official client works unchanged but for the address::
     print(resp.output_text)
 
 The engine lives in the app's lifespan: it starts before the first request and closes at
-shutdown. A client that disconnects mid-request gets its generation aborted and its KV
-blocks freed at once: for a stream, Starlette stops iterating the event generator and
+shutdown, which waits up to ``--graceful-shutdown-s`` for open requests to finish (the
+rest are cut off, their generations aborted). Request bodies over ``--max-request-mb``
+get a 413, and an unforeseen failure a 500 in OpenAI's error shape (logged with its
+traceback). A client that disconnects mid-request gets its generation aborted and its
+KV blocks freed at once: for a stream, Starlette stops iterating the event generator and
 the ``finally`` below closes the engine stream; for a plain request, the handler is
 cancelled as soon as the server reports the disconnect.
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -49,7 +54,11 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncgen import AsyncEngine
-from asyncgen.openai import APIStatusError, AsyncStream, BadRequestError, OpenAIAdapter, response_sse_stream, sse_stream
+from asyncgen.openai import (
+    APIStatusError, AsyncStream, BadRequestError, OpenAIAdapter, from_exception, response_sse_stream, sse_stream,
+)
+
+log = logging.getLogger("fastapi_server")
 
 
 def resolve_model(model: Optional[str] = None) -> str:
@@ -62,9 +71,11 @@ def resolve_model(model: Optional[str] = None) -> str:
     return str(smollm2())
 
 
-def create_app(model: Optional[str] = None, tool_call_parser: Optional[str] = "auto", **engine_kwargs: Any) -> FastAPI:
+def create_app(model: Optional[str] = None, tool_call_parser: Optional[str] = "auto",
+               max_request_bytes: int = 32 * 2**20, **engine_kwargs: Any) -> FastAPI:
     """The app; ``engine_kwargs`` go to ``AsyncEngine.from_pretrained`` (``max_model_len``,
-    ``num_kv_blocks``, ``max_num_seqs``, ...), ``tool_call_parser`` to ``OpenAIAdapter``."""
+    ``num_kv_blocks``, ``max_num_seqs``, ...), ``tool_call_parser`` to ``OpenAIAdapter``;
+    bodies over ``max_request_bytes`` get a 413."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,6 +86,7 @@ def create_app(model: Optional[str] = None, tool_call_parser: Optional[str] = "a
             yield
 
     app = FastAPI(title="asyncgen OpenAI-compatible server", lifespan=lifespan)
+    app.state.max_request_bytes = max_request_bytes
 
     @app.exception_handler(APIStatusError)
     async def openai_error(request: Request, exc: APIStatusError) -> JSONResponse:
@@ -161,13 +173,35 @@ def _metrics_registry(engine: AsyncEngine) -> Any:
     return registry
 
 
+async def _read_json(request: Request) -> Any:
+    """The request's JSON body; a 413 past ``app.state.max_request_bytes`` (counted as it
+    arrives, so a body without a Content-Length is cut off too), a 400 for anything that
+    is not JSON (nesting deeper than the parser goes included)."""
+    limit = request.app.state.max_request_bytes
+    too_large = APIStatusError(f"The request body is larger than this server's limit of {limit} bytes.",
+                               status_code=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequestError("The request body is not valid JSON: it is nested too deeply.",
+                              code="invalid_json") from None
+
+
 async def _respond(request: Request, create, events_of=sse_stream) -> Response:
     """``create``'s result for the request's JSON body: a JSON response, or the server-sent
     events ``events_of`` makes of a stream."""
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequestError(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    body = await _read_json(request)
     result = await _unless_disconnected(request, create, body)
     if isinstance(result, Response):
         return result
@@ -200,8 +234,10 @@ async def _unless_disconnected(request: Request, create, body: Any):
         tg.start_soon(watch, tg.cancel_scope)
         try:
             result = await create(body)
-        except APIStatusError as e:
-            error = e
+        except Exception as e:  # an unforeseen failure answers as OpenAI's 500 does, and is logged
+            error = from_exception(e)
+            if error.status_code >= 500:
+                log.error("request failed", exc_info=e)
         finally:
             tg.cancel_scope.cancel()
     if error is not None:
@@ -221,6 +257,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-request-mb", type=float, default=32, help="larger request bodies get a 413")
+    parser.add_argument(
+        "--graceful-shutdown-s", type=float, default=10,
+        help="at shutdown, how long open requests may go on before their connections are cut and the engine "
+        "closes",
+    )
     parser.add_argument(
         "--tool-call-parser", default="auto",
         help="how the model writes tool calls, for tool_choice=auto: hermes, llama3_json, mistral, or auto "
@@ -228,10 +270,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     args = parser.parse_args(argv)
     app = create_app(
-        args.model, tool_call_parser=args.tool_call_parser, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+        args.model, tool_call_parser=args.tool_call_parser, max_request_bytes=int(args.max_request_mb * 2**20),
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.graceful_shutdown_s)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def server(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     cmd = [
         sys.executable, "examples/fastapi_server.py", "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048", "--num-kv-blocks", "256",
+        "--max-model-len", "2048", "--num-kv-blocks", "256", "--max-request-mb", "1",
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -369,6 +369,27 @@ async def test_errors_are_openai_error_objects(client, server):
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     stats = await _stats(server)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_oversized_and_too_deep_bodies_are_refused_and_the_connection_serves_on(server):
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    big = json.dumps({**chat, "messages": [{"role": "user", "content": "a" * 2**20}]}).encode()
+
+    async def chunked():  # no Content-Length: the limit holds as the body arrives
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        for content in (big, chunked()):
+            r = await http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large" and "1048576 bytes" in r.json()["error"]["message"]
+        deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = await http.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert "nested too deeply" in r.json()["error"]["message"]
+        r = await http.post("/v1/chat/completions", json=chat)  # the same connection
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
 async def test_tokenize_and_detokenize_routes(server):
