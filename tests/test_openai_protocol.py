@@ -161,6 +161,15 @@ def test_invalid_chat_requests_name_the_field(fields, param, code):
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("fields, param", [({"temperature": float("nan")}, "temperature"),
+                                           ({"top_p": float("inf")}, "top_p"),
+                                           ({"logit_bias": {"12": float("-inf")}}, "logit_bias.12")])
+def test_non_finite_numbers_are_named_as_such(fields, param):
+    with pytest.raises(BadRequestError) as e:
+        chat(**fields)
+    assert (e.value.param, e.value.code) == (param, "invalid_value") and "finite number" in e.value.message
+
+
 def test_missing_model_and_unrecognized_argument_messages():
     with pytest.raises(BadRequestError) as e:
         _parse(ChatCompletionRequest, {"messages": USER})

@@ -101,7 +101,7 @@ _MAX_N = 128
 
 # --- requests ---------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextContentPart(_Strict):
