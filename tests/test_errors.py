@@ -76,6 +76,13 @@ async def test_hub_id_fails_clearly_without_network(monkeypatch):
         await engine.start()
 
 
+async def _start_fails(model_dir, error, match):
+    """Starting an engine on ``model_dir`` raises ``error``, its message matching ``match``."""
+    with pytest.raises(error, match=match):
+        async with AsyncEngine.from_pretrained(model_dir, **ENGINE_ARGS):
+            pass
+
+
 def _rewrite_weights(src, dst, edit):
     from safetensors.torch import load_file, save_file
 
@@ -107,9 +114,7 @@ async def test_kv_budget_without_room_for_a_block(tiny_llama):
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_missing_tensor_is_named(tiny_llama, tmp_path):
     d = _rewrite_weights(tiny_llama, tmp_path / "m", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, WeightsError, r"model\.layers\.1\.mlp\.up_proj\.weight")
 
 
 @pytest.mark.anyio
@@ -133,9 +138,7 @@ async def test_corrupt_safetensors_file(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, d)
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 3])
-    with pytest.raises(WeightsError, match="model.safetensors"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, WeightsError, "model.safetensors")
 
 
 def _with_config(src, dst, **changes):
@@ -216,9 +219,7 @@ async def test_weights_that_are_not_floats_are_refused(tiny_llama, tmp_path, dty
         t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"].to(getattr(torch, dtype))
 
     d = _rewrite_weights(tiny_llama, tmp_path / "m", edit)
-    with pytest.raises(WeightsError, match=f"'model.embed_tokens.weight' is {dtype}"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, WeightsError, f"'model.embed_tokens.weight' is {dtype}")
 
 
 @pytest.mark.anyio
@@ -231,10 +232,8 @@ async def test_a_tensor_in_two_files_is_refused(tiny_llama, tmp_path):
     embed = load_file(d / "model.safetensors")["model.embed_tokens.weight"]
     (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")  # read by its glob, as a stray file is
     save_file({"model.embed_tokens.weight": embed * 0}, d / "old-copy.safetensors")
-    with pytest.raises(WeightsError, match="'model.embed_tokens.weight' is in both .*model-00001-of-00001.safetensors "
-                                           "and .*old-copy.safetensors"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, WeightsError, "'model.embed_tokens.weight' is in both .*model-00001-of-00001.safetensors "
+                                        "and .*old-copy.safetensors")
 
 
 @pytest.mark.anyio
@@ -244,9 +243,7 @@ async def test_a_malformed_index_is_a_weights_error(tiny_llama, tmp_path, index)
     d = tmp_path / "m"
     shutil.copytree(tiny_llama, d)
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(WeightsError, match="is not a valid safetensors index"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, WeightsError, "is not a valid safetensors index")
 
 
 @pytest.mark.anyio
@@ -260,9 +257,7 @@ async def test_a_tied_models_lm_head_must_fit_the_embedding(tiny_llama, tmp_path
     tensors = load_file(d / "model.safetensors")
     tensors["lm_head.weight"] = torch.ones(5, 5, dtype=tensors["lm_head.weight"].dtype)
     save_file(tensors, d / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"'lm_head.weight' has shape \(5, 5\)"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, WeightsError, r"'lm_head.weight' has shape \(5, 5\)")
 
 
 @pytest.mark.anyio
@@ -281,9 +276,7 @@ async def test_a_malformed_generation_config(tiny_llama, tmp_path, content):
     d = tmp_path / "m"
     shutil.copytree(tiny_llama, d)
     (d / "generation_config.json").write_text(content)
-    with pytest.raises(ModelLoadError, match="generation_config.json"):
-        async with AsyncEngine.from_pretrained(d, **ENGINE_ARGS):
-            pass
+    await _start_fails(d, ModelLoadError, "generation_config.json")
 
 
 @pytest.mark.anyio
