@@ -730,14 +730,12 @@ class AsyncEngine:
 
             text = apply_chat_template(tok, messages, chat_template_kwargs, tools, add_generation_prompt,
                                        continue_final_message)
-            self._check_text_size(text, "messages (as the chat template renders them)", most)
-            _check_unicode(text, "messages (as the chat template renders them)")
+            self._check_text(text, "messages (as the chat template renders them)", most)
             return text, self._check_text_ids(tok.encode(text, add_special_tokens=False), "messages")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
-            self._check_text_size(prompt, "prompt", most)
-            _check_unicode(prompt, "prompt")
+            self._check_text(prompt, "prompt", most)
             return prompt, self._check_text_ids(tok.encode(prompt), "prompt")
         if isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -752,13 +750,18 @@ class AsyncEngine:
             return None, list(prompt)
         raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
 
-    def _check_text_size(self, text: str, what: str, most: Optional[int]) -> None:
+    def _check_text(self, text: str, what: str, most: Optional[int]) -> None:
+        """A prompt's text before it is tokenized: not more characters than ``most`` tokens
+        can hold, and valid Unicode."""
         if most is not None and len(text) > most * self._max_token_chars:
             raise PromptTooLongError(
                 f"{len(text)} characters of {what}: at least {-(-len(text) // self._max_token_chars)} tokens, as "
                 f"no token of this tokenizer is longer than {self._max_token_chars} characters; max_model_len is "
                 f"{self.max_model_len}"
             )
+        problem = unicode_problem(text)  # a lone surrogate, which a tokenizer cannot encode
+        if problem is not None:
+            raise InvalidRequestError(f"{what}: {problem}")
 
     def _check_text_ids(self, ids: list[int], what: str) -> list[int]:
         """``ids`` as they are, or InvalidRequestError where the tokenizer gave ids past the
@@ -957,13 +960,6 @@ def _check_model_len(config: EngineConfig, model_cfg) -> None:
             f"max_model_len={config.max_model_len} is over the model's max_position_embeddings "
             f"({model_cfg.max_position_embeddings}); pass at most that"
         )
-
-
-def _check_unicode(text: str, what: str) -> None:
-    """InvalidRequestError (about the prompt) for text a tokenizer cannot encode."""
-    problem = unicode_problem(text)
-    if problem is not None:
-        raise InvalidRequestError(f"{what}: {problem}")
 
 
 def _all_ids_in_range(ids: Sequence[Any], vocab_size: int) -> bool:

@@ -173,7 +173,7 @@ class MessageItem(_Strict):
 class FunctionCallItem(_Strict):
     """A call the model made, sent back in the input."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(populate_by_name=True)  # merged with _Strict's
 
     type: Literal["function_call"]
     call_id: str
@@ -219,7 +219,7 @@ InputItem = _tagged(
 class FunctionToolParam(_Strict):
     """A function tool as the Responses API spells it: ``{"type": "function", "name", ...}``."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(populate_by_name=True)  # merged with _Strict's
 
     type: Literal["function"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -264,7 +264,7 @@ class TextFormatJSONObject(_Strict):
 
 
 class TextFormatJSONSchema(_Strict):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(populate_by_name=True)  # merged with _Strict's
 
     type: Literal["json_schema"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
