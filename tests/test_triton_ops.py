@@ -455,6 +455,28 @@ def test_paged_attention_other_head_dims(head_dim):
     assert_close(actual, expected, torch.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [8, 40, 80, 96])
+@pytest.mark.parametrize("kernel", ["decode", "decode, split", "general", "general, split"])
+def test_paged_attention_head_dims_not_powers_of_two(head_dim, kernel):
+    """Tiles wider than the head (Mistral-style head_dim 80, 96; 8 below tl.dot's 16):
+    the columns past it are masked. Past the last kv head of a slot lie the next slot's
+    values, NaN where no sequence owns it, so an unmasked load shows up in the result.
+    ``out`` is a view of a wider buffer whose other columns must stay as they were."""
+    decode = kernel.startswith("decode")
+    q_lens, seq_lens = ([1, 1, 0, 1], [5, 70, 9, 130]) if decode else ([3, 1, 0, 17], [40, 70, 9, 17])
+    batch = make_attention_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                                 block_size=8, dtype=torch.float16, seed=head_dim)
+    scale = head_dim ** -0.5
+    expected = ref.paged_attention(**batch, scale=scale)
+    wide = torch.full((batch["q"].shape[0], 6, head_dim + 5), 7.0, dtype=torch.float16, device=DEVICE)
+    out = wide[:, :, :head_dim]
+    OPS.paged_attention(**batch, scale=scale, out=out, max_query_len=1 if decode else max(q_lens),
+                        num_splits=3 if kernel.endswith("split") else 1)
+    assert not out.isnan().any()
+    assert_close(out, expected, torch.float16)
+    assert torch.equal(wide[:, :, head_dim:], torch.full_like(wide[:, :, head_dim:], 7.0))
+
+
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_paged_attention_decode_kernel(group, head_dim):
@@ -604,8 +626,9 @@ def _small_batch() -> dict:
         (lambda b: b.update(seq_lens=b["seq_lens"][:1]), "block_tables"),
         (lambda b: b.update(query_start_loc=b["query_start_loc"][:2]), "query_start_loc"),
         (lambda b: b.update(q=b["q"].transpose(1, 2).contiguous().transpose(1, 2)), "q"),
-        (lambda b: b.update(q=b["q"][..., :24].contiguous(), k_cache=b["k_cache"][..., :24].contiguous(),
-                            v_cache=b["v_cache"][..., :24].contiguous()), "head_dim"),
+        (lambda b: b.update(q=b["q"][..., :24].contiguous()), "head_dim"),
+        (lambda b: b.update(**{n: torch.cat([b[n]] * 9, dim=-1) for n in ("q", "k_cache", "v_cache")}),
+         "head_dim"),  # 288, past the widest tile
     ],
 )
 def test_paged_attention_rejects_bad_arguments(change, name):

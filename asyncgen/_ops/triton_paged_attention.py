@@ -10,7 +10,9 @@ Layout::
                                                        q[query_start_loc[b]:query_start_loc[b+1]]
     out              [T, num_heads, head_dim]
 
-head_dim is contiguous everywhere; every other dimension is addressed by stride. Query
+head_dim is contiguous everywhere; every other dimension is addressed by stride. The
+tiles span head_dim rounded up to a power of two (at least 16); the columns past a head
+(head_dim 80, 96, ...) are masked, loaded as zeros and never stored. Query
 token ``i`` of a sequence with ``q_len`` queries and ``seq_len`` cached tokens sits at
 position ``seq_len - q_len + i`` and attends to positions ``0 ..= that`` (the last
 ``sliding_window`` of them with a window). Cache position ``n`` of sequence ``b`` lives in
@@ -120,16 +122,20 @@ def _attend_tiles(
     stride_vb,
     stride_vs,
     offs_d,
+    d_mask,  # [HEAD_DIM_PAD]: offs_d < the real head_dim
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASK: tl.constexpr,
+    PAD_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles ``tile_lo, tile_lo + tile_step, ... < tile_hi`` (tile
     ``i`` holds positions ``[i * BLOCK_N, (i + 1) * BLOCK_N)``). Without MASK every key of
-    those tiles must be loadable and allowed for every row."""
+    those tiles must be loadable and allowed for every row. With PAD_D the tiles are
+    wider than the head (a head_dim that is not a power of two): the columns past it load
+    as zeros, which add nothing to q·k and give zero output columns."""
     for tile in range(tile_lo, tile_hi, tile_step):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASK:
@@ -140,9 +146,15 @@ def _attend_tiles(
         slots = offs_n % BLOCK_SIZE
         k_ptrs = k_base + (block_ids * stride_kb + slots * stride_ks)[None, :] + offs_d[:, None]  # [D, N]
         v_ptrs = v_base + (block_ids * stride_vb + slots * stride_vs)[:, None] + offs_d[None, :]  # [N, D]
-        if MASK:
+        if MASK and PAD_D:
+            k = tl.load(k_ptrs, mask=load_mask[None, :] & d_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=load_mask[:, None] & d_mask[None, :], other=0.0)
+        elif MASK:
             k = tl.load(k_ptrs, mask=load_mask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=load_mask[:, None], other=0.0)
+        elif PAD_D:
+            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -199,6 +211,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -230,7 +243,8 @@ def _paged_attention_kernel(
     context_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
     q_idx = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # query index within the sequence
     head_in_group = offs_m % GROUP_PAD
     row_mask = (q_idx < q_len) & (head_in_group < GROUP)
@@ -239,7 +253,7 @@ def _paged_attention_kernel(
     token = (q_start + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + (token * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
-        mask=row_mask[:, None],
+        mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
     if UPCAST:
@@ -266,16 +280,16 @@ def _paged_attention_kernel(
     masked_first = full_tiles + (split - (full_tiles - first_tile) % NUM_SPLITS + NUM_SPLITS) % NUM_SPLITS
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, full_tiles, NUM_SPLITS, kv_lo, kv_hi,
-        q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
+        BLOCK_N, BLOCK_SIZE, False, HEAD_DIM_PAD != HEAD_DIM, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, tl.cdiv(kv_hi, BLOCK_N), NUM_SPLITS, kv_lo,
-        kv_hi, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        kv_hi, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
+        BLOCK_N, BLOCK_SIZE, True, HEAD_DIM_PAD != HEAD_DIM, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
 
     if NUM_SPLITS == 1:
@@ -284,13 +298,13 @@ def _paged_attention_kernel(
         tl.store(
             out_ptr + (token * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
             res.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None],
+            mask=row_mask[:, None] & d_mask[None, :],
         )
     else:
         part = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(part_max_ptr + part, m_i, mask=row_mask)
         tl.store(part_sum_ptr + part, l_i, mask=row_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -322,6 +336,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -339,13 +354,14 @@ def _paged_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
 
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
     head_mask = offs_h < GROUP
     head = kv_head * GROUP + offs_h
     token = q_start.to(tl.int64)
     q = tl.load(
         q_ptr + token * stride_qt + (head * stride_qh)[:, None] + offs_d[None, :],
-        mask=head_mask[:, None],
+        mask=head_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
     if UPCAST:
@@ -370,16 +386,16 @@ def _paged_decode_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], tl.float32)
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, first_tile + split, num_full, NUM_SPLITS, kv_lo,
-        seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
+        BLOCK_N, BLOCK_SIZE, False, HEAD_DIM_PAD != HEAD_DIM, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
     acc, m_i, l_i = _attend_tiles(
         q, acc, m_i, l_i, k_base, v_base, block_table_row, masked_first, num_tiles, NUM_SPLITS, kv_lo,
-        seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
-        BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, UPCAST, DOT_PRECISION,
+        seq_len, q_pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_mask,
+        BLOCK_N, BLOCK_SIZE, True, HEAD_DIM_PAD != HEAD_DIM, HAS_WINDOW, UPCAST, DOT_PRECISION,
     )
 
     if NUM_SPLITS == 1:
@@ -388,13 +404,13 @@ def _paged_decode_kernel(
         tl.store(
             out_ptr + token * stride_ot + (head * stride_oh)[:, None] + offs_d[None, :],
             res.to(out_ptr.dtype.element_ty),
-            mask=head_mask[:, None],
+            mask=head_mask[:, None] & d_mask[None, :],
         )
     else:
         part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_H]
         tl.store(part_max_ptr + part, m_i, mask=head_mask)
         tl.store(part_sum_ptr + part, l_i, mask=head_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -409,6 +425,7 @@ def _reduce_splits_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PER_TOKEN: tl.constexpr,
@@ -428,19 +445,21 @@ def _reduce_splits_kernel(
             return
         token = q_start.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
     split_mask = offs_s < NUM_SPLITS
     part = (row.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=split_mask[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=split_mask[:, None] & d_mask[None, :],
+                  other=0.0)
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)  # splits that saw no key have m = -inf -> weight 0
     total = tl.sum(w * l, axis=0)
     total = tl.where(total == 0.0, 1.0, total)
     res = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 # The interpreter multiplies bf16 wrongly (it stores bf16 as raw 16-bit integers), so there
@@ -580,8 +599,8 @@ def paged_attention(
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if cache_head_dim != head_dim:
         raise ValueError(f"k_cache has head_dim {cache_head_dim} but q has {head_dim}")
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"q has head_dim {head_dim}; supported: powers of two from 16 to 256")
+    if head_dim < 1 or head_dim > 256:
+        raise ValueError(f"q has head_dim {head_dim}; supported: 1 to 256")
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({num_kv_heads})")
     num_seqs = seq_lens.shape[0]
@@ -609,6 +628,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
+    head_pad = max(16, next_power_of_2(head_dim))  # the tiles' width (tl.dot takes at least 16)
     upcast = _INTERPRETED or q.dtype == torch.float32
     dot_precision = "ieee" if upcast else "tf32"
     qk_scale = float(scale) * _LOG2E
@@ -620,7 +640,7 @@ def paged_attention(
     max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
 
     if max_query_len == 1:
-        block_n, num_warps, num_stages = _decode_config(head_dim, q.dtype)
+        block_n, num_warps, num_stages = _decode_config(head_pad, q.dtype)
         if num_splits is None:
             if sliding_window is not None:
                 max_context = min(max_context, sliding_window + block_n)
@@ -635,6 +655,7 @@ def paged_attention(
             GROUP=group,
             BLOCK_H=max(16, next_power_of_2(group)),
             HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_pad,
             BLOCK_N=block_n,
             BLOCK_SIZE=block_size,
             NUM_SPLITS=num_splits,
@@ -649,7 +670,7 @@ def paged_attention(
         return out
 
     group_pad = next_power_of_2(group)
-    block_m, block_n, num_warps, num_stages = _general_config(head_dim, group_pad, max_query_len, q.dtype)
+    block_m, block_n, num_warps, num_stages = _general_config(head_pad, group_pad, max_query_len, q.dtype)
     block_q = block_m // group_pad
     if num_splits is None:
         if sliding_window is not None:
@@ -669,6 +690,7 @@ def paged_attention(
         BLOCK_M=block_m,
         SEQ_CHUNK=_SEQ_CHUNK,
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_pad,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
@@ -704,6 +726,7 @@ def _reduce_splits(out, part_max, part_sum, part_acc, query_start_loc, num_seqs:
         out, part_max, part_sum, part_acc, query_start_loc,
         num_seqs, num_heads, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         NUM_SPLITS=num_splits,
         BLOCK_S=next_power_of_2(num_splits),
         PER_TOKEN=per_token,

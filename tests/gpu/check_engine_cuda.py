@@ -41,7 +41,8 @@ def build(directory: Path, tokenizer_dir: Path, head_dim: int, arch: str = "llam
                                        max_window_layers=3)
         model_cls = transformers.Qwen3ForCausalLM
     else:
-        cfg, model_cls = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+        # head_dim given: 80 (12 heads of a 1,024-wide model) is not hidden / heads
+        cfg, model_cls = transformers.LlamaConfig(**shape, head_dim=head_dim), transformers.LlamaForCausalLM
     torch.manual_seed(head_dim)
     model = model_cls(cfg).eval()
     with torch.no_grad():
