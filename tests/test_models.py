@@ -25,12 +25,15 @@ VARIANTS = {
                       "original_max_position_embeddings": 64},
     ),
     "llama-rope-linear-tied": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True),
+    # q/k/v and o biases; heads of 24 (not a power of two: the kernels' tiles are masked)
+    "llama-biases-head-dim-24": dict(attention_bias=True, mlp_bias=True, head_dim=24),
     "mistral-sliding": dict(sliding_window=16),
     "qwen2": {},
     # The window only from layer 1 on (max_window_layers), as transformers reads it.
     "qwen2-sliding": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
     # head_dim set apart from hidden_size / num_attention_heads, as Qwen3's configs do.
     "qwen3": dict(head_dim=32),
+    "qwen3-attention-bias": dict(head_dim=32, attention_bias=True),
     "qwen3-sliding-tied": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
                                tie_word_embeddings=True),
 }
@@ -65,9 +68,15 @@ def tiny_qwen3_sliding(tmp_path_factory, smollm2_path):
                            use_sliding_window=True, sliding_window=8, max_window_layers=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_head_dim_24(tmp_path_factory, smollm2_path):
+    return save_tiny_model(tmp_path_factory.mktemp("llama-hd24"), "llama", smollm2_path, head_dim=24,
+                           attention_bias=True)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3_sliding"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3_sliding", "tiny_llama_head_dim_24"])
 async def test_triton_backend_generates_like_the_reference(model, request):
     path = request.getfixturevalue(model)
     prompts = ["Hello there", "A much longer prompt that will be chunked into pieces by the budget", "x"]
@@ -133,3 +142,103 @@ def test_malformed_sliding_window_settings_are_refused(fields, named):
     raw = _raw_config("Qwen3ForCausalLM", **{"use_sliding_window": True, "sliding_window": 32, **fields})
     with pytest.raises(UnsupportedModelError, match=named):
         ModelConfig.from_dict(raw)
+
+
+# config.json files as they occur (written by older and newer transformers, by hand, by
+# conversion scripts), each read by asyncgen and by transformers' config class of its
+# architecture: the shapes, windows and rotary frequencies must agree.
+_ROPE_8X = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+CONFIG_READINGS = {
+    "fields left out": ("LlamaForCausalLM", dict(num_key_value_heads=None, max_position_embeddings=None)),
+    "null kv heads and head_dim": ("LlamaForCausalLM", dict(num_key_value_heads="null", head_dim="null")),
+    # (32 heads: the default kv head counts, 8 and 32, must divide them)
+    "Mistral, fields left out": ("MistralForCausalLM", dict(num_attention_heads=32, num_key_value_heads=None,
+                                                            sliding_window=None, max_position_embeddings=None)),
+    "Mistral, no window": ("MistralForCausalLM", dict(sliding_window="null")),
+    "Qwen2, fields left out": ("Qwen2ForCausalLM", dict(num_attention_heads=32, num_key_value_heads=None,
+                                                        max_position_embeddings=None, use_sliding_window=True,
+                                                        sliding_window=None)),
+    "Qwen3, fields left out": ("Qwen3ForCausalLM", dict(num_attention_heads=32, num_key_value_heads=None,
+                                                        head_dim=None, max_position_embeddings=None)),
+    "theta at the top": ("LlamaForCausalLM", dict(rope_theta=500000.0)),
+    "theta in rope_parameters wins": ("LlamaForCausalLM", dict(rope_theta=10000.0, rope_parameters={
+        "rope_type": "default", "rope_theta": 500000.0})),
+    "theta in a legacy rope_scaling": ("LlamaForCausalLM", dict(rope_scaling={
+        "type": "linear", "factor": 2.0, "rope_theta": 500000.0})),
+    "rope_scaling stands for rope_parameters": ("LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "llama3 without its original length": ("LlamaForCausalLM", dict(max_position_embeddings=512,
+                                                                     rope_parameters=dict(_ROPE_8X))),
+    "llama3, original length at the top": ("LlamaForCausalLM", dict(
+        original_max_position_embeddings=256,
+        rope_parameters={**_ROPE_8X, "original_max_position_embeddings": 4096})),
+    "llama3 in rope_parameters, theta at the top": ("LlamaForCausalLM", dict(
+        rope_theta=500000.0, rope_parameters={**_ROPE_8X, "original_max_position_embeddings": 64})),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_READINGS))
+def test_config_reads_as_transformers_reads_it(name):
+    import copy
+    import importlib
+
+    import transformers
+
+    arch, changes = CONFIG_READINGS[name]
+    raw = _raw_config(arch, max_position_embeddings=2048)
+    for key, value in changes.items():  # None: the field left out; "null": set to null
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = None if value == "null" else value
+    theirs = getattr(transformers, arch).config_class.from_dict(copy.deepcopy(raw))  # (it fills in nested dicts)
+    ours = ModelConfig.from_dict(copy.deepcopy(raw))
+    assert (ours.num_kv_heads, ours.head_dim, ours.max_position_embeddings) == (
+        theirs.num_key_value_heads, getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads,
+        theirs.max_position_embeddings)
+    types = getattr(theirs, "layer_types", None)
+    window = theirs.sliding_window if arch != "LlamaForCausalLM" else None
+    expected = [window if types is None or types[i] == "sliding_attention" else None for i in range(ours.num_layers)]
+    assert [ours.window(i) for i in range(ours.num_layers)] == expected
+    prefix = arch.removesuffix("ForCausalLM")
+    module = importlib.import_module(f"transformers.models.{prefix.lower()}.modeling_{prefix.lower()}")
+    rotary = getattr(module, f"{prefix}RotaryEmbedding")(config=theirs)
+    assert rotary.attention_scaling == 1.0
+    torch.testing.assert_close(ours.inv_freq(), rotary.inv_freq.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("arch, flag, biased", [
+    ("LlamaForCausalLM", "attention_bias", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("LlamaForCausalLM", "mlp_bias", ("gate_proj", "up_proj", "down_proj")),
+    ("Qwen3ForCausalLM", "attention_bias", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("Qwen2ForCausalLM", "attention_bias", ("q_proj", "k_proj", "v_proj")),  # q/k/v always, o never
+    ("Qwen2ForCausalLM", "mlp_bias", ("q_proj", "k_proj", "v_proj")),
+    ("MistralForCausalLM", "attention_bias", ()),
+])
+def test_biases_are_those_transformers_gives_the_architecture(arch, flag, biased):
+    """A bias flag counts only where transformers' modeling code of the architecture reads
+    it: the checkpoint it saves has exactly these bias tensors, and asyncgen expects them."""
+    import transformers
+
+    raw = _raw_config(arch, **{flag: True})
+    hf = getattr(transformers, arch)(getattr(transformers, arch).config_class.from_dict(dict(raw)))
+    names = {n.split(".")[-2] for n, _ in hf.named_parameters() if n.endswith(".bias")}
+    assert names == set(biased)
+    cfg = ModelConfig.from_dict(raw)
+    ours = {"q_proj", "k_proj", "v_proj"} if cfg.attention_bias else set()
+    ours |= {"o_proj"} if cfg.o_proj_bias else set()
+    ours |= {"gate_proj", "up_proj", "down_proj"} if cfg.mlp_bias else set()
+    assert ours == set(biased)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}), "per layer type"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_rope_and_activation_settings_computed_otherwise_are_refused(fields, named):
+    from asyncgen.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=named):
+        ModelConfig.from_dict(_raw_config("LlamaForCausalLM", **fields))

@@ -15,6 +15,18 @@ __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")
+_ACTIVATIONS = ("silu", "swish")  # one function under two names, as transformers reads them
+# What transformers' config class of each architecture assumes for a field config.json
+# leaves out (not for one set to null: see from_dict).
+_DEFAULTS = {
+    "LlamaForCausalLM": dict(num_key_value_heads=None, head_dim=None, max_position_embeddings=2048),
+    "MistralForCausalLM": dict(num_key_value_heads=8, head_dim=None, max_position_embeddings=4096 * 32,
+                               sliding_window=4096),
+    "Qwen2ForCausalLM": dict(num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
+                             sliding_window=4096),
+    "Qwen3ForCausalLM": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                             sliding_window=4096),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +42,10 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    # Biases, as each architecture's modeling code in transformers gives them: Llama and
+    # Qwen3 on q/k/v and o with ``attention_bias`` (and Llama on the MLP with
+    # ``mlp_bias``); Qwen2 on q/k/v always; Mistral nowhere.
+    attention_bias: bool  # q, k and v
     mlp_bias: bool
     rope_theta: float
     rope_scaling: Optional[dict[str, Any]]
@@ -39,6 +54,7 @@ class ModelConfig:
     quantization: Optional[dict[str, Any]]
     # RMSNorm over each head's q and k before the rotary embedding (Qwen3).
     qk_norm: bool = False
+    o_proj_bias: bool = False
     # The attention window of each layer (None: full attention); empty means every
     # layer has ``sliding_window``.
     layer_windows: tuple[Optional[int], ...] = ()
@@ -89,10 +105,17 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        defaults = _DEFAULTS[arch]
         hidden = _number(raw, "hidden_size", int)
         num_heads = _number(raw, "num_attention_heads", int)
-        num_kv_heads = _number(raw, "num_key_value_heads", int, default=num_heads, nullable=True)
-        head_dim = _number(raw, "head_dim", int, default=hidden // num_heads, nullable=True)
+        # Null: derived from the heads (as transformers reads null); absent: the
+        # architecture's default, where it has one other than that.
+        derived = {"num_key_value_heads": num_heads, "head_dim": hidden // num_heads}
+        num_kv_heads, head_dim = (
+            _number(raw, key, int, nullable=True,
+                    default=derived[key] if key in raw else defaults[key] or derived[key])
+            for key in ("num_key_value_heads", "head_dim")
+        )
         vocab_size = _number(raw, "vocab_size", int)
         intermediate = _number(raw, "intermediate_size", int)
         num_layers = _number(raw, "num_hidden_layers", int)
@@ -100,10 +123,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )
-        rope_theta, rope_scaling = _rope_settings(raw)
+        # a sequence holds its prompt and at least one generated token
+        max_positions = _number(raw, "max_position_embeddings", int, default=defaults["max_position_embeddings"],
+                                least=2)
+        rope_theta, rope_scaling = _rope_settings(raw, max_positions)
         sliding_window, layer_windows = _sliding_windows(raw, arch, num_layers)
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in _ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
+        biased = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and _flag(raw, "attention_bias")
         quant = raw.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
             raise UnsupportedModelError(f"quantization_config must be a JSON object, got {quant!r}")
@@ -117,17 +144,17 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=_number(raw, "rms_norm_eps", float, default=1e-6),
-            # a sequence holds its prompt and at least one generated token
-            max_position_embeddings=_number(raw, "max_position_embeddings", int, default=2048, least=2),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
-            attention_bias=arch == "Qwen2ForCausalLM" or _flag(raw, "attention_bias"),
-            mlp_bias=_flag(raw, "mlp_bias"),
+            attention_bias=arch == "Qwen2ForCausalLM" or biased,
+            mlp_bias=arch == "LlamaForCausalLM" and _flag(raw, "mlp_bias"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             sliding_window=sliding_window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=quant,
             qk_norm=arch == "Qwen3ForCausalLM",
+            o_proj_bias=biased,
             layer_windows=layer_windows,
         )
 
@@ -144,7 +171,7 @@ class ModelConfig:
             factor = float(scaling["factor"])
             low = float(scaling.get("low_freq_factor", 1.0))
             high = float(scaling.get("high_freq_factor", 4.0))
-            old_len = float(scaling.get("original_max_position_embeddings", 8192))
+            old_len = float(scaling["original_max_position_embeddings"])
             wavelen = 2 * math.pi / base
             scaled = torch.where(wavelen > old_len / low, base / factor, base)
             smooth = (old_len / wavelen - low) / (high - low)
@@ -195,8 +222,10 @@ def _flag(raw: dict[str, Any], key: str) -> bool:
 def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[Optional[int], tuple]:
     """(window, per-layer windows) as transformers reads them: Llama never slides,
     Mistral in every layer; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers
-    ``layer_types`` marks "sliding_attention" or, without it, from ``max_window_layers`` on."""
-    window = raw.get("sliding_window")
+    ``layer_types`` marks "sliding_attention" or, without it, from ``max_window_layers`` on.
+    A config without ``sliding_window`` gets the architecture's default (4,096 tokens);
+    null means none."""
+    window = raw.get("sliding_window", _DEFAULTS[arch].get("sliding_window"))
     if arch == "LlamaForCausalLM" or (arch in _QWEN and not raw.get("use_sliding_window", False)):
         window = None  # transformers' Llama has no window; Qwen's is off unless switched on
     if window is None or window == 0:
@@ -219,33 +248,46 @@ def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[O
     return window, tuple(kinds[t] for t in types)
 
 
-def _rope_settings(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """(theta, scaling) from either the older ``rope_theta``/``rope_scaling`` fields or
-    the newer ``rope_parameters`` dict."""
-    params = raw.get("rope_parameters") or {}
+def _rope_settings(raw: dict[str, Any], max_positions: int) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, scaling) as transformers reads them from the older ``rope_theta`` and
+    ``rope_scaling`` fields or the newer ``rope_parameters`` dict: ``rope_scaling``, when
+    set, stands for ``rope_parameters``; the dict's own ``rope_theta`` wins over a
+    top-level one; llama3's ``original_max_position_embeddings`` is a top-level field's,
+    else the dict's, else ``max_position_embeddings``."""
+    params = raw.get("rope_parameters") or None
     scaling = raw.get("rope_scaling") or None
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if value is not None and not isinstance(value, dict):
             raise UnsupportedModelError(f"config.json's {key} must be a JSON object, got {value!r}")
-    theta = _number(raw if "rope_theta" in raw else params, "rope_theta", float, 10000.0)
-    source = "rope_scaling"
-    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
-        scaling, source = params, "rope_parameters"
-    if scaling is not None:
-        scaling = dict(scaling)
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling["rope_type"] = kind
-        if kind not in _ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope_scaling type {kind!r} is not supported; supported: {', '.join(_ROPE_TYPES)}"
-            )
-        if kind == "default":
-            scaling = None
-        else:  # both divide frequencies by a factor; llama3's other fields have defaults
-            _number(scaling, "factor", float, prefix=f"{source}.")
-            for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                _number(scaling, key, float, default=None, prefix=f"{source}.", nullable=True)
-    return theta, scaling
+    source = "rope_scaling" if scaling is not None else "rope_parameters"
+    rope = dict(scaling or params or {})
+    nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if nested:
+        raise UnsupportedModelError(f"{source} set per layer type ({', '.join(nested)}) is not supported")
+    if "rope_theta" in rope:
+        theta = _number(rope, "rope_theta", float, prefix=f"{source}.")
+    else:
+        theta = _number(raw, "rope_theta", float, 10000.0)
+    fraction = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if fraction is not None and fraction != 1:
+        raise UnsupportedModelError(f"partial_rotary_factor {fraction!r} is not supported; the rotary embedding "
+                                    "covers every dimension of a head")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: {', '.join(_ROPE_TYPES)}")
+    if kind == "default":
+        return theta, None
+    rope["rope_type"] = kind
+    # both divide frequencies by a factor; llama3's other fields have defaults
+    _number(rope, "factor", float, prefix=f"{source}.")
+    for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        _number(rope, key, float, default=None, prefix=f"{source}.", nullable=True)
+    if kind == "llama3":
+        if "original_max_position_embeddings" in raw:
+            rope["original_max_position_embeddings"] = _number(raw, "original_max_position_embeddings", int)
+        elif rope.get("original_max_position_embeddings") is None:
+            rope["original_max_position_embeddings"] = max_positions
+    return theta, rope
 
 
 # The settings that decide how a quantized checkpoint's tensors read, under each name the

@@ -65,7 +65,8 @@ class Attention(nn.Module):
             cfg.attention_bias, dtype, device, method_factory(f"{prefix}.qkv_proj"),
         )
         self.o_proj = RowLinear(
-            f"{prefix}.o_proj", self.q_size, cfg.hidden_size, False, dtype, device, method_factory(f"{prefix}.o_proj")
+            f"{prefix}.o_proj", self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device,
+            method_factory(f"{prefix}.o_proj"),
         )
         # Bound by the model runner once the pool is allocated:
         # [num_blocks, block_size, num_kv_heads, head_dim] each.
