@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import anyio
 import pytest
 from pydantic import ValidationError
 
@@ -570,6 +571,122 @@ async def test_requests_from_another_threads_loop_are_refused(smollm2_path):
         assert "another thread" in seen["error"]
         out = await engine.generate("Hi", SamplingParams(max_tokens=2, temperature=0))
         assert len(out.token_ids) == 2
+
+
+def test_requests_from_another_loop_of_the_same_thread_are_refused(smollm2_path):
+    """An engine started in one asyncio loop and used from a second one of the same
+    thread while the first is suspended (a test framework's session loop and its loop
+    per test): a typed error at once, not a request no loop will ever run."""
+    import asyncio
+
+    engine = AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS)
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(engine.start())
+
+        async def use():
+            async with asyncio.timeout(30):
+                with pytest.raises(EngineStateError, match="another event loop of this thread"):
+                    await engine.generate("Hi", SamplingParams(max_tokens=2))
+                with pytest.raises(EngineStateError, match="another event loop"):
+                    engine.abort("anything")
+
+        asyncio.run(use())
+        out = first.run_until_complete(engine.generate("Hi", SamplingParams(max_tokens=2)))
+        assert len(out.token_ids) == 2
+    finally:
+        first.run_until_complete(engine.aclose())
+        first.close()
+
+
+@pytest.mark.anyio
+async def test_abort_from_another_thread_is_refused_and_the_stream_goes_on(smollm2_path):
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        stream = engine.stream("Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True), request_id="job")
+        chunks = [await stream.__anext__()]
+        error = await anyio.to_thread.run_sync(lambda: pytest.raises(EngineStateError, engine.abort, "job"))
+        assert "another thread" in str(error.value)
+        with anyio.fail_after(30):
+            chunks += [c async for c in stream]
+        assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 12
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.anyio
+async def test_a_stream_collected_during_the_engines_own_work_is_aborted_after_it(smollm2_path):
+    """A stream dropped mid-request inside a reference cycle is finalized wherever the
+    garbage collector runs, here in the middle of a step's scheduling: its abort waits for
+    the engine's loop, and the step planned with the request goes on undisturbed."""
+    import gc
+
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        stream = engine.stream("Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True))
+        await stream.__anext__()
+        stream.cycle = stream  # once dropped, reachable only through itself
+        del stream
+        blocks = engine._core.scheduler.block_manager
+        real = blocks.allocate
+        collected = []
+
+        def allocate(request_id, *args):
+            if request_id == "hi" and not collected:  # the step holds the dropped request already
+                collected.append(gc.collect())  # (what any allocation may start)
+            return real(request_id, *args)
+
+        blocks.allocate = allocate
+        with anyio.fail_after(30):
+            out = await engine.generate("Hi", SamplingParams(max_tokens=8, ignore_eos=True), request_id="hi")
+            assert len(out.token_ids) == 8
+            while engine.stats().num_running:  # the dropped request: aborted by the loop
+                await anyio.sleep(0.01)
+        assert collected and collected[0] > 0
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.anyio
+async def test_abort_of_a_stream_not_iterated_yet_ends_it(smollm2_path):
+    async with AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS) as engine:
+        stream = engine.stream("Once upon a time", SamplingParams(max_tokens=40, ignore_eos=True), request_id="job")
+        assert engine.abort("job") is True
+        with anyio.fail_after(30):
+            chunks = [c async for c in stream]
+        assert [(c.finish_reason, c.token_ids) for c in chunks] == [("abort", ())]
+        assert engine.abort("job") is False
+        out = await engine.generate("Hi", SamplingParams(max_tokens=2), request_id="job")  # the id is free again
+        assert len(out.token_ids) == 2
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.anyio
+async def test_aclose_while_start_loads_waits_for_it_then_closes(smollm2_path):
+    engine = AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.start)
+            while engine._start_done is None:
+                await anyio.sleep(0)
+            await engine.aclose()
+            assert not engine.is_running and engine._runner is None
+            assert not engine._device._thread.is_alive()
+    with pytest.raises(EngineStateError, match="closed"):
+        engine.stream("Hi")
+
+
+@pytest.mark.anyio
+async def test_every_concurrent_aclose_returns_once_the_engine_is_released(smollm2_path):
+    engine = AsyncEngine.from_pretrained(smollm2_path, **ENGINE_ARGS)
+    await engine.start()
+    seen = []
+
+    async def close():
+        await engine.aclose()
+        seen.append((engine._runner is None, engine._device._thread.is_alive()))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(close)
+    assert seen == [(True, False)] * 3
 
 
 @pytest.mark.anyio

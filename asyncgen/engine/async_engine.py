@@ -44,7 +44,7 @@ from ..sampling_params import BeamSearchParams, SamplingParams
 from ..structured import unicode_problem
 from . import heap
 from .core import EngineCore, RequestGroup, seq_ids
-from .device_thread import DeviceThread, current_async_library, threadsafe_caller
+from .device_thread import DeviceThread, current_async_library, running_loop, threadsafe_caller
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -82,10 +82,15 @@ class AsyncEngine:
         self._tokenizer = None
         self._device: Optional[DeviceThread] = None
         self._loop_thread: Optional[int] = None
+        self._loop: Any = None  # the event loop the engine runs in (running_loop())
+        self._start_done: Optional[anyio.Event] = None  # set when start() has loaded or failed
+        self._closing: Optional[anyio.Event] = None  # set when aclose() has released everything
         self._call_soon = None
         self._wakeup: Optional[anyio.Event] = None
         self._stopped: Optional[anyio.Event] = None
-        self._pending_aborts: deque[str] = deque()
+        # Aborts handed to the loop (by a stream collected from another thread, or in the
+        # middle of the engine's own work): each request's group, aborted if still live.
+        self._pending_aborts: deque[RequestGroup] = deque()
         # Streams opened with a request_id of the caller's, until their first __anext__
         # submits them: their ids are taken from the stream() call on.
         self._unsent: "weakref.WeakValueDictionary[str, RequestStream]" = weakref.WeakValueDictionary()
@@ -155,6 +160,7 @@ class AsyncEngine:
         if self._state is not _State.NEW:
             raise EngineStateError(f"start() on an engine that is {self._state.value}; an engine starts once")
         self._state = _State.STARTING
+        self._start_done = anyio.Event()
         self._device = DeviceThread()
         try:
             await self._device.run(self._load)
@@ -164,7 +170,10 @@ class AsyncEngine:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._device.join)
             raise
+        finally:
+            self._start_done.set()
         self._loop_thread = threading.get_ident()
+        self._loop = running_loop()
         self._call_soon = threadsafe_caller()
         self._wakeup = anyio.Event()
         self._stopped = anyio.Event()
@@ -233,12 +242,24 @@ class AsyncEngine:
 
     async def aclose(self) -> None:
         """Stops the engine: live requests end with finish_reason "abort", the loop
-        exits, the model and KV pool are released. Idempotent."""
+        exits, the model and KV pool are released. Idempotent; a call while start() is
+        still loading waits for the load, then closes; one while another call closes
+        returns when that one is done."""
+        if self._state is _State.STARTING:
+            await self._start_done.wait()
+        if self._closing is not None:
+            await self._closing.wait()
+            return
         if self._state in (_State.CLOSED, _State.NEW):
             self._state = _State.CLOSED
             return
-        if self._state is _State.STARTING:
-            raise EngineStateError("aclose() while start() is still loading the model")
+        self._closing = anyio.Event()
+        try:
+            await self._close()
+        finally:
+            self._closing.set()
+
+    async def _close(self) -> None:
         self._state = _State.CLOSED
         if self._core is not None:
             for request_id in list(self._core.groups):
@@ -380,13 +401,15 @@ class AsyncEngine:
 
     def _drain_pending_aborts(self) -> None:
         while self._pending_aborts:
-            self._core.abort(self._pending_aborts.popleft())
+            group = self._pending_aborts.popleft()
+            if self._core.groups.get(group.request_id) is group:  # (its id may be another request's by now)
+                self._core.abort(group.request_id)
 
-    def _abort_from_any_thread(self, request_id: str) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self.abort(request_id)
-            return
-        self._pending_aborts.append(request_id)
+    def _abort_later(self, group: RequestGroup) -> None:
+        """Hands the abort of ``group``'s request to the engine's loop: from any thread, and
+        from a finalizer, which may run in the middle of the engine's own work (the
+        garbage collector runs wherever objects are allocated)."""
+        self._pending_aborts.append(group)
         try:
             self._call_soon(self._wake)
         except RuntimeError:
@@ -402,12 +425,19 @@ class AsyncEngine:
         raise EngineStateError(f"the engine is {self._state.value}; use 'async with engine' or 'await engine.start()' first")
 
     def _check_loop_thread(self) -> None:
-        """EngineStateError for a request made outside the thread of the event loop the
-        engine runs in (its state belongs to that loop)."""
+        """EngineStateError for a request made outside the event loop the engine runs in
+        (its state belongs to that loop): from another thread, or from another loop of the
+        same thread (an engine started in one ``asyncio.run`` and used in the next while
+        the first is suspended, as by a test framework's loop per test)."""
         if threading.get_ident() != self._loop_thread:
             raise EngineStateError(
                 "the engine runs in the event loop of another thread; make requests from that loop (from another "
                 "thread, hand them to it, e.g. with anyio.from_thread.run or asyncio.run_coroutine_threadsafe)"
+            )
+        if running_loop() is not self._loop:
+            raise EngineStateError(
+                "the engine runs in another event loop of this thread (the one that started it); make requests from "
+                "that loop, or start an engine in this one"
             )
 
     def stream(
@@ -673,9 +703,17 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request now (its stream ends with finish_reason "abort"); False if no
-        such live request. Call from the event-loop thread."""
+        such live request. A stream opened with this ``request_id`` and not iterated yet
+        is submitted and aborted at once, so it ends the same way. Call from the engine's
+        event loop (EngineStateError from another thread or loop)."""
+        if self._state is _State.RUNNING:
+            self._check_loop_thread()
         if self._core is None:
             return False
+        stream = self._unsent.get(request_id)
+        if stream is not None and not stream._registered and not stream._closed and self._state is _State.RUNNING:
+            self._register(stream)
+            stream._registered = True
         return self._core.abort(request_id)
 
     def add_finish_listener(self, listener: Callable[[StreamChunk], Any]) -> Callable[[], None]:
@@ -910,7 +948,10 @@ class RequestStream(AsyncIterator[StreamChunk]):
         if not self._closed:
             self._closed = True
             if self._registered and not self.group.finished:
-                self.engine._abort_from_any_thread(self.group.request_id)
+                if running_loop() is self.engine._loop:
+                    self.engine.abort(self.group.request_id)
+                else:
+                    self.engine._abort_later(self.group)
 
     async def aclose(self) -> None:
         """Aborts the request if it is still generating."""
@@ -925,7 +966,7 @@ class RequestStream(AsyncIterator[StreamChunk]):
     def __del__(self) -> None:
         if getattr(self, "_registered", False) and not self._closed and not self.group.finished:
             try:
-                self.engine._abort_from_any_thread(self.group.request_id)
+                self.engine._abort_later(self.group)
             except Exception:
                 pass
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import anyio
 
-__all__ = ["DeviceThread", "Job", "current_async_library", "threadsafe_caller"]
+__all__ = ["DeviceThread", "Job", "current_async_library", "running_loop", "threadsafe_caller"]
 
 
 def current_async_library() -> str:
@@ -35,6 +35,22 @@ def current_async_library() -> str:
     except (ImportError, RuntimeError):
         pass
     raise RuntimeError("asyncgen needs a running asyncio or trio event loop")
+
+
+def running_loop() -> Any:
+    """The event loop running in this thread (asyncio's loop, trio's run token), or None:
+    what tells two loops of one thread apart (an engine started in one, used in another)."""
+    import asyncio
+
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return loop
+    try:
+        import trio
+
+        return trio.lowlevel.current_trio_token()
+    except (ImportError, RuntimeError):
+        return None
 
 
 def threadsafe_caller() -> Callable[[Callable[[], Any]], None]:
