@@ -5,7 +5,10 @@ the text arrives.
 
 Write ``!ask <question>`` in any channel the bot can read (enable the "message content"
 intent for the bot in Discord's developer portal). Each channel keeps its last few
-exchanges, so follow-up questions work.
+exchanges, so follow-up questions work; a question the model cannot take (too long) is
+refused on its own, and the conversation goes on. An answer cut off by ``--max-tokens``
+or by Discord's 2,000 characters ends in " …", one stopped by the bot closing in
+" [stopped]".
 
 Discord limits how often a message may be edited, so the reply is edited at most once per
 ``edit_interval`` seconds (and once more with the final text). discord.py runs every
@@ -28,6 +31,8 @@ from asyncgen import AsyncEngine, InvalidRequestError, SamplingParams
 
 MESSAGE_LIMIT = 2000  # characters in one Discord message
 CURSOR = " ▌"
+CUT = " …"  # the end of an answer cut short by a length limit
+STOPPED = " [stopped]"  # the end of one the bot stopped (it is closing)
 
 
 class ThrottledEditor:
@@ -101,9 +106,13 @@ class AskBot(discord.Client):
             await self.engine.aclose()
 
     async def on_message(self, message: Any) -> None:
-        if message.author.bot or not message.content.startswith(self.prefix):
+        content = message.content
+        if message.author.bot or not content.startswith(self.prefix):
             return
-        question = message.content[len(self.prefix):].strip()
+        question = content[len(self.prefix):]
+        if question[:1] and not question[:1].isspace():
+            return  # "!asking ...": another word, not the command
+        question = question.strip()
         if not question:
             await message.channel.send(f"Ask me something: `{self.prefix} <question>`")
             return
@@ -120,20 +129,29 @@ class AskBot(discord.Client):
             *history,
             {"role": "user", "content": question},
         ]
-        text = ""
+        text, finish = "", None
         try:
             async with self.engine.stream(messages=messages, params=self.params) as stream:
                 async for chunk in stream:
                     text += chunk.text
+                    finish = chunk.finish_reason or finish
                     if len(text) > MESSAGE_LIMIT - len(CURSOR):
-                        text = text[: MESSAGE_LIMIT - 2] + " …"
+                        text, finish = text[: MESSAGE_LIMIT - len(CUT)], "length"
                         break  # the message is full; leaving the loop stops the generation
                     await editor.update(text)
-        except InvalidRequestError as e:  # e.g. the conversation outgrew the context
-            history.clear()
-            await editor.finish(f"Sorry, I can't answer that: {e}")
+        except InvalidRequestError as e:  # e.g. a question too long for the model
+            await editor.finish(f"Sorry, I can't answer that: {e}")  # the conversation so far stays
             return ""
-        await editor.finish(text)
+        except BaseException:  # cancelled (the bot is closing) or failed: no cursor left behind
+            try:
+                await editor.finish(text + STOPPED)
+            except Exception:
+                pass
+            raise
+        if finish == "abort":  # the engine closed under the stream
+            await editor.finish(text + STOPPED)
+            return text
+        await editor.finish(text + CUT if finish == "length" else text)
         history.extend([{"role": "user", "content": question}, {"role": "assistant", "content": text}])
         return text
 

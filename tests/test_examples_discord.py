@@ -103,7 +103,7 @@ async def test_streams_one_reply_with_throttled_edits(bot, example):
     assert engine_idle(bot.engine)
     # the answer is the model's greedy answer to the same conversation
     history = list(bot.history[1])
-    assert history[-1] == {"role": "assistant", "content": final}
+    assert history[-1] == {"role": "assistant", "content": final.removesuffix(example.CUT)}
 
 
 async def test_many_channels_at_once(bot, example):
@@ -129,16 +129,50 @@ async def test_ignores_bots_and_other_messages(bot):
     channel = FakeChannel(2)
     await bot.on_message(FakeMessage("!ask hello", channel, author_is_bot=True))
     await bot.on_message(FakeMessage("just chatting", channel))
+    await bot.on_message(FakeMessage("!asking for a friend", channel))  # another word, not the command
     assert channel.sent == []
     await bot.on_message(FakeMessage("!ask   ", channel))
     assert [m.content for m in channel.sent] == ["Ask me something: `!ask <question>`"]
 
 
-async def test_a_too_long_question_gets_an_apology(bot):
+async def test_a_too_long_question_gets_an_apology_and_the_conversation_stays(bot):
     channel = FakeChannel(3)
+    await bot.on_message(FakeMessage("!ask My name is Ada.", channel))
+    before = list(bot.history[3])
     await bot.on_message(FakeMessage("!ask " + "why " * 3000, channel))
-    assert channel.sent[0].content.startswith("Sorry, I can't answer that")
+    assert channel.sent[1].content.startswith("Sorry, I can't answer that")
+    assert list(bot.history[3]) == before and len(before) == 2
     assert engine_idle(bot.engine)
+
+
+async def test_an_answer_cut_by_max_tokens_says_so(bot, example):
+    from asyncgen import SamplingParams
+
+    channel, params = FakeChannel(4), bot.params
+    bot.params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        await bot.on_message(FakeMessage("!ask Tell me a long story.", channel))
+    finally:
+        bot.params = params
+    final = channel.sent[0].content
+    assert final.endswith(example.CUT) and len(final) > len(example.CUT)
+    assert bot.history[4][-1]["content"] == final.removesuffix(example.CUT)
+
+
+async def test_an_answer_stopped_midway_does_not_keep_its_cursor(bot, example):
+    channel = FakeChannel(5)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bot.on_message, FakeMessage("!ask Tell me a long story.", channel))
+            while not channel.sent or not channel.sent[0].edits:  # the first piece is shown
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()  # (what closing the bot does to its handlers)
+    final = channel.sent[0].content
+    assert final.endswith(example.STOPPED) and example.CURSOR not in final
+    assert 5 not in bot.history or not bot.history[5]
+    with anyio.fail_after(10):
+        while not engine_idle(bot.engine):
+            await anyio.sleep(0.01)
 
 
 async def test_editor_throttles_with_a_fake_clock(example):
