@@ -1,6 +1,6 @@
 """A Django project in one file: async views that stream from asyncgen.
 
-    python examples/django_app.py --host 127.0.0.1 --port 8000 [--model DIR]
+    python examples/django_app.py --host 127.0.0.1 --port 8000 [--model DIR] [--graceful-shutdown-s 10]
 
 Views:
 
@@ -13,7 +13,9 @@ Django serves async views and async streaming only under an ASGI server, where o
 loop runs for the life of the process; the engine lives in that loop. Django itself has
 no startup hook for async resources, so ``application`` below wraps Django's ASGI app and
 answers the ASGI lifespan protocol: the engine starts when the server starts and closes
-when it stops. (Under ``runserver``, a WSGI server, each request gets a new event loop,
+when it stops. Stopping (Ctrl+C, SIGTERM) waits up to ``--graceful-shutdown-s`` for open
+responses to finish; the rest are cut off and their generations aborted as the engine
+closes. (Under ``runserver``, a WSGI server, each request gets a new event loop,
 and an engine cannot outlive one; use an ASGI server.)
 
 When a client disconnects, Django's ASGI handler cancels the task that is streaming the
@@ -198,11 +200,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: $ASYNCGEN_MODEL, else SmolLM2)")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--graceful-shutdown-s", type=float, default=10,
+        help="at shutdown, how long open responses may go on before their connections are cut and the engine "
+        "closes",
+    )
     args = parser.parse_args(argv)
     application.engine_kwargs = {
         "model": args.model, "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len,
     }
-    uvicorn.run(application, host=args.host, port=args.port, lifespan="on")
+    uvicorn.run(application, host=args.host, port=args.port, lifespan="on",
+                timeout_graceful_shutdown=args.graceful_shutdown_s)
 
 
 if __name__ == "__main__":

@@ -183,3 +183,68 @@ async def test_no_engine_is_a_503(app, client):
         assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
     finally:
         app._engine, app._adapter = running
+
+
+def test_a_stop_signal_with_a_response_streaming_exits_after_the_grace_period(tmp_path):
+    """The example as a user runs it: SIGTERM while a long article streams. The server
+    waits ``--graceful-shutdown-s`` for it, then cuts it off and closes the engine,
+    instead of waiting for the whole generation (minutes on a CPU)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(EXAMPLE.parents[1]), os.environ.get(
+        "PYTHONPATH")) if p)}
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, str(EXAMPLE), "--port", str(port), "--model", str(smollm2()), "--num-kv-blocks", "256",
+           "--max-model-len", "2048", "--graceful-shutdown-s", "1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.25)
+        started = threading.Event()
+        received: list[bytes] = []
+
+        def read():
+            try:
+                with httpx.stream("GET", url + "/write", params={"topic": "the sea", "max_tokens": "1000"},
+                                  timeout=60) as response:
+                    for piece in response.iter_bytes():
+                        received.append(piece)
+                        started.set()
+            except httpx.HTTPError:
+                pass  # cut off at shutdown
+            started.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert started.wait(120) and received
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        took = time.monotonic() - signalled
+        reader.join(10)
+        assert took < 12, f"exited {took:.1f} s after SIGTERM"
+        assert "Waiting for connections to close" in log.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
