@@ -5,11 +5,16 @@
 The tools are plain functions with pydantic models for their arguments; their JSON
 Schemas go to the model as OpenAI ``tools``, through ``engine.openai_client()`` (the
 ``openai.AsyncOpenAI`` surface, in-process). Each round, the model's calls are checked
-against the argument models, run, and their results sent back as ``tool`` messages;
-once no more calls come (or after ``--max-rounds``), the answer streams.
+against the argument models, run, and their results sent back as ``tool`` messages. A
+round that brings no call brings the answer (printed whole); after ``--max-rounds`` rounds
+of calls, a last request streams the answer, tools off. An answer cut off by
+``--max-tokens`` ends in " …"; a call it cut off (after a whole one) is run, and the model
+shown the error its arguments give.
 
 The first round forces a call (``tool_choice="required"``): the output is then
-constrained to valid calls of these functions, which works with any model. Later rounds
+constrained to valid calls of these functions, which works with any model. If
+``--max-tokens`` cuts that round off before one call is whole, there is no call to run:
+the program says so and exits with status 1. Later rounds
 let the model choose (``"auto"``) where asyncgen knows how the model writes calls (its
 chat template names a format: Qwen, Hermes, Llama 3.1+, Mistral), and otherwise go
 straight to the answer (``"none"``). The functions are ``strict``, so in those rounds a
@@ -90,6 +95,10 @@ def run_tool(name: str, arguments: str) -> dict[str, Any]:
 
 
 # --- the loop --------------------------------------------------------------------------------------
+class CallCutOff(Exception):
+    """The forced first round ended (at ``max_tokens``) before one tool call was whole."""
+
+
 async def run_agent(
     client,
     question: str,
@@ -115,10 +124,13 @@ async def run_agent(
             model=client.model, messages=messages, tools=tool_specs(), tool_choice=choice,
             max_tokens=max_tokens, temperature=0,
         )
-        message = resp.choices[0].message
+        message, finish = resp.choices[0].message, resp.choices[0].finish_reason
         if not message.tool_calls:
+            if choice == "required":  # a forced round without a call: max_tokens cut the first one short
+                raise CallCutOff(f"max_tokens={max_tokens} cut off the model's first tool call ({finish}): "
+                                 f"{message.content!r}; allow more tokens")
             messages.append({"role": "assistant", "content": message.content or ""})
-            print(f"assistant> {message.content}", file=out)
+            print(f"assistant> {message.content or ''}{' …' if finish == 'length' else ''}", file=out)
             return messages
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
@@ -131,12 +143,15 @@ async def run_agent(
     )
     print("assistant> ", end="", file=out, flush=True)
     answer = []
+    finish = None
     async with stream:
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 answer.append(chunk.choices[0].delta.content)
                 print(answer[-1], end="", file=out, flush=True)
-    print(file=out)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    print(" …" if finish == "length" else "", file=out)
     messages.append({"role": "assistant", "content": "".join(answer)})
     return messages
 
@@ -168,7 +183,12 @@ async def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     args = parser.parse_args(argv)
     async with AsyncEngine.from_pretrained(resolve_model(args.model), num_kv_blocks=args.num_kv_blocks) as engine:
-        await run_agent(engine.openai_client(), args.question, max_rounds=args.max_rounds, max_tokens=args.max_tokens)
+        try:
+            await run_agent(engine.openai_client(), args.question, max_rounds=args.max_rounds,
+                            max_tokens=args.max_tokens)
+        except CallCutOff as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -89,3 +89,15 @@ async def test_loop_answers_every_call_with_its_result(agent, smollm2_path):
             assert "".join(log).count("call> ") == len(calls)
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_reported_not_printed_as_the_answer():
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCGEN_MODEL"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "What is the weather in Paris?", "--max-tokens", "4", "--num-kv-blocks", "128"],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "assistant>" not in proc.stdout and "call>" not in proc.stdout
+    assert "max_tokens=4 cut off the model's first tool call (length)" in proc.stderr
