@@ -6,7 +6,8 @@ Type a message and press Enter; the answer streams in as it is generated, follow
 its time to first token and speed. ``/reset`` forgets the conversation, ``/quit`` (or
 end of input) leaves. Each answer runs under ``trio.move_on_after(--timeout)``: when the
 deadline passes, trio cancels the ``async for`` and the engine aborts the request and
-frees its memory at once; the partial answer is kept.
+frees its memory at once; the partial answer is kept. Ctrl+C leaves (the engine closes
+first) with status 130.
 
 Nothing here is specific to asyncio: the engine's background loop runs as a trio system
 task, and cancellation is trio's own.
@@ -126,4 +127,8 @@ async def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:  # Ctrl+C: the engine closed as main unwound; no traceback
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import statistics
+import sys
 import time
 from typing import Optional
 
@@ -142,6 +143,11 @@ async def amain(argv: Optional[list[str]] = None) -> list[Result]:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks of 16 tokens")
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio", help="event loop to run on")
     args = parser.parse_args(argv)
+    if args.users < 0:
+        parser.error(f"--users must be 0 or more, got {args.users}")
+    if not 1 <= args.max_tokens < args.max_model_len:
+        parser.error(f"--max-tokens must be at least 1 and leave room for the prompt within --max-model-len "
+                     f"({args.max_model_len}), got {args.max_tokens}")
     model = args.model or os.environ.get("ASYNCGEN_MODEL")
     if model is None:
         from asyncgen.fetch import smollm2
@@ -160,7 +166,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     known, _ = parser.parse_known_args(argv)
-    anyio.run(amain, argv, backend=known.backend)
+    try:
+        anyio.run(amain, argv, backend=known.backend)
+    except KeyboardInterrupt:  # Ctrl+C: the engine closed as amain unwound; no traceback
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

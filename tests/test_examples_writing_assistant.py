@@ -53,3 +53,40 @@ async def test_many_documents_at_once(example, tmp_path, capsys):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == users and "alice-blog-post.md" in files
     assert (tmp_path / "alice-blog-post.md").read_text().startswith("# Blog post for alice\n\n")
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-tokens", "3000"], "--max-tokens must be at least 1 and leave room"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--users", "-2"], "--users must be 0 or more"),
+])
+def test_flags_out_of_range_are_refused_before_loading(example, flags, named, capsys):
+    with pytest.raises(SystemExit) as info:
+        example.main(flags)
+    assert info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_ctrl_c_leaves_without_a_traceback(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCGEN_MODEL"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE.parents[1]), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--users", "3", "--max-tokens", "500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 300
+        while b"users, up to" not in seen:  # the requests are going
+            assert time.monotonic() < deadline and proc.poll() is None
+            seen += os.read(proc.stdout.fileno(), 4096)
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]
