@@ -151,6 +151,8 @@ class AskBot(discord.Client):
         if finish == "abort":  # the engine closed under the stream
             await editor.finish(text + STOPPED)
             return text
+        if finish == "length":  # (a character whose bytes were cut off decodes as U+FFFD: not shown)
+            text = text.rstrip("\ufffd")
         await editor.finish(text + CUT if finish == "length" else text)
         history.extend([{"role": "user", "content": question}, {"role": "assistant", "content": text}])
         return text

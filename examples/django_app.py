@@ -8,6 +8,7 @@ Views:
   text with ``StreamingHttpResponse`` (open it in a browser, or ``curl -N``).
 * ``POST /v1/chat/completions``: OpenAI-compatible, JSON or server-sent events.
 * ``GET /v1/models``.
+* ``GET /stats``: the engine's counters (``engine.stats()``) as JSON.
 
 Django serves async views and async streaming only under an ASGI server, where one event
 loop runs for the life of the process; the engine lives in that loop. Django itself has

@@ -192,3 +192,37 @@ async def test_editor_throttles_with_a_fake_clock(example):
 def engine_idle(engine) -> bool:
     s = engine.stats()
     return s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+
+
+async def test_a_character_cut_by_max_tokens_is_not_shown_as_a_replacement_mark(example):
+    """max_tokens can end the output inside a character's bytes, which decode as U+FFFD
+    (as tokenizer.decode gives them): the bot shows the text up to the character."""
+
+    class Chunk:
+        def __init__(self, text, finish):
+            self.text, self.finish_reason = text, finish
+
+    class Stream:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return None
+
+        def __aiter__(self):
+            return self._chunks()
+
+        async def _chunks(self):
+            yield Chunk("Un caf", None)
+            yield Chunk("\ufffd", "length")
+
+    class Engine:
+        def stream(self, **kwargs):
+            return Stream()
+
+    bot = example.AskBot("unused", max_tokens=2)
+    bot.engine = Engine()
+    message = FakeSentMessage("…")
+    text = await bot.answer(9, "Say coffee in French", example.ThrottledEditor(message, 0.0))
+    assert message.content == "Un caf" + example.CUT and text == "Un caf"
+    await bot.http.close()
