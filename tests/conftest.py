@@ -137,3 +137,30 @@ def assert_idle(engine) -> None:
     """Nothing running or waiting, and every KV block free."""
     s = engine.stats()
     assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
+
+
+def interrupt_after(cmd: list[str], marker: bytes, env: dict, stdin: bytes = b"", delay: float = 0.0):
+    """Runs ``cmd``, writes ``stdin`` to it, sends SIGINT (Ctrl+C) ``delay`` seconds after
+    ``marker`` appears in its output; returns (exit status, standard error)."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        if stdin:
+            proc.stdin.write(stdin)
+            proc.stdin.flush()
+        seen = b""
+        deadline = time.monotonic() + 300
+        while marker not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen[-2000:]
+            seen += os.read(proc.stdout.fileno(), 4096)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err

@@ -79,28 +79,12 @@ async def test_chat_keeps_history_and_deadlines_abort(example):
 
 
 def test_ctrl_c_mid_answer_leaves_without_a_traceback():
-    import signal
-    import time
+    from conftest import interrupt_after
 
     env = {k: v for k, v in os.environ.items() if k != "ASYNCGEN_MODEL"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--max-tokens", "400", "--num-kv-blocks", "128"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT,
-    )
-    try:
-        proc.stdin.write(b"Tell me a long story about a lighthouse.\n")
-        proc.stdin.flush()
-        seen = b""
-        deadline = time.monotonic() + 300
-        while b"assistant> " not in seen:  # the answer has started
-            assert time.monotonic() < deadline and proc.poll() is None
-            seen += os.read(proc.stdout.fileno(), 4096)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]
+    cmd = [sys.executable, str(EXAMPLE), "--max-tokens", "400", "--num-kv-blocks", "128"]
+    # Ctrl+C once the answer has started
+    status, err = interrupt_after(cmd, b"assistant> ", env, stdin=b"Tell me a long story about a lighthouse.\n")
+    assert status == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]
     assert err.strip().endswith(b"interrupted")

@@ -66,27 +66,13 @@ def test_flags_out_of_range_are_refused_before_loading(example, flags, named, ca
     assert info.value.code == 2 and named in capsys.readouterr().err
 
 
-def test_ctrl_c_leaves_without_a_traceback(tmp_path):
+def test_ctrl_c_leaves_without_a_traceback():
     import os
-    import signal
-    import subprocess
-    import time
+
+    from conftest import interrupt_after
 
     env = {k: v for k, v in os.environ.items() if k != "ASYNCGEN_MODEL"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE.parents[1]), env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--users", "3", "--max-tokens", "500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        seen = b""
-        deadline = time.monotonic() + 300
-        while b"users, up to" not in seen:  # the requests are going
-            assert time.monotonic() < deadline and proc.poll() is None
-            seen += os.read(proc.stdout.fileno(), 4096)
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]
+    cmd = [sys.executable, str(EXAMPLE), "--users", "3", "--max-tokens", "500"]
+    status, err = interrupt_after(cmd, b"users, up to", env, delay=1.0)  # a second into the requests
+    assert status == 130 and b"Traceback" not in err, err.decode(errors="replace")[-3000:]

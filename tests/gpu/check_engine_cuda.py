@@ -31,7 +31,7 @@ def build(directory: Path, tokenizer_dir: Path, head_dim: int, arch: str = "llam
     import transformers
     from transformers import AutoTokenizer
 
-    heads = 1024 // head_dim
+    heads = 1024 // head_dim if 1024 % head_dim == 0 else 16  # (transformers wants heads dividing the width)
     shape = dict(
         vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), max_position_embeddings=2048,
@@ -41,7 +41,7 @@ def build(directory: Path, tokenizer_dir: Path, head_dim: int, arch: str = "llam
                                        max_window_layers=3)
         model_cls = transformers.Qwen3ForCausalLM
     else:
-        # head_dim given: 80 (12 heads of a 1,024-wide model) is not hidden / heads
+        # head_dim given: 80 (16 heads of a 1,024-wide model) is not hidden / heads
         cfg, model_cls = transformers.LlamaConfig(**shape, head_dim=head_dim), transformers.LlamaForCausalLM
     torch.manual_seed(head_dim)
     model = model_cls(cfg).eval()
