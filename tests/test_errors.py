@@ -586,12 +586,14 @@ def test_requests_from_another_loop_of_the_same_thread_are_refused(smollm2_path)
 
         async def use():
             async with asyncio.timeout(30):
-                with pytest.raises(EngineStateError, match="another event loop of this thread"):
+                with pytest.raises(EngineStateError, match="another event loop of its thread"):
                     await engine.generate("Hi", SamplingParams(max_tokens=2))
                 with pytest.raises(EngineStateError, match="another event loop"):
                     engine.abort("anything")
 
         asyncio.run(use())
+        with pytest.raises(EngineStateError, match="no event loop runs here"):
+            engine.stream("Hi")  # (outside any loop)
         out = first.run_until_complete(engine.generate("Hi", SamplingParams(max_tokens=2)))
         assert len(out.token_ids) == 2
     finally:

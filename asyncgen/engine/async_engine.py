@@ -434,10 +434,12 @@ class AsyncEngine:
                 "the engine runs in the event loop of another thread; make requests from that loop (from another "
                 "thread, hand them to it, e.g. with anyio.from_thread.run or asyncio.run_coroutine_threadsafe)"
             )
-        if running_loop() is not self._loop:
+        loop = running_loop()
+        if loop is not self._loop:
+            where = "no event loop runs here" if loop is None else "this is another event loop of its thread"
             raise EngineStateError(
-                "the engine runs in another event loop of this thread (the one that started it); make requests from "
-                "that loop, or start an engine in this one"
+                f"the engine runs in the event loop that started it, and {where}; make requests from that loop, or "
+                "start an engine in this one"
             )
 
     def stream(
