@@ -62,6 +62,31 @@ def test_logits_match_transformers(tiny: Path):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("differs", [True, False])
+def test_a_tied_checkpoint_that_holds_its_own_lm_head(tmp_path, smollm2_path, differs):
+    """tie_word_embeddings with an lm_head.weight in the checkpoint too: transformers ties
+    them only if they are equal, and asyncgen reads it so (a second head only then)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(tmp_path, "llama", smollm2_path, tie_word_embeddings=True)
+    weights = load_file(path / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = torch.randn_like(embed) if differs else embed.clone()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert torch.equal(hf.lm_head.weight, weights["lm_head.weight"])  # the head transformers uses
+    cfg = ModelConfig.from_dir(path)
+    model = LlamaForCausalLM(cfg, get_ops("torch"), torch.float32, torch.device("cpu"))
+    load_weights(model, path)
+    assert (model.lm_head is not None) == differs
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+        got = forward_in_chunks(model, ids, [(0, 24)])
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen3_sliding(tmp_path_factory, smollm2_path):
     return save_tiny_model(tmp_path_factory.mktemp("qwen3-window"), "qwen3", smollm2_path, head_dim=32,

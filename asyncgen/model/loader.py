@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -97,6 +98,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
             simple[f"model.layers.{i}.self_attn.k_norm.weight"] = layer.self_attn.k_norm.weight
     loaded: set[str] = set()
     unexpected: list[str] = []
+    own_head: Optional[torch.Tensor] = None  # a tied config's checkpoint that holds an lm_head too
 
     for name, tensor in _iter_tensors(files):
         if name in simple:
@@ -113,8 +115,10 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
             layer: LinearBase = getattr(getattr(model.layers[idx], block), fused)
             layer.load(tensor_name, tensor, shard)
             continue
-        if name == "lm_head.weight" and model.lm_head is None:  # tied: the embedding serves; same shape
+        if name == "lm_head.weight" and model.lm_head is None:  # tied: the embedding serves, if it is the same
             check_shape(name, tuple(model.embed_tokens.weight.shape), tuple(tensor.shape))
+            check_float(name, tensor)
+            own_head = tensor
             continue
         if _IGNORED.search(name):
             continue
@@ -135,6 +139,14 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
             f"checkpoint in {path} has tensors this {cfg.architecture} config does not use: "
             f"{', '.join(unexpected[:5])}{more}"
         )
+    if own_head is not None:
+        # transformers (5.x) ties only what is the same: a head that differs from the
+        # embedding is the model's head, whatever tie_word_embeddings says.
+        head = own_head.to(device=model.embed_tokens.weight.device, dtype=model.embed_tokens.weight.dtype)
+        if not torch.equal(head, model.embed_tokens.weight):
+            log.info("%s: lm_head.weight differs from the embedding it is declared tied to; it is used as the "
+                     "output head, as transformers does", path)
+            model.lm_head = torch.nn.Parameter(head, requires_grad=False)
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.method.finalize(module)
