@@ -15,10 +15,14 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts with OpenAI's field names."""
+    """Token counts with OpenAI's field names. ``cached_tokens``: of the prompt's tokens,
+    those whose KV blocks came from the prefix cache (OpenAI's
+    ``prompt_tokens_details.cached_tokens``, vLLM's ``num_cached_tokens``; None where not
+    counted)."""
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: Optional[int] = None
 
     @property
     def total_tokens(self) -> int:
@@ -50,11 +54,16 @@ class RequestMetrics:
 class TokenLogprob:
     """The log-probability of one generated token and, when asked for, of the ``k`` most
     likely tokens at its position (most likely first). Computed from the logits the
-    sampler used after logit_bias and penalties, before temperature and top-k/p/min-p."""
+    sampler used after min_tokens' mask of the stop tokens (which then have no logprob:
+    -inf), logit_bias and the penalties; before temperature, top-k/p/min-p and the masks
+    of structured outputs, allowed_token_ids and bad_words."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    # As vLLM's Logprob.rank: 1 + the number of other tokens at least as likely (1: the most
+    # likely; the token may rank below the top k it comes with).
+    rank: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

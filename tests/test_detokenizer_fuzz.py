@@ -323,7 +323,7 @@ class EngineExpected:
 def expect_engine(tokenizer, case: Case) -> EngineExpected:
     """What the core must stream for ``case.ids`` forced as its samples. A stop token
     (EOS unless ignored, or one of ``stop_token_ids``, past ``min_tokens``) stays in the
-    token ids but adds no text; ``max_tokens`` ends the text with the token it allows; an
+    token ids but adds no text unless ``include_stop_str_in_output`` (as in vLLM); ``max_tokens`` ends the text with the token it allows; an
     abort keeps the tokens update already took. A stop string makes the reason "stop"
     even when only the final flush reveals it, overriding a stop token's reason (as vLLM
     lets a stop string found in the step a stop token ends win); after an abort the
@@ -334,8 +334,11 @@ def expect_engine(tokenizer, case: Case) -> EngineExpected:
     reason, stop_reason = None, None
     for m, t in enumerate(ids, 1):
         if m > min_tokens and ((t == EOS and not x["ignore_eos"]) or t in x["stop_token_ids"]):
-            token_ids, text_ids = ids[:m], ids[: m - 1]  # a stop token is not text
+            # A stop token is not text, unless include_stop_str_in_output asks for it.
+            token_ids, text_ids = ids[:m], ids[: m if case.include_stop else m - 1]
             reason, stop_reason = "stop", (None if t == EOS and not x["ignore_eos"] else t)
+            if case.include_stop and whole.stop_step == m:  # its text completed a stop string
+                stop_reason = whole.stop_str
             break
         length = m >= x["max_tokens"]
         if x["abort_at"] == (m, "before emit"):

@@ -377,6 +377,35 @@ async def test_allowed_token_ids_and_bad_words_mask_what_they_name(smollm2_path)
 
 
 @pytest.mark.anyio
+async def test_a_bad_word_is_banned_with_and_without_its_leading_space(smollm2_path):
+    """As vLLM forms bad words: " Paris" bans the token "Paris" (a text's start) as well as
+    " Paris" (the middle of one), and "Paris" bans both too. allowed_token_ids left with
+    nothing but stop tokens held back by min_tokens and banned words are refused."""
+    from asyncgen import InvalidRequestError
+
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=256, num_kv_blocks=64) as engine:
+        tok = engine.tokenizer
+        (bare,) = tok.encode("Paris", add_special_tokens=False)
+        (spaced,) = tok.encode(" Paris", add_special_tokens=False)
+        prompt = "The capital of France is"
+        pushed = SamplingParams(max_tokens=4, temperature=0, logit_bias={bare: 25.0})
+        free = await engine.generate(prompt, pushed)
+        assert bare in free.token_ids  # the bias makes the bare token the greedy choice
+        for word in (" Paris", "Paris", "  Paris"):
+            out = await engine.generate(prompt, pushed.model_copy(update={"bad_words": [word]}))
+            assert bare not in out.token_ids and spaced not in out.token_ids, (word, out.text)
+        eos = min(engine.eos_token_ids)
+        with pytest.raises(InvalidRequestError, match="bad_words") as refused:
+            await engine.generate(prompt, SamplingParams(max_tokens=4, allowed_token_ids=[eos, spaced],
+                                                         bad_words=["Paris"], min_tokens=2))
+        assert refused.value.param == "bad_words"
+        (rome,) = tok.encode(" Rome", add_special_tokens=False)
+        ok = await engine.generate(prompt, SamplingParams(max_tokens=4, allowed_token_ids=[eos, spaced, rome],
+                                                          bad_words=["Paris"], min_tokens=2, temperature=0))
+        assert list(ok.token_ids[:2]) == [rome, rome] and set(ok.token_ids) <= {eos, rome}
+
+
+@pytest.mark.anyio
 async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smollm2_path):
     from asyncgen.errors import InvalidRequestError, PromptTooLongError
 
@@ -442,3 +471,83 @@ async def test_priority_policy_serves_waiting_requests_by_priority(smollm2_path)
         with pytest.raises(BadRequestError) as e:
             await client.completions.create(model=client.model, prompt="Hi", max_tokens=2, extra_body={"priority": 1})
         assert e.value.param == "priority"
+
+
+@pytest.mark.anyio
+async def test_include_stop_str_in_output_puts_the_stop_tokens_text_in_the_output(smollm2_path):
+    """As in vLLM: the token that ended a completion (EOS, a stop token id) is detokenized
+    into its text only with include_stop_str_in_output; a special token's text then
+    shows only with skip_special_tokens=False. The OpenAI layer's logprobs cover it too."""
+    engine = AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=64)
+    await engine.start()
+    try:
+        tok = engine.tokenizer
+        messages = [{"role": "user", "content": "Say hello."}]
+
+        async def run(**kw):
+            params = SamplingParams(max_tokens=64, temperature=0, **kw)
+            chunks = [c async for c in engine.stream(messages=messages, params=params)]
+            out = await engine.generate(messages=messages, params=params)
+            assert "".join(c.text for c in chunks) == out.text
+            return out
+
+        plain = await run()
+        assert plain.finish_reason == "stop" and plain.outputs[0].stop_reason is None  # ended by EOS
+        eos = plain.token_ids[-1]
+        assert eos in engine.eos_token_ids and plain.text == tok.decode(plain.token_ids[:-1])
+        shown = await run(include_stop_str_in_output=True, skip_special_tokens=False)
+        assert shown.token_ids == plain.token_ids
+        assert shown.text == tok.decode(list(shown.token_ids), skip_special_tokens=False)
+        assert shown.text.endswith(tok.convert_ids_to_tokens(eos)) and shown.text != plain.text
+        assert (await run(skip_special_tokens=False)).text == plain.text  # not asked for: left out
+        assert (await run(include_stop_str_in_output=True)).text == plain.text  # a skipped special token
+
+        # A stop token id that is an ordinary token: its text ends the output when asked for.
+        k = next(i for i, t in enumerate(plain.token_ids[:-1]) if tok.decode([t]).strip())
+        stop_id = plain.token_ids[k]
+        cut = await run(stop_token_ids=[stop_id])
+        kept = await run(stop_token_ids=[stop_id], include_stop_str_in_output=True)
+        assert cut.token_ids == kept.token_ids == plain.token_ids[: k + 1]
+        assert (cut.outputs[0].stop_reason, kept.outputs[0].stop_reason) == (stop_id, stop_id)
+        assert cut.text == tok.decode(plain.token_ids[:k]) and kept.text == tok.decode(plain.token_ids[: k + 1])
+
+        client = engine.openai_client()
+        chat = await client.chat.completions.create(
+            model=client.model, messages=messages, max_tokens=64, temperature=0, logprobs=True,
+            extra_body={"include_stop_str_in_output": True, "skip_special_tokens": False})
+        choice = chat.choices[0]
+        assert choice.message.content == shown.text
+        assert [lp.token for lp in choice.logprobs.content][-1] == tok.convert_ids_to_tokens(eos)
+        assert "".join(lp.token for lp in choice.logprobs.content) == shown.text
+        default = await client.chat.completions.create(
+            model=client.model, messages=messages, max_tokens=64, temperature=0, logprobs=True)
+        assert len(default.choices[0].logprobs.content) == len(choice.logprobs.content) - 1
+    finally:
+        await engine.aclose()
+
+
+@pytest.mark.anyio
+async def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(smollm2_path):
+    """OpenAI's prompt_tokens_details.cached_tokens (chat, completions) and the Responses
+    API's input_tokens_details.cached_tokens: the request's full blocks found in the cache,
+    as the engine's own metrics count them."""
+    async with AsyncEngine.from_pretrained(smollm2_path, max_model_len=512, num_kv_blocks=96, block_size=16) as engine:
+        seen = []
+        engine.add_finish_listener(lambda chunk: seen.append(chunk.metrics.num_cached_tokens))
+        client = engine.openai_client()
+        messages = [{"role": "system", "content": "You are a terse assistant. " * 12},
+                    {"role": "user", "content": "Name a fruit."}]
+        first = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+        again = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=4)
+        prompt = first.usage.prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == seen[0] == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == seen[1] == (prompt - 1) // 16 * 16 > 0
+        streamed = [c async for c in await client.chat.completions.create(
+            model=client.model, messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True})]
+        assert streamed[-1].usage.prompt_tokens_details.cached_tokens == seen[2] == seen[1]
+        text = "The same long document. " * 10
+        done = [await client.completions.create(model=client.model, prompt=text, max_tokens=2) for _ in range(2)]
+        assert [d.usage.prompt_tokens_details.cached_tokens for d in done] == seen[3:5] and seen[4] > 0
+        responses = [await client.responses.create(model=client.model, instructions=messages[0]["content"],
+                                                   input="Name a fruit.", max_output_tokens=4) for _ in range(2)]
+        assert [r.usage.input_tokens_details.cached_tokens for r in responses] == seen[5:7] and seen[6] > 0

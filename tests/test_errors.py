@@ -608,6 +608,11 @@ async def test_abort_from_another_thread_is_refused_and_the_stream_goes_on(smoll
         chunks = [await stream.__anext__()]
         error = await anyio.to_thread.run_sync(lambda: pytest.raises(EngineStateError, engine.abort, "job"))
         assert "another thread" in str(error.value)
+        # stats() reads what the loop changes: refused there too; handed to the loop, it reads.
+        error = await anyio.to_thread.run_sync(lambda: pytest.raises(EngineStateError, engine.stats))
+        assert "another thread" in str(error.value)
+        handed = await anyio.to_thread.run_sync(lambda: anyio.from_thread.run_sync(engine.stats))
+        assert handed.num_running == 1
         with anyio.fail_after(30):
             chunks += [c async for c in stream]
         assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 12
@@ -711,3 +716,32 @@ async def test_a_second_reader_of_a_stream_is_refused(smollm2_path):
                     await stream.__anext__()
         assert len(first) == 8  # the first reader got the whole output
         assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_event_loop_ending_with_the_engine_open_warns_without_a_traceback(tiny_llama, backend):
+    """A script whose loop ends without aclose() (asyncio.run / trio.run cancel the
+    engine's task): one warning line that says so, not an ERROR with a traceback as for a
+    failed step; the process exits normally."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import anyio
+        from asyncgen import AsyncEngine, SamplingParams
+
+        async def main():
+            engine = AsyncEngine.from_pretrained({str(tiny_llama)!r}, max_model_len=64, num_kv_blocks=8)
+            await engine.start()
+            out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+            print("generated", len(out.token_ids), flush=True)
+
+        anyio.run(main, backend={backend!r})
+        print("exited", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["generated", "2", "exited"]
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "engine stopped" in done.stderr and "cancelled before aclose()" in done.stderr, done.stderr

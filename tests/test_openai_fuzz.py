@@ -177,10 +177,11 @@ def expect(vocab: Vocab, base, stops: list[str], include_stop: bool, min_tokens:
     """What a request with ``stops`` returns, from the base output without them: the
     first stop string completed by a token after the first ``min_tokens`` ends the text
     (before it, or after it with include_stop_str_in_output); a stop token ends the
-    completion and is in neither text nor logprobs."""
+    completion and is in neither text nor logprobs, unless include_stop_str_in_output
+    puts it in both (as vLLM does)."""
     ids = list(base.token_ids)
     stop_token = base.finish_reason == "stop"  # the base has no stop strings
-    text_ids = ids[:-1] if stop_token else ids
+    text_ids = ids[:-1] if stop_token and not include_stop else ids
     w = walk(vocab, text_ids, skip)
     m = len(text_ids)
     # After token i the text is texts[i]; the flush at the end (an incomplete character
@@ -793,7 +794,9 @@ async def test_offsets_after_an_invalid_character(engine):
 async def test_a_stop_token_is_not_in_the_logprobs_when_the_flush_completes_a_stop_string(engine, vocab):
     """A completion that ends on a partial character and then EOS: the flush shows the
     character as U+FFFD, which completes the stop string, and the stop string becomes
-    the finish's reason. EOS is still not part of the text, nor of the logprobs."""
+    the finish's reason. EOS is not in the logprobs, as it is not in the text; with
+    include_stop_str_in_output (which asks for its text: empty, as special tokens are
+    skipped), it is, where the character it follows starts."""
     client = engine.openai_client()
     lead = next(t for t in vocab.partial if vocab.raw(t)[0] >= 0xE0 and len(vocab.raw(t)) == 2)  # 2 of 3 bytes
     eos = vocab.eos[0]
@@ -806,12 +809,17 @@ async def test_a_stop_token_is_not_in_the_logprobs_when_the_flush_completes_a_st
     assert (await engine.generate("Hi", params)).token_ids == (lead, eos)  # what the requests rely on
     assert (await engine.generate(messages=messages, params=params)).token_ids == (lead, eos)
 
-    whole = (await client.completions.create(**request, prompt="Hi", logprobs=1)).choices[0]
-    assert (whole.text, whole.finish_reason) == ("\ufffd", "stop")
-    assert whole.logprobs.tokens == ["\ufffd"] and whole.logprobs.text_offset == [0]
-    streamed = [c.choices[0] async for c in await client.completions.create(**request, prompt="Hi", logprobs=1,
-                                                                             stream=True)]
-    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == ["\ufffd"]
-    chat = (await client.chat.completions.create(**request, messages=messages, logprobs=True)).choices[0]
-    assert chat.message.content == "\ufffd" and [t.bytes for t in chat.logprobs.content] == [list(vocab.raw(lead))]
+    for include in (False, True):
+        request["extra_body"] = {"include_stop_str_in_output": include}
+        text = "\ufffd" if include else ""
+        # the tokens that cover the text (EOS's text is skipped, empty; its logprob's bytes are its own)
+        want = [(lead, vocab.raw(lead)), (eos, vocab.raw(eos))] if include else []
+        whole = (await client.completions.create(**request, prompt="Hi", logprobs=1)).choices[0]
+        assert (whole.text, whole.finish_reason) == (text, "stop")
+        assert whole.logprobs.text_offset == [0] * len(want)
+        streamed = [c.choices[0] async for c in await client.completions.create(**request, prompt="Hi", logprobs=1,
+                                                                                 stream=True)]
+        assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+        chat = (await client.chat.completions.create(**request, messages=messages, logprobs=True)).choices[0]
+        assert chat.message.content == text and [t.bytes for t in chat.logprobs.content] == [list(b) for _, b in want]
     assert_idle(engine)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import asyncgen.openai as aoai
-from asyncgen import SamplingParams, StreamChunk, TokenLogprob
+from asyncgen import SamplingParams, StreamChunk, TokenLogprob, Usage
 from asyncgen.openai import (
     AsyncStream,
     BadRequestError,
@@ -34,6 +34,7 @@ from asyncgen.openai.adapter import (
     _template_messages,
     _TokenText,
     _top_by_text,
+    _usage,
     _visible_logprobs,
 )
 
@@ -320,7 +321,11 @@ def test_chunk_json_shape():
         "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     assert first.to_dict()["object"] == "chat.completion.chunk"
     assert last.to_dict()["choices"][0]["delta"] == {} and last.to_dict()["choices"][0]["finish_reason"] == "length"
-    assert tail.to_dict()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert tail.to_dict()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                       "prompt_tokens_details": None}
+    cached = _usage([Usage(3, 2, 1), Usage(4, 1, 0)]).to_dict()
+    assert cached == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                      "prompt_tokens_details": {"cached_tokens": 1}}
 
 
 def test_responses_parse_as_the_official_sdk_types():

@@ -34,6 +34,9 @@ def check(prompt_lps, hf, k):
         want_lp, want_ids = row.topk(k)
         assert [t for t, _ in lp.top] == want_ids.tolist(), pos
         assert [v for _, v in lp.top] == pytest.approx(want_lp.tolist(), abs=1e-4)
+        # vLLM's rank: 1 + the tokens more likely than the prompt's (to the logprobs' tolerance)
+        v = row[PROMPT[pos]]
+        assert int((row > v + 1e-4).sum()) + 1 <= lp.rank <= int((row >= v - 1e-4).sum()), pos
 
 
 @pytest.mark.anyio

@@ -109,6 +109,20 @@ def test_logprobs_are_log_softmax_of_processed_logits():
     assert top_ids == ref.topk(3).indices.tolist()
 
 
+def test_logprobs_rank_the_sampled_token_as_vllm_does():
+    """rank: 1 + the tokens at least as likely as the sampled one, itself counted once;
+    greedy tokens rank 1, and a sampled token outside the top k still has its rank."""
+    logits = torch.randn(6, 300)
+    rows = [row(temperature=0, logprobs=1)] + [row(temperature=5.0, seed=s, logprobs=1) for s in range(5)]
+    tokens, lps = sample(logits.clone(), rows)
+    ranks = []
+    for i, lp in enumerate(lps):
+        ref = logits[i].log_softmax(-1)
+        assert lp.rank == int((ref >= ref[tokens[i]]).sum()) == 1 + int((ref > ref[tokens[i]]).sum()), i
+        ranks.append(lp.rank)
+    assert ranks[0] == 1 and max(ranks[1:]) > 1  # at temperature 5 the samples leave the top 1
+
+
 @pytest.mark.parametrize("bad", [
     {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2},
     {"n": 0}, {"max_tokens": 0}, {"repetition_penalty": 0}, {"presence_penalty": 3},

@@ -369,7 +369,11 @@ class AsyncEngine:
                 await anyio.lowlevel.checkpoint()
         except BaseException as e:
             if isinstance(e, anyio.get_cancelled_exc_class()):
-                self._die(EngineDeadError("the engine's background task was cancelled"), e)
+                # Not a failure of the engine: its host ended it (an event loop that ends
+                # with the engine open cancels its task; so does a task group it ran in).
+                self._die(EngineDeadError(
+                    "the engine's background task was cancelled before aclose() (its event loop "
+                    "ended, or the task group it ran in was cancelled)"), e, traceback=False)
                 raise
             self._die(EngineDeadError(f"a model step failed: {type(e).__name__}: {e}"), e)
         finally:
@@ -391,12 +395,15 @@ class AsyncEngine:
             # The wait is shielded (Job.result): a launch always completes and is recorded.
             inflight.append((out, await self._device.submit(self._runner.launch, out).result()))
 
-    def _die(self, error: EngineDeadError, cause: BaseException) -> None:
+    def _die(self, error: EngineDeadError, cause: BaseException, traceback: bool = True) -> None:
         error.__cause__ = cause
         self._dead_error = error
         if self._state is _State.RUNNING:
             self._state = _State.DEAD
-        log.error("engine stopped: %s", error, exc_info=cause)
+        if traceback:
+            log.error("engine stopped: %s", error, exc_info=cause)
+        else:
+            log.warning("engine stopped: %s", error)
         self._core.fail_all(error)
 
     def _drain_pending_aborts(self) -> None:
@@ -516,6 +523,7 @@ class AsyncEngine:
         group.priority = priority
         if params.bad_words:
             group.bad_word_ids = self._bad_word_ids(params.bad_words)
+            self._check_bad_words_leave_a_token(params, group.bad_word_ids)
         stream = RequestStream(self, group, self._max_tokens(token_ids, params))
         if own_id:
             self._unsent[request_id] = stream
@@ -536,13 +544,31 @@ class AsyncEngine:
         return (None if text is None else self._tokenizer.decode(token_ids)), token_ids
 
     def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """The token sequences of ``bad_words``: each word as it is and after a space (as
-        it tokenizes in the middle of a text)."""
+        """The token sequences of ``bad_words``, as vLLM forms them: each word without its
+        leading spaces (as it tokenizes at the start of a text) and after one space (as in
+        the middle of one), the latter where it is another token sequence of the same
+        length."""
         out: dict[tuple[int, ...], None] = {}
         for word in words:
-            for text in (word, " " + word.lstrip()):
-                out[tuple(self._tokenizer.encode(text, add_special_tokens=False))] = None
+            bare = tuple(self._tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out[bare] = None
+            if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out[spaced] = None
         return tuple(ids for ids in out if ids)
+
+    def _check_bad_words_leave_a_token(self, params: SamplingParams, bad_word_ids) -> None:
+        """Refuses ``allowed_token_ids`` whose every token is either a stop token, which
+        ``min_tokens`` holds back, or a one-token bad word: nothing could come first."""
+        if not (params.allowed_token_ids and params.min_tokens):
+            return
+        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        banned = {w[0] for w in bad_word_ids if len(w) == 1}
+        if set(params.allowed_token_ids) <= stops | banned:
+            raise InvalidRequestError(
+                f"allowed_token_ids holds only stop tokens, which min_tokens ({params.min_tokens}) keeps from being "
+                "sampled, and tokens that bad_words bans: no token could come next", param="bad_words",
+            )
 
     def _check_request_id(self, request_id: str, count: int) -> None:
         """DuplicateRequestError if the id (or a sample id of it) is taken by a live request
@@ -746,6 +772,13 @@ class AsyncEngine:
         """Load and usage counters: running/waiting requests, free/total KV blocks, ..."""
         if self._core is None:
             raise EngineStateError("stats() before the engine started")
+        # Read where the loop that changes these counters runs (any of its thread's loops:
+        # while another runs, the engine's is suspended).
+        if threading.get_ident() != self._loop_thread:
+            raise EngineStateError(
+                "stats() reads state the engine's event loop changes, which runs in another thread; call it from "
+                "that loop (from another thread, hand it over, e.g. with anyio.from_thread.run_sync)"
+            )
         return self._core.stats()
 
     # --- request checks ---------------------------------------------------------------------

@@ -35,6 +35,11 @@ def _end_at_stop_string(req: Request, stop: Optional[str], over=(RequestStatus.F
         req.stop_reason = stop
 
 
+# A stop string found in the text of a sequence's last token ends it as "stop" with that
+# string, whether the token ended it by the length limit or as a stop token.
+_STRING_OVER = (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The generator seed of sample ``index`` of a request seeded with ``seed`` (a signed
     64-bit integer): an unsigned 64-bit value, distinct for distinct seeds at one index."""
@@ -189,9 +194,9 @@ class EngineCore:
         group.num_completion_tokens += n
         req = seq.req
         ids = seq.pending_ids[-n:]
-        if req.status is RequestStatus.FINISHED_STOPPED:
+        if req.status is RequestStatus.FINISHED_STOPPED and not seq.detok.include_stop:
             ids = ids[:-1]  # a stop token is kept in token_ids, not in text
-        _end_at_stop_string(req, seq.detok.add(ids) if ids else None)  # as emit does
+        _end_at_stop_string(req, seq.detok.add(ids) if ids else None, _STRING_OVER)  # as emit does
 
     @staticmethod
     def _flush(seq: _Seq) -> None:
@@ -199,7 +204,7 @@ class EngineCore:
         string completed only by that text ends the completion as "stop" too, as one
         completed by its last token would (the stop string overrides a stop token's
         reason, as it does in vLLM: the text was cut at it)."""
-        _end_at_stop_string(seq.req, seq.detok.flush(), (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED))
+        _end_at_stop_string(seq.req, seq.detok.flush(), _STRING_OVER)
 
     def fail_all(self, error: BaseException) -> None:
         """Ends every request with ``error`` (the engine died)."""
@@ -277,16 +282,18 @@ class EngineCore:
             seq.undecoded -= 1
             group.num_completion_tokens += 1
             finished = req.status.finished
-            # A token that ended the sequence as a stop token is kept in token_ids, not in text.
+            # A token that ended the sequence as a stop token (EOS, stop_token_ids) is kept in
+            # token_ids; its text joins the output only with include_stop_str_in_output, as in
+            # vLLM (and is empty for a special token unless skip_special_tokens=False).
             is_stop_token = finished and req.status is RequestStatus.FINISHED_STOPPED
-            if not is_stop_token:
+            if not is_stop_token or seq.detok.include_stop:
                 stop = seq.detok.add([seq.pending_ids[-1]])
                 if stop is not None and not finished:
                     req.stop_reason = stop
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                     finished = True
-                elif stop is not None:  # completed by the last token allowed: the text ends there
-                    _end_at_stop_string(req, stop)
+                elif stop is not None:  # completed by the last token: the text ends there
+                    _end_at_stop_string(req, stop, _STRING_OVER)
             if finished:
                 self._flush(seq)
             self._emit(group, seq, finished, notify=False)
@@ -309,7 +316,10 @@ class EngineCore:
             group.num_unfinished -= 1
             metrics = _metrics(seq.req)
             if group.finished:
-                usage = Usage(len(group.prompt_token_ids), group.num_completion_tokens)
+                # The prompt's cached tokens: those of its first sample, which the others
+                # follow into the cache.
+                first = next(iter(group.seqs.values())).req
+                usage = Usage(len(group.prompt_token_ids), group.num_completion_tokens, first.num_cached_tokens)
                 self._forget(group)
         prompt_lps = None
         if group.prompt_logprobs is not None and not group.prompt_logprobs_sent and seq.req.index == 0:

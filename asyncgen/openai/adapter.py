@@ -23,9 +23,14 @@ Mapping notes:
   engine for ``k`` alternatives per token; completions' ``top_logprobs`` also hold the
   sampled token (so up to ``k + 1`` entries), as OpenAI documents. The logprobs cover
   the returned text: a token that ended generation (end of turn, a stop token id) is
-  not in them, nor are the tokens of a stop string cut from the text. When streamed, a
+  not in them unless vLLM's ``include_stop_str_in_output`` puts its text in the reply
+  (empty for a special token unless ``skip_special_tokens`` is false), nor are the
+  tokens of a stop string cut from the text. When streamed, a
   token's logprob is sent with the chunk that sends the text it starts (a token whose
   text is held back, as a possible stop string, waits with it).
+* ``usage.prompt_tokens_details.cached_tokens`` (the Responses API's
+  ``input_tokens_details.cached_tokens``) counts the prompt's tokens served from the
+  prefix cache (null in the running usage of ``continuous_usage_stats``).
 * ``stream_options.include_usage`` sends the usage in a last chunk with no choices;
   with vLLM's ``continuous_usage_stats`` too, every chunk that has a choice also carries
   the usage so far: the prompt's tokens and that choice's generated tokens.
@@ -135,6 +140,7 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionUsage,
+    PromptTokensDetails,
     CreateEmbeddingResponse,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -424,16 +430,20 @@ class _AlignedLogprobs:
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool, stop_token_ids: frozenset[int] = frozenset(),
-                 text: Optional[_TokenText] = None):
+                 text: Optional[_TokenText] = None, keep_stop_token: bool = False):
         self._starts = _TokenStarts(tokenizer, text or _TokenText(tokenizer), skip_special_tokens)
         self._stop_token_ids = stop_token_ids
+        self._keep_stop_token = keep_stop_token  # include_stop_str_in_output: its text is sent
         self._held: list[tuple[int, TokenLogprob]] = []
         self.sent = 0  # characters of the choice's text sent so far
 
     def add(self, chunk: StreamChunk | CompletionOutput) -> list[tuple[int, TokenLogprob]]:
         """Takes a chunk (or a whole output), its text as sent; returns the (start, logprob)
         pairs whose text has now been sent, in order."""
-        for lp in _visible_logprobs(chunk, self._stop_token_ids) or ():
+        # A stop token whose text was asked for is kept as any token is (below, a stop string
+        # that ends the text drops the tokens that start past it).
+        lps = chunk.logprobs if self._keep_stop_token else _visible_logprobs(chunk, self._stop_token_ids)
+        for lp in lps or ():
             self._held.append((self._starts.next(lp.token_id), lp))
         self.sent += len(chunk.text)
         if chunk.finish_reason is not None and not isinstance(chunk.stop_reason, str):
@@ -1135,7 +1145,8 @@ class OpenAIAdapter:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.engine.eos_token_ids
-        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens, stop_ids, self._text_of())
+        return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens, stop_ids, self._text_of(),
+                                params.include_stop_str_in_output)
 
     def _text_of(self) -> _TokenText:
         if self._token_text is None:
@@ -1273,4 +1284,8 @@ def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> Completion
 def _usage(usages: list[Usage]) -> CompletionUsage:
     prompt = sum(u.prompt_tokens for u in usages)
     completion = sum(u.completion_tokens for u in usages)
-    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    details = None
+    if usages and all(u.cached_tokens is not None for u in usages):
+        details = PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in usages))
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=details)

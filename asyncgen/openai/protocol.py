@@ -83,6 +83,7 @@ __all__ = [
     "Model",
     "ModelList",
     "NamedToolChoice",
+    "PromptTokensDetails",
     "StreamOptions",
     "SystemMessage",
     "ToolMessage",
@@ -687,10 +688,15 @@ class OpenAIObject(BaseModel):
         return self.model_dump_json(indent=indent)
 
 
+class PromptTokensDetails(OpenAIObject):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class CompletionUsage(OpenAIObject):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class Embedding(OpenAIObject):

@@ -798,7 +798,11 @@ def _status(finish_reason: Optional[str]) -> tuple[str, Optional[IncompleteDetai
     return "completed", None
 
 
-def _usage(adapter, prompt_tokens: int, completion_tokens: int, reasoning: str) -> ResponseUsage:
+def _usage(adapter, usage, reasoning: str) -> ResponseUsage:
+    """A response's usage from its chat completion's (``CompletionUsage``)."""
+    prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
+    details = usage.prompt_tokens_details
+    cached = InputTokensDetails(cached_tokens=details.cached_tokens if details is not None else 0)
     reasoning_tokens = 0
     if reasoning:
         try:
@@ -806,8 +810,8 @@ def _usage(adapter, prompt_tokens: int, completion_tokens: int, reasoning: str) 
         except Exception:
             reasoning_tokens = 0
     return ResponseUsage(
-        input_tokens=prompt_tokens, output_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
-        output_tokens_details=OutputTokensDetails(reasoning_tokens=min(reasoning_tokens, completion_tokens)),
+        input_tokens=prompt_tokens, input_tokens_details=cached, output_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens, output_tokens_details=OutputTokensDetails(reasoning_tokens=min(reasoning_tokens, completion_tokens)),
     )
 
 
@@ -839,7 +843,7 @@ def _from_completion(adapter, req: ResponseCreateRequest, completion: ChatComple
     if status == "incomplete":
         output[-1].status = "incomplete"
     u = completion.usage
-    usage = _usage(adapter, u.prompt_tokens, u.completion_tokens, message.reasoning_content or "") if u else None
+    usage = _usage(adapter, u, message.reasoning_content or "") if u else None
     return _response(req, rid, created, status, output, incomplete, usage)
 
 
@@ -979,7 +983,7 @@ async def _events(adapter, req: ResponseCreateRequest, chunks: AsyncStream, rid:
     status, incomplete = _status(finish_reason)
     for e in w.finish(status):
         yield e
-    u = _usage(adapter, usage.prompt_tokens, usage.completion_tokens, w.reasoning) if usage is not None else None
+    u = _usage(adapter, usage, w.reasoning) if usage is not None else None
     final = _response(req, rid, created, status, [item.model_copy(deep=True) for item in w.output], incomplete, u)
     yield w.event(ResponseLifecycleEvent, f"response.{status}", response=final)
 

@@ -38,7 +38,7 @@ from ..model.llama import AttentionMetadata, LlamaForCausalLM
 from ..model.loader import load_weights
 from ..outputs import TokenLogprob
 from .guided import GuideFactory, SequenceGuide, TokenFilter
-from .sampler import PendingSample, SamplingRow, sample_async
+from .sampler import PendingSample, SamplingRow, sample_async, token_ranks
 
 __all__ = ["LaunchedStep", "ModelOutput", "ModelRunner", "resolve_device", "resolve_dtype"]
 
@@ -772,7 +772,7 @@ class ModelRunner:
         chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
         k = max(s[3] for s in seqs)
         top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
-        return seqs, targets, chosen, top_ids, top_lp
+        return seqs, targets, chosen, token_ranks(lp, chosen), top_ids, top_lp
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Waits for a launched step's tokens (and logprobs) to reach the host. Steps are
@@ -1128,8 +1128,8 @@ class _StepInputs:
 
 
 def _prompt_logprobs_to_host(plp: tuple) -> dict[str, list[tuple[int, TokenLogprob]]]:
-    seqs, targets, chosen, top_ids, top_lp = plp
-    targets, chosen = targets.tolist(), chosen.tolist()
+    seqs, targets, chosen, ranks, top_ids, top_lp = plp
+    targets, chosen, ranks = targets.tolist(), chosen.tolist(), ranks.tolist()
     top_ids = top_ids.tolist() if top_ids is not None else None
     top_lp = top_lp.tolist() if top_lp is not None else None
     out: dict[str, list[tuple[int, TokenLogprob]]] = {}
@@ -1138,7 +1138,7 @@ def _prompt_logprobs_to_host(plp: tuple) -> dict[str, list[tuple[int, TokenLogpr
         items = []
         for j in range(count):
             top = tuple(zip(top_ids[r][:k], top_lp[r][:k])) if k else ()
-            items.append((first + j, TokenLogprob(targets[r], chosen[r], top)))
+            items.append((first + j, TokenLogprob(targets[r], chosen[r], top, ranks[r])))
             r += 1
         out[req_id] = items
     return out

@@ -92,7 +92,7 @@ class PendingSample:
         self._rows = rows
         self._wanted = lp[0] if lp else []
         parts = [tokens] + ([t for t in lp[1:] if t is not None] if lp else [])
-        self._has_top = bool(lp) and lp[2] is not None
+        self._has_top = bool(lp) and lp[3] is not None
         self._event = None
         if tokens.device.type == "cuda":
             parts = [t.to("cpu", non_blocking=True) for t in parts]  # into pinned memory
@@ -108,29 +108,38 @@ class PendingSample:
         logprobs: list[Optional[TokenLogprob]] = [None] * len(self._rows)
         if self._wanted:
             chosen_lp = self._host[1].tolist()
-            top_ids = self._host[2].tolist() if self._has_top else None
-            top_lp = self._host[3].tolist() if self._has_top else None
+            ranks = self._host[2].tolist()
+            top_ids = self._host[3].tolist() if self._has_top else None
+            top_lp = self._host[4].tolist() if self._has_top else None
             for j, i in enumerate(self._wanted):
                 kk = self._rows[i].params.logprobs
                 top = tuple(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else ()
-                logprobs[i] = TokenLogprob(tokens[i], chosen_lp[j], top)
+                logprobs[i] = TokenLogprob(tokens[i], chosen_lp[j], top, ranks[j])
         return tokens, logprobs
 
 
 def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> Optional[tuple]:
-    """Device tensors for the rows that asked for logprobs: ``(rows, chosen [W], top ids
-    [W, k], top logprobs [W, k])`` (top ones None when no row wants any); None if no row asked."""
+    """Device tensors for the rows that asked for logprobs: ``(rows, chosen [W], rank [W],
+    top ids [W, k], top logprobs [W, k])`` (top ones None when no row wants any); None if
+    no row asked."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not wanted:
         return None
     idx = _dev(wanted, torch.int64, processed.device)
     lp = processed.index_select(0, idx).log_softmax(dim=-1)  # [W, vocab]
     chosen_lp = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)
+    rank = token_ranks(lp, chosen_lp)
     k = max(rows[i].params.logprobs for i in wanted)
     if k == 0:
-        return wanted, chosen_lp, None, None
+        return wanted, chosen_lp, rank, None, None
     top_lp, top_ids = lp.topk(k, dim=-1)
-    return wanted, chosen_lp, top_ids, top_lp
+    return wanted, chosen_lp, rank, top_ids, top_lp
+
+
+def token_ranks(lp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[W] ranks of the chosen tokens among each row's logprobs ``lp`` [W, vocab], as vLLM
+    counts them: the tokens at least as likely as the chosen one, itself included."""
+    return (lp >= chosen.unsqueeze(1)).sum(dim=1)
 
 
 @torch.inference_mode()
