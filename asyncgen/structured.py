@@ -48,7 +48,9 @@ JSON Schema keywords enforced:
   escaped surrogate pair is one); ``pattern`` (a regular expression that must match
   somewhere in the string, as JSON Schema says; :mod:`asyncgen.regex` lists the syntax);
   ``format`` as one of :data:`FORMATS` (``date-time``, ``date``, ``time``, ``duration``,
-  ``uuid``, ``email``, ``hostname``, ``ipv4``, ``uri``, checked as patterns; ``password``
+  ``uuid``, ``email``, ``hostname``, ``ipv4``, ``uri``, checked as patterns: a hostname's
+  labels are 1-63 characters long, the whole name's 253 is not enforced; a URI is RFC 3986's
+  with a registered name or IPv4 address as host, not an IP literal in brackets; ``password``
   is a display hint and constrains nothing). In a string with a pattern or format, the
   characters are checked by a DFA as they are decoded: ``\\"``, ``\\n`` and the other
   short escapes stand for their characters, ``\\u`` escapes are not generated, and control
@@ -59,7 +61,8 @@ JSON Schema keywords enforced:
   refused); ``allOf`` of exactly one schema; ``$ref`` to any JSON pointer within the
   schema (``#``, ``#/$defs/...``, ``#/definitions/...``), recursive schemas included.
 * Annotations, ignored: ``title description default examples $schema $id $comment
-  deprecated readOnly writeOnly discriminator $defs definitions``.
+  deprecated readOnly writeOnly discriminator $defs definitions`` (``$id`` at the root
+  only: below it, a schema with an ``$id`` of its own is refused).
 
 Every other keyword (``minimum``, ``multipleOf``, ...) and other formats are refused with an
 :class:`~asyncgen.errors.InvalidRequestError` (``param="structured_outputs"``) naming it and
@@ -752,6 +755,16 @@ _DUR_TIME = r"T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+# RFC 3986 URI (a host is a reg-name, which IPv4 addresses are too; IP-literals in brackets
+# are not generated): percent signs start two hex digits, '#' only once.
+_PCT = r"%[0-9A-Fa-f]{2}"
+_URI_CHARS = r"A-Za-z0-9\-._~!$&'()*+,;="  # unreserved and sub-delims
+_PCHAR = r"([" + _URI_CHARS + r":@]|" + _PCT + ")"
+_SEGMENTS = "(/" + _PCHAR + "*)*"
+_AUTHORITY = r"(([" + _URI_CHARS + r":]|" + _PCT + r")*@)?([" + _URI_CHARS + "]|" + _PCT + r")*(:[0-9]*)?"
+_QUERY = r"([" + _URI_CHARS + r":@/?]|" + _PCT + ")*"
+_URI = (r"[A-Za-z][A-Za-z0-9+.-]*:(//" + _AUTHORITY + _SEGMENTS + "|/(" + _PCHAR + "+" + _SEGMENTS + ")?|"
+        + _PCHAR + "+" + _SEGMENTS + r")?(\?" + _QUERY + ")?(#" + _QUERY + ")?")
 FORMATS: dict[str, Optional[str]] = {
     "date": _DATE,  # RFC 3339 full-date
     "time": _TIME,  # RFC 3339 full-time (the offset is required)
@@ -762,7 +775,7 @@ FORMATS: dict[str, Optional[str]] = {
     "email": _ATOM + r"(\." + _ATOM + ")*@(" + _LABEL + r"\.)+[A-Za-z]{2,63}",  # a dot-atom address
     "hostname": _LABEL + r"(\." + _LABEL + ")*",
     "ipv4": r"(" + _OCTET + r"\.){3}" + _OCTET,
-    "uri": r"[A-Za-z][A-Za-z0-9+.-]*:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*",  # RFC 3986 characters
+    "uri": _URI,  # RFC 3986 URI
     "password": None,  # how to show it (pydantic's SecretStr): any string
 }
 
@@ -910,6 +923,11 @@ class _Compiler:
         for keyword in schema:
             if keyword not in _SUPPORTED and keyword not in _ANNOTATIONS:
                 raise _unsupported(keyword, pointer)
+        if "$id" in schema and pointer != "#":
+            # A schema resource of its own: the $refs inside it would resolve against its
+            # $id, and this compiler resolves every $ref from the root.
+            raise _error(f"'$id' at {pointer} is not supported below the root (a $ref inside that schema would "
+                         "resolve against it; move its $defs to the root)")
         if "enum" in schema or "const" in schema:
             return self.compile_enum(schema, pointer)
         composition = [k for k in _COMPOSITION if k in schema]
@@ -1019,6 +1037,10 @@ class _Compiler:
         for key in required:
             if key not in properties:
                 raise _error(f"'required' at {pointer} names {key!r}, which is not in 'properties'")
+        for name in properties:
+            problem = unicode_problem(name)
+            if problem is not None:
+                raise _error(f"the property name {name!r} at {pointer}/properties cannot be generated: {problem}")
         props = [
             _Property(name, self.compile(sub, f"{pointer}/properties/{_escape_pointer(name)}"), name in required)
             for name, sub in properties.items()

@@ -522,6 +522,11 @@ def test_refused_keywords_name_the_keyword_and_where(keyword, value):
     ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "'allOf' at #"),
     ({"$ref": "https://example.com/s.json"}, "$ref"),
     ({"$ref": "#/$defs/missing"}, "missing"),
+    ({"type": "object", "properties": {"a\ud800": {}}}, "a lone surrogate (U+D800) at position 1"),
+    # a nested schema resource: its own $refs would resolve against its $id
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}}, "required": ["x"],
+      "$defs": {"A": {"$id": "http://example.com/a", "$ref": "#/$defs/B", "$defs": {"B": {"type": "integer"}}},
+                "B": {"type": "string"}}}, "'$id' at #/$defs/A"),
     ({"type": "string", "anyOf": [{"maxLength": 2}]}, "'anyOf' at #"),
     ({"type": "strin"}, "'type' at #"),
     ({"type": "string", "minItems": 1}, "'minItems' at #"),

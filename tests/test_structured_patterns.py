@@ -112,7 +112,8 @@ GOOD = {
     "email": ["a@example.com", "first.last+tag@sub.domain.org", "x_y@a-b.io"],
     "hostname": ["localhost", "a.b-c.example", "x1"],
     "ipv4": ["0.0.0.0", "192.168.1.255", "255.255.255.255"],
-    "uri": ["https://example.com/a?b=c#d", "mailto:a@b.org", "urn:isbn:0451450523"],
+    "uri": ["https://example.com/a?b=c#d", "mailto:a@b.org", "urn:isbn:0451450523", "http://u:p@h:80/p%20q/?x#y",
+            "file:///etc/passwd", "a:"],
     "password": ["anything at all", ""],
 }
 BAD = {
@@ -125,7 +126,8 @@ BAD = {
     "email": ["a@b", "@example.com", "a b@example.com", "a@@example.com", "a@example.c"],
     "hostname": ["-a.com", "a..b", "a_b.com", ""],
     "ipv4": ["256.1.1.1", "1.2.3", "01.2.3.4", "1.2.3.4.5"],
-    "uri": ["example.com", "//x", "http://a b", ""],
+    # RFC 3986: a percent sign starts two hex digits; one '#'; brackets only around an IP-literal host
+    "uri": ["example.com", "//x", "http://a b", "", "a:%zz", "a:%", "a:#x#y", "a:[x", "http://h:8a/"],
     "password": [],
 }
 
@@ -355,3 +357,24 @@ async def test_smollm2_generates_under_regex_and_pattern_schemas(smollm2_path):
         assert re.fullmatch(r"[A-Z][a-z]+ [0-9]{1,2}", resp.choices[0].message.content)
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_uri_format_is_the_rfc3986_pattern_on_random_strings():
+    """The grammar of format "uri" accepts a string exactly when Python's re fullmatches
+    the pattern (ASCII classes only, so ECMA and Python read it alike)."""
+    import random
+    import re
+
+    g = json_schema_grammar({"type": "string", "format": "uri"})
+    pattern = re.compile(FORMATS["uri"])
+    rng = random.Random(3986)
+    pieces = ["a", "z9", ":", "/", "//", "%", "%2F", "%g1", "#", "?", "@", "[", "]", ".", "-", "~", "!", " ", "h:80"]
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        s = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 7)))
+        if rng.random() < 0.7:
+            s = rng.choice(["http:", "a:", "urn:x:", "s+v.1:"]) + s
+        want = pattern.fullmatch(s) is not None
+        assert _accepts(g, json.dumps(s).encode()) == want, s
+        seen[want] += 1
+    assert min(seen.values()) > 50

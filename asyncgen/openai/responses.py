@@ -811,7 +811,8 @@ def _usage(adapter, usage, reasoning: str) -> ResponseUsage:
             reasoning_tokens = 0
     return ResponseUsage(
         input_tokens=prompt_tokens, input_tokens_details=cached, output_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens, output_tokens_details=OutputTokensDetails(reasoning_tokens=min(reasoning_tokens, completion_tokens)),
+        total_tokens=prompt_tokens + completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=min(reasoning_tokens, completion_tokens)),
     )
 
 
