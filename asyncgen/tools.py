@@ -45,6 +45,8 @@ follow the schemas of its ``strict`` functions, the text around them left free.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -97,7 +99,15 @@ class ToolCall:
     arguments: str  # JSON text
 
 
-def new_call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(style: Optional[str] = None) -> str:
+    """A tool call's id: OpenAI's form (``call_`` and 24 hex digits), or with ``style``
+    "mistral" the 9 letters and digits that Mistral's chat templates require of the ids
+    sent back to them."""
+    if style == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -230,10 +240,14 @@ class ToolCallParser:
     openers = "{["  # what may open the calls (an object, or an array of objects)
     separator: Optional[str] = None  # between calls written one after another
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
+    call_id_style: Optional[str] = None  # how the calls' ids are made (new_call_id)
 
-    def __init__(self, tool_names: Optional[Iterable[str]] = None, max_calls: Optional[int] = None):
+    def __init__(self, tool_names: Optional[Iterable[str]] = None, max_calls: Optional[int] = None,
+                 call_id_style: Optional[str] = None):
         if max_calls is not None and max_calls < 1:
             raise ValueError(f"max_calls must be at least 1, got {max_calls}")
+        if call_id_style is not None:
+            self.call_id_style = call_id_style
         self.tool_names = None if tool_names is None else frozenset(tool_names)
         self.max_calls = max_calls
         self._buf = ""
@@ -462,7 +476,7 @@ class ToolCallParser:
         if call.name is None:
             return
         if not call.sent:
-            self._calls.append(ToolCall(new_call_id(), call.name, ""))
+            self._calls.append(ToolCall(new_call_id(self.call_id_style), call.name, ""))
             self._out.tool_calls.append(ToolCallPiece(len(self._calls) - 1, "", self._calls[-1].id, call.name))
             call.sent = True
             self._mark = None
@@ -589,6 +603,7 @@ class Llama3JsonToolCallParser(ToolCallParser):
 class MistralToolCallParser(ToolCallParser):
     name = "mistral"
     start_marker = "[TOOL_CALLS]"
+    call_id_style = "mistral"
 
 
 class RequiredToolCallsParser(ToolCallParser):
@@ -605,8 +620,8 @@ class NamedToolCallParser:
 
     ended = False  # (the grammar ends the reply; see ToolCallParser.ended)
 
-    def __init__(self, name: str):
-        self._call = ToolCall(new_call_id(), name, "")
+    def __init__(self, name: str, call_id_style: Optional[str] = None):
+        self._call = ToolCall(new_call_id(call_id_style), name, "")
         self._started = False
         self._finished = False
 

@@ -734,3 +734,57 @@ def test_engine_tools_apply_to_messages_only(smollm2_path):
                 engine.stream(messages=ASK, tools="get_weather")
 
     anyio.run(main)
+
+
+# A template in the Mistral format that, as Mistral's own do, refuses call ids that are not
+# 9 letters and digits when a call or a tool result comes back in the history.
+MISTRAL_TEMPLATE = r"""{{- bos_token -}}
+{%- for m in messages -%}
+{%- if m.role == "user" -%}
+{%- if tools -%}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif -%}
+[INST] {{ m.content }}[/INST]
+{%- elif m.tool_calls -%}
+[TOOL_CALLS] [
+{%- for c in m.tool_calls -%}
+{%- if c.id | length != 9 or not c.id.isalnum() -%}{{ raise_exception("call ids must be 9 letters and digits") }}{%- endif -%}
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}, "id": "{{ c.id }}"}
+{%- if not loop.last %}, {% endif -%}
+{%- endfor -%}]{{ eos_token }}
+{%- elif m.role == "tool" -%}
+{%- if m.tool_call_id | length != 9 -%}{{ raise_exception("call ids must be 9 letters and digits") }}{%- endif -%}
+[TOOL_RESULTS] {"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]
+{%- elif m.role == "assistant" -%}
+{{ m.content }}{{ eos_token }}
+{%- endif -%}
+{%- endfor -%}"""
+
+
+@pytest.mark.anyio
+async def test_mistral_call_ids_are_ones_its_template_takes_back(tmp_path, smollm2_path):
+    """Calls read in the Mistral format, or forced (required, named), get 9-character ids,
+    and the conversation goes on with the call and its result in the history."""
+    import re
+
+    d = tmp_path / "smollm2-mistral"
+    d.mkdir()
+    for f in smollm2_path.iterdir():
+        if f.name != "chat_template.jinja":
+            (d / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, d / f.name)
+    (d / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    reply = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    async with AsyncEngine.from_pretrained(d, max_model_len=1024, num_kv_blocks=128) as engine:
+        client = engine.openai_client()
+        assert client.adapter.tool_call_parser == "mistral"
+        weather = [t for t in TOOLS if t["function"]["name"] == "get_weather"]
+        kw = dict(model=client.model, tools=weather, temperature=0, max_tokens=40)
+        forced = {"structured_outputs": {"choice": [reply]}, "skip_special_tokens": False}
+        for extra in ({"tool_choice": "auto", "extra_body": forced}, {"tool_choice": "required"},
+                      {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
+            out = await client.chat.completions.create(messages=ASK, **kw, **extra)
+            message = out.choices[0].message
+            [call] = message.tool_calls
+            assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id), call.id
+            history = ASK + [message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+            after = await client.chat.completions.create(messages=history, model=client.model, max_tokens=2)
+            assert after.choices[0].message.content is not None

@@ -667,12 +667,14 @@ class OpenAIAdapter:
         mode = req.tool_mode
         if mode is None:
             return None
+        # Mistral's templates refuse the ids of calls sent back unless they are its own kind.
+        style = "mistral" if self.tool_call_parser == "mistral" else None
         if mode == "named":
             name = req.offered_functions[0].name
-            return lambda: NamedToolCallParser(name)
+            return lambda: NamedToolCallParser(name, call_id_style=style)
         names = [f.name for f in req.offered_functions]
         if mode == "required":
-            return lambda: RequiredToolCallsParser(names)
+            return lambda: RequiredToolCallsParser(names, call_id_style=style)
         if self.tool_call_parser is None:
             raise BadRequestError(
                 "Invalid value for 'tool_choice': \"auto\" tool choice needs to know how this model writes "
