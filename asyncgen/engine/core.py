@@ -160,7 +160,8 @@ class EngineCore:
                 req.prefix_leader = leader
                 leader = leader or req
             detok = IncrementalDetokenizer(
-                self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output, p.min_tokens
+                self.tokenizer, p.skip_special_tokens, p.stop_strings, p.include_stop_str_in_output, p.min_tokens,
+                group.prompt_token_ids,
             )
             group.seqs[seq_id] = _Seq(req, detok)
             self._group_of[seq_id] = group

@@ -16,15 +16,21 @@ string is never split across two deltas and never emitted. As ``min_tokens`` kee
 stop tokens away, a stop string completed by one of the first ``min_tokens`` tokens
 does not end the text. The text ends at the first stop string to appear; of several
 that one token completes, at the one that starts earliest.
+
+The window starts in the prompt (its last ``CONTEXT_TOKENS`` tokens, not part of the
+text), as vLLM's does: a tokenizer that drops the word-start space of the first token it
+decodes (SentencePiece's, WordPiece's) keeps the space the first output token has after
+the prompt, so the text is ``decode(prompt + output)`` past ``decode(prompt)``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = ["IncrementalDetokenizer"]
 
 _REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 5  # the prompt's tokens the first window starts with
 
 
 class IncrementalDetokenizer:
@@ -35,6 +41,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        prompt_token_ids: Sequence[int] = (),
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -42,13 +49,17 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        self.ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
         self.text = ""  # decoded text so far (cut at a stop string once one matched)
         self._emitted = 0
         self.stopped_by: Optional[str] = None
         self._decode_fn = _fast_decoder(tokenizer) or tokenizer.decode
+        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(_REPLACEMENT):
+            context = []  # a prompt that ends inside a character: its bytes would join the output's
+        self.ids: list[int] = context  # the window's context, then the output's tokens
+        self._context = len(context)
+        self._prefix = 0
+        self._read = len(context)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
@@ -68,7 +79,7 @@ class IncrementalDetokenizer:
         if final or (len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT)):
             self.text += new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
-        if self.stop and len(self.ids) > self.min_tokens:
+        if self.stop and len(self.ids) - self._context > self.min_tokens:
             return self._find_stop(before)
         return None
 

@@ -370,8 +370,8 @@ class _TokenStarts:
     The detokenizer gives the text; the tokens' bytes, fed to a UTF-8 decoder alongside,
     tell the two kinds of trailing U+FFFD apart."""
 
-    def __init__(self, tokenizer, text: _TokenText, skip_special_tokens: bool):
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    def __init__(self, tokenizer, text: _TokenText, skip_special_tokens: bool, prompt_token_ids: Sequence[int] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_token_ids=prompt_token_ids)
         self._text = text
         self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -430,8 +430,9 @@ class _AlignedLogprobs:
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool, stop_token_ids: frozenset[int] = frozenset(),
-                 text: Optional[_TokenText] = None, keep_stop_token: bool = False):
-        self._starts = _TokenStarts(tokenizer, text or _TokenText(tokenizer), skip_special_tokens)
+                 text: Optional[_TokenText] = None, keep_stop_token: bool = False,
+                 prompt_token_ids: Sequence[int] = ()):
+        self._starts = _TokenStarts(tokenizer, text or _TokenText(tokenizer), skip_special_tokens, prompt_token_ids)
         self._stop_token_ids = stop_token_ids
         self._keep_stop_token = keep_stop_token  # include_stop_str_in_output: its text is sent
         self._held: list[tuple[int, TokenLogprob]] = []
@@ -828,7 +829,7 @@ class OpenAIAdapter:
             for out in res.outputs:
                 logprobs = None
                 if req.logprobs is not None:
-                    aligned = self._aligner(params).add(out)
+                    aligned = self._aligner(params, res.prompt_token_ids).add(out)
                     logprobs = self._completion_logprobs(aligned, len(echo))
                     if req.echo:
                         logprobs = _joined(self._prompt_logprobs(res.prompt_token_ids, res.prompt_logprobs), logprobs)
@@ -1141,14 +1142,18 @@ class OpenAIAdapter:
             raise from_exception(errors[0], prompt_param=prompt_param) from errors[0]
         return outs, _usage(usages), prompt_lps
 
-    def _aligner(self, source: Any) -> _AlignedLogprobs:
-        """A logprob aligner for one choice of a stream (or of SamplingParams)."""
-        params = source if isinstance(source, SamplingParams) else source.group.params
+    def _aligner(self, source: Any, prompt_token_ids: Sequence[int] = ()) -> _AlignedLogprobs:
+        """A logprob aligner for one choice of a stream (or of SamplingParams and the
+        prompt's token ids)."""
+        if isinstance(source, SamplingParams):
+            params = source
+        else:
+            params, prompt_token_ids = source.group.params, source.group.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.engine.eos_token_ids
         return _AlignedLogprobs(self.engine.tokenizer, params.skip_special_tokens, stop_ids, self._text_of(),
-                                params.include_stop_str_in_output)
+                                params.include_stop_str_in_output, prompt_token_ids)
 
     def _text_of(self) -> _TokenText:
         if self._token_text is None:
