@@ -508,10 +508,11 @@ class AsyncEngine:
                                                 add_generation_prompt, most)
         if params.truncate_prompt_tokens is not None:
             prompt_text, token_ids = self._truncate(prompt_text, token_ids, params.truncate_prompt_tokens)
+        bad_word_ids = self._bad_word_ids(params.bad_words) if params.bad_words else ()
         if pooling:
             self._check_pooled_fits(token_ids)
         else:
-            self._check_fits(token_ids, params)
+            self._check_fits(token_ids, params, bad_word_ids)
         own_id = request_id is not None
         if not own_id:
             request_id = uuid.uuid4().hex
@@ -521,9 +522,7 @@ class AsyncEngine:
             self._check_request_id(request_id, params.num_sequences)
         group = RequestGroup(request_id, prompt_text, token_ids, params)
         group.priority = priority
-        if params.bad_words:
-            group.bad_word_ids = self._bad_word_ids(params.bad_words)
-            self._check_bad_words_leave_a_token(params, group.bad_word_ids)
+        group.bad_word_ids = bad_word_ids
         stream = RequestStream(self, group, self._max_tokens(token_ids, params))
         if own_id:
             self._unsent[request_id] = stream
@@ -556,19 +555,6 @@ class AsyncEngine:
             if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 out[spaced] = None
         return tuple(ids for ids in out if ids)
-
-    def _check_bad_words_leave_a_token(self, params: SamplingParams, bad_word_ids) -> None:
-        """Refuses ``allowed_token_ids`` whose every token is either a stop token, which
-        ``min_tokens`` holds back, or a one-token bad word: nothing could come first."""
-        if not (params.allowed_token_ids and params.min_tokens):
-            return
-        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        banned = {w[0] for w in bad_word_ids if len(w) == 1}
-        if set(params.allowed_token_ids) <= stops | banned:
-            raise InvalidRequestError(
-                f"allowed_token_ids holds only stop tokens, which min_tokens ({params.min_tokens}) keeps from being "
-                "sampled, and tokens that bad_words bans: no token could come next", param="bad_words",
-            )
 
     def _check_request_id(self, request_id: str, count: int) -> None:
         """DuplicateRequestError if the id (or a sample id of it) is taken by a live request
@@ -855,7 +841,7 @@ class AsyncEngine:
             return self._max_seq_tokens - len(token_ids)
         return params.max_tokens
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_fits(self, token_ids: list[int], params: SamplingParams, bad_word_ids=()) -> None:
         n = len(token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -889,10 +875,16 @@ class AsyncEngine:
                 )
         if params.allowed_token_ids and params.min_tokens:
             stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if set(params.allowed_token_ids) <= stops:
+            allowed = set(params.allowed_token_ids)
+            if allowed <= stops:
                 raise InvalidRequestError(
                     f"allowed_token_ids holds stop tokens only, which min_tokens ({params.min_tokens}) keeps from "
                     "being sampled: no token could come next", param="allowed_token_ids",
+                )
+            if allowed <= stops | {w[0] for w in bad_word_ids if len(w) == 1}:  # one-token bad words: banned
+                raise InvalidRequestError(
+                    f"allowed_token_ids holds only stop tokens, which min_tokens ({params.min_tokens}) keeps from "
+                    "being sampled, and tokens that bad_words bans: no token could come next", param="bad_words",
                 )
 
     def _check_pooled_fits(self, token_ids: list[int]) -> None:
